@@ -1,0 +1,244 @@
+"""The engine core: requests in, one scheduled + executed + sampled step at a time out.
+
+Not thread-safe: one thread owns an engine (the offline ``LLM``, or the server's core loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.engine.block_manager import BlockManager, KVEvent
+from services.engine.config import EngineConfig
+from services.engine.model_runner import ModelRunner
+from services.engine.request import Request, RequestStatus
+from services.engine.sampler import TokenLogprobs, make_generator
+from services.engine.sampling_params import SamplingParams
+from services.engine.scheduler import Scheduler, SchedulerOutput
+from services.protocol.block_hash import BlockHasher, HashAlgorithm
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What one step did for one request: its new tokens, and whether it finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs | None]
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    extra: dict = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        model_path = config.model
+        if model_path is None:
+            from services.engine.models.default import default_model_path
+
+            model_path = str(default_model_path())
+        self.model_path = model_path
+        self.model_name = config.served_model_name or Path(model_path).name
+        self.runner = ModelRunner(config, model_path)
+        mc = self.runner.model_config
+        self.eos_token_ids = tuple(mc.eos_token_ids)
+        self.max_model_len = self._resolve_max_model_len(mc.max_position_embeddings)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+        )
+        self.requests: dict[str, Request] = {}
+        self._hashers: dict[str | None, BlockHasher] = {}
+
+    def _resolve_max_model_len(self, model_limit: int) -> int:
+        wanted = self.config.max_model_len
+        if wanted is None:
+            return model_limit
+        if wanted > model_limit:
+            raise ValueError(
+                f"max_model_len={wanted} exceeds the model's context of {model_limit} tokens"
+            )
+        return wanted
+
+    def hasher(self, cache_salt: str | None = None) -> BlockHasher:
+        h = self._hashers.get(cache_salt)
+        if h is None:
+            h = BlockHasher(
+                self.model_name,
+                self.config.block_size,
+                cache_salt,
+                HashAlgorithm(self.config.hash_algorithm),
+            )
+            self._hashers[cache_salt] = h
+        return h
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in the engine")
+        max_tokens = self.check_request(prompt_token_ids, params)
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            hasher=self.hasher(cache_salt),
+            max_tokens=max_tokens,
+            eos_token_ids=self.eos_token_ids,
+            generator=None if params.seed is None else make_generator(params.seed, self.runner.device),
+        )
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt must contain at least one token")
+        vocab = self.runner.model_config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {n} tokens; the model's context is {self.max_model_len} tokens "
+                "and at least one must be left to generate"
+            )
+        room = self.max_model_len - n
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        if max_tokens > room:
+            raise ValueError(
+                f"max_tokens={max_tokens} is too large: the prompt has {n} tokens and the "
+                f"context is {self.max_model_len}; at most {room} can be generated"
+            )
+        bs = self.config.block_size
+        needed = -(-(n + max_tokens) // bs)
+        if needed > self.runner.num_blocks:
+            raise ValueError(
+                f"prompt + max_tokens need {needed} KV blocks but the pool has "
+                f"{self.runner.num_blocks}"
+            )
+        return max_tokens
+
+    def abort_request(self, request_id: str) -> RequestUpdate | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.abort(req)
+        req.status = RequestStatus.FINISHED_ABORTED
+        return self._update(req, [], [])
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- stepping ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestUpdate]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        result = self.runner.execute(sched)
+        self._advance(sched)
+        now = time.monotonic()
+        updates = []
+        for rid, tok, lp in zip(
+            result.request_ids, result.sampler_output.token_ids, result.sampler_output.logprobs
+        ):
+            req = self.requests[rid]
+            req.append_output_token(tok)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
+            self._check_stop(req, tok)
+            if req.status.is_finished:
+                self._retire(req)
+            updates.append(self._update(req, [tok], [lp]))
+        return updates
+
+    def _advance(self, sched: SchedulerOutput) -> None:
+        """Counts the step's tokens as computed and caches the blocks they filled."""
+        for s in sched.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            self.block_manager.cache_full_blocks(
+                req.request_id, req.token_ids, req.block_hashes, req.num_computed_tokens
+            )
+
+    def _check_stop(self, req: Request, tok: int) -> None:
+        p = req.params
+        n_out = req.num_output_tokens
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and tok in req.eos_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                return
+            if tok in p.stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = tok
+                return
+        if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH
+
+    def _retire(self, req: Request) -> None:
+        self.scheduler.finish(req)
+        del self.requests[req.request_id]
+
+    def _update(
+        self, req: Request, toks: list[int], lps: list[TokenLogprobs | None]
+    ) -> RequestUpdate:
+        return RequestUpdate(
+            request_id=req.request_id,
+            new_token_ids=toks,
+            new_logprobs=lps,
+            finished=req.status.is_finished,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_output_tokens=req.num_output_tokens,
+        )
+
+    # -- observability ----------------------------------------------------------------------
+
+    def take_kv_events(self) -> list[KVEvent]:
+        return self.block_manager.take_events()
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_usage=bm.usage,
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_total_blocks,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+        )

@@ -1,0 +1,217 @@
+"""Building blocks shared by the decoder architectures, and the CausalLM base the runner sees.
+
+Parameters are created with ``requires_grad=False``: this is an inference engine, and autograd
+bookkeeping would only slow the CPU hot path down if a caller forgot ``inference_mode``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.engine.attention.base import AttentionMetadata
+
+if TYPE_CHECKING:
+    from services.engine.models.config import ModelConfig, RopeConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [blocks, bs, kv_heads, d]
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class CausalLM(nn.Module):
+    """What the model runner calls: a decoder over a flattened batch, plus the LM head."""
+
+    config: ModelConfig
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def stacked_params(self) -> dict[str, tuple[str, ...]]:
+        """Fused module name -> the HF module names stacked into it, in order."""
+        return {}
+
+    def reset_buffers(self) -> None:
+        """Recomputes non-persistent buffers (after ``to_empty`` from the meta device)."""
+
+
+# --------------------------------------------------------------------------- RMSNorm
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim; statistics in float32, like the HF reference."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
+    # HF rounds to the model dtype before the weight multiply; keep its rounding order.
+    return weight * normed.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with an optional fused residual add.
+
+    ``norm(x)`` returns the normalised x; ``norm(x, residual)`` returns
+    ``(normalised(x + residual), x + residual)`` so decoder layers carry the residual stream
+    without an extra pass. CUDA tensors go to the Triton kernel, everything else to torch.
+    """
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(size, dtype=dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            # Imported lazily: Triton is an optional (GPU-only) dependency.
+            from services.engine.kernels.rmsnorm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)
+        return rms_norm_torch(x, self.weight, self.eps)
+
+
+class HeadRMSNorm(nn.Module):
+    """Per-head RMSNorm over head_dim with one weight row per head (Qwen3's q_norm/k_norm).
+
+    Q and K heads are normalised together in one pass: rows ``[0, num_q_heads)`` hold q_norm's
+    weight, the rest k_norm's (the loader broadcasts each HF vector into its rows).
+    """
+
+    def __init__(
+        self, num_q_heads: int, num_kv_heads: int, head_dim: int, eps: float, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(num_q_heads + num_kv_heads, head_dim, dtype=dtype)
+        self.shard_sizes = (num_q_heads, num_kv_heads)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, q_heads + kv_heads, head_dim]
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), None, self.eps) * self.weight
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+
+
+# --------------------------------------------------------------------------- Linear
+
+
+class Linear(nn.Module):
+    """``y = x W^T + b``; a fused projection records the sizes of the weights stacked in it."""
+
+    def __init__(
+        self,
+        in_features: int,
+        shard_sizes: tuple[int, ...],
+        bias: bool,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.shard_sizes = shard_sizes  # rows of each stacked HF weight, in order
+        self.weight = _param(sum(shard_sizes), in_features, dtype=dtype)
+        self.bias = _param(sum(shard_sizes), dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU on a fused ``[gate | up]`` projection."""
+    half = gate_up.shape[-1] // 2
+    return F.silu(gate_up[..., :half]) * gate_up[..., half:]
+
+
+# --------------------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """Inverse frequencies (float32, [head_dim // 2]) for the configured rope type."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        return _llama3_scale(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    """Llama 3.1 scaling: long wavelengths divided by ``factor``, short ones kept, and a
+    smooth interpolation between the two bands."""
+    old_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """A cos/sin table for every position up to ``max_positions``, computed once.
+
+    ``cos_sin[p, 0]`` is ``cos(p * f)`` over the full head_dim (the half-frequencies repeated);
+    ``cos_sin[p, 1]`` is ``sin(p * f)`` with its first half negated, so that rotating is
+    ``x * cos + roll(x, d/2) * signed_sin`` (see ``apply_rotary``): three kernels per call.
+    """
+
+    def __init__(
+        self, head_dim: int, max_positions: int, rope: RopeConfig, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self.rope = rope
+        self.register_buffer(
+            "cos_sin", torch.empty(max_positions, 2, head_dim, dtype=dtype), persistent=False
+        )
+        self.reset_cache()
+
+    def reset_cache(self) -> None:
+        if self.cos_sin.is_meta:
+            return  # filled after the model is materialised on its device
+        device = self.cos_sin.device
+        inv_freq = rope_inv_freq(self.head_dim, self.rope).to(device)
+        positions = torch.arange(self.max_positions, device=device, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]  # float32, as the HF reference
+        cos, sin = freqs.cos(), freqs.sin()
+        table = torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)), dim=1)
+        self.cos_sin.copy_(table)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns cos and signed sin for ``positions``, each ``[T, 1, head_dim]``."""
+        cs = self.cos_sin.index_select(0, positions)
+        return cs[:, 0:1], cs[:, 1:2]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on ``x`` ``[T, heads, head_dim]``; returns a new tensor.
+
+    ``roll`` by d/2 gives ``[x2, x1]``; times ``[-sin, sin]`` that is HF's ``rotate_half(x) * sin``.
+    """
+    rolled = torch.roll(x, x.shape[-1] // 2, dims=-1)
+    return torch.addcmul(x * cos, rolled, signed_sin)

@@ -1,0 +1,85 @@
+"""A request's state inside the engine: the only object scheduler, runner and engine share."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from services.engine.sampling_params import SamplingParams
+from services.protocol.block_hash import BlockHash, BlockHasher
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+}
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    hasher: BlockHasher
+    max_tokens: int  # resolved: params.max_tokens, or what the context leaves
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+    # prompt + output; the runner reads slices of it, so it is one list appended in place.
+    token_ids: list[int] = field(init=False)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first schedule
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    generator: torch.Generator | None = None
+    logprobs: list = field(default_factory=list)
+    # Timestamps (monotonic seconds) for metrics and traces.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        self.hasher.extend(self.block_hashes, self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+        # Hash a block as soon as it is full, so the block manager can cache it.
+        if len(self.token_ids) % self.hasher.block_size == 0:
+            self.hasher.extend(self.block_hashes, self.token_ids)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.is_finished else None

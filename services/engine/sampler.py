@@ -1,0 +1,238 @@
+"""Gumbel-max sampler: one batched pass over a step's logits, one row per request.
+
+Per step, in this order (vLLM v1's, with the truncation masks in Hugging Face's order):
+
+    raw logprobs      log_softmax of the model's logits, only for rows that ask
+    min_tokens        EOS (unless ignore_eos) and stop_token_ids banned until reached
+    penalties         repetition (prompt + output), frequency and presence (output only)
+    greedy rows       argmax, done
+    other rows        / temperature -> top-k -> top-p -> min-p -> argmax(logits + Gumbel noise)
+
+``argmax(logits / T + G)`` with ``G = -log(E)``, ``E ~ Exp(1)`` i.i.d. per vocabulary entry is an
+exact draw from ``softmax(logits / T)``: no CDF, no search, one element-wise pass. A seeded row
+draws its noise from its own generator, a full vocabulary row per step, so its tokens do not
+depend on what else is in the batch; unseeded rows share one batch-wide draw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from services.engine.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A seeded request's noise source: create once, keep for the request's life (it advances)."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+@dataclass(slots=True)
+class SamplingRequest:
+    """One row of the step's logits."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]  # generated so far
+    generator: torch.Generator | None = None  # required when params.seed is set
+    eos_token_ids: Sequence[int] = ()  # the model's
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """The chosen token's logprob under the model's raw distribution, and the N most likely."""
+
+    token_id: int
+    logprob: float
+    rank: int  # tokens at least as likely, itself included (as vLLM): 1 = the most likely
+    top: list[tuple[int, float]]  # (token_id, logprob), most likely first; [] when N = 0
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # None for rows whose params.logprobs is None
+
+
+class Sampler:
+    """``sampler(logits[N, V], rows) -> SamplerOutput``; never modifies ``logits``."""
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRequest]) -> SamplerOutput:
+        _check_batch(logits, rows)
+        logits = logits.float()
+        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        # Before anything changes the logits: vLLM's default "raw" logprobs.
+        raw = torch.log_softmax(logits[want], -1) if want else None
+        logits = ban_stop_tokens(logits, rows)
+        logits = apply_penalties(logits, rows)
+        tokens = _sample(logits, rows)
+        logprobs = _token_logprobs(raw, want, tokens, rows)
+        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
+
+
+def _check_batch(logits: torch.Tensor, rows: Sequence[SamplingRequest]) -> None:
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"logits must be [len(rows)={len(rows)}, V], got {list(logits.shape)}")
+    for row in rows:
+        if row.params.seed is not None and row.generator is None:
+            raise ValueError("generator must be set for a request whose params.seed is set")
+
+
+def ban_stop_tokens(logits: torch.Tensor, rows: Sequence[SamplingRequest]) -> torch.Tensor:
+    """min_tokens: a row short of it cannot pick a token that would end it (vLLM's rule).
+    Returns a new tensor when anything is banned, else ``logits`` itself."""
+    vocab = logits.shape[1]
+    hits = [
+        (i, t)
+        for i, row in enumerate(rows)
+        if len(row.output_token_ids) < row.params.min_tokens
+        for t in _stop_ids(row)
+        if 0 <= t < vocab  # a client's stop id past the vocabulary can never be sampled anyway
+    ]
+    if not hits:
+        return logits
+    banned = logits.clone()
+    row_idx, tok_idx = zip(*hits)
+    banned[list(row_idx), list(tok_idx)] = _NEG_INF
+    return banned
+
+
+def _stop_ids(row: SamplingRequest) -> list[int]:
+    # With ignore_eos, EOS does not end the request, so there is nothing to hold back.
+    eos = [] if row.params.ignore_eos else list(row.eos_token_ids)
+    return row.params.stop_token_ids + eos
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRequest]) -> torch.Tensor:
+    """Repetition over prompt + output tokens (positive logits divided, negative multiplied),
+    then ``- frequency * count - presence * [count > 0]`` over output tokens only.
+    Returns a new tensor when any row has a penalty, else ``logits`` itself."""
+    idx = [i for i, row in enumerate(rows) if _has_penalty(row.params)]
+    if not idx:
+        return logits
+    sub = [rows[i].params for i in idx]
+    vocab, device = logits.shape[1], logits.device
+    x = logits[idx]
+    counts = _token_counts([rows[i].output_token_ids for i in idx], vocab, device)
+    in_output = counts > 0
+    if any(p.repetition_penalty != 1.0 for p in sub):
+        prompts = _token_counts([rows[i].prompt_token_ids for i in idx], vocab, device)
+        rep = _column([p.repetition_penalty for p in sub], device)
+        x = torch.where(in_output | (prompts > 0), torch.where(x > 0, x / rep, x * rep), x)
+    x = x - _column([p.frequency_penalty for p in sub], device) * counts
+    x = x - _column([p.presence_penalty for p in sub], device) * in_output
+    return logits.index_copy(0, torch.tensor(idx, device=device), x)
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _token_counts(seqs: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(seqs), vocab] float32 occurrence counts, from one bincount over the flattened ids."""
+    flat_ids = list(chain.from_iterable(seqs))
+    if flat_ids and not (0 <= min(flat_ids) and max(flat_ids) < vocab):
+        # Checked here because bincount would silently credit the neighbouring row.
+        raise ValueError(f"token ids must be in [0, {vocab}) to apply penalties")
+    ids = torch.tensor(flat_ids, dtype=torch.long, device=device)
+    lengths = torch.tensor([len(s) for s in seqs], device=device)
+    owner = torch.repeat_interleave(torch.arange(len(seqs), device=device), lengths)
+    flat = torch.bincount(owner * vocab + ids, minlength=len(seqs) * vocab)
+    return flat.view(len(seqs), vocab).float()
+
+
+def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+
+def _sample(logits: torch.Tensor, rows: Sequence[SamplingRequest]) -> torch.Tensor:
+    params = [r.params for r in rows]
+    if all(p.greedy for p in params):
+        return logits.argmax(-1)
+    # Greedy rows divide by 1 here; their token is the plain argmax, picked at the end.
+    temps = _column([p.temperature or 1.0 for p in params], logits.device)
+    scaled = apply_top_k_top_p_min_p(
+        logits / temps,
+        top_k=[p.top_k for p in params],
+        top_p=[p.top_p for p in params],
+        min_p=[p.min_p for p in params],
+    )
+    sampled = (scaled + _gumbel_noise(scaled, rows)).argmax(-1)
+    if not any(p.greedy for p in params):
+        return sampled
+    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+    return torch.where(greedy, logits.argmax(-1), sampled)
+
+
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float], min_p: Sequence[float]
+) -> torch.Tensor:
+    """Sets to -inf, per row: all but the top_k (0 = off); then what lies beyond top_p of the
+    top-k survivors' renormalised mass; then tokens below min_p * the top token's probability.
+    The most likely token always survives. Returns ``logits`` itself when no row truncates."""
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        logits = _mask_top_k_top_p(logits, top_k, top_p)
+    if any(p > 0.0 for p in min_p):
+        # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p); log space cannot underflow.
+        log_min_p = _column(min_p, logits.device).log()  # log(0) = -inf: the row keeps all
+        logits = logits.masked_fill(logits < logits.amax(-1, keepdim=True) + log_min_p, _NEG_INF)
+    return logits
+
+
+def _mask_top_k_top_p(
+    logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]
+) -> torch.Tensor:
+    vocab, device = logits.shape[1], logits.device
+    ordered, order = logits.sort(dim=-1, descending=True, stable=True)
+    k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=device)
+    drop = torch.arange(vocab, device=device) >= k.unsqueeze(1)
+    probs = ordered.masked_fill(drop, _NEG_INF).softmax(-1)
+    mass_before = probs.cumsum(-1) - probs  # of the strictly higher-ranked survivors
+    # top_p = 1 must drop nothing, but rounding can bring mass_before to 1.0 in a long tail.
+    drop |= mass_before >= _column([p if p < 1.0 else float("inf") for p in top_p], device)
+    return logits.masked_fill(drop.scatter(-1, order, drop), _NEG_INF)
+
+
+def _gumbel_noise(logits: torch.Tensor, rows: Sequence[SamplingRequest]) -> torch.Tensor:
+    """Standard Gumbel noise shaped like ``logits``; seeded rows from their own generators."""
+    noise = torch.empty_like(logits)
+    seeded = [i for i, r in enumerate(rows) if r.generator is not None and not r.params.greedy]
+    if len(seeded) < len(rows):
+        noise.exponential_()  # one batch-wide draw for the unseeded rows
+    for i in seeded:  # the one per-row loop: each seeded row owns its random stream
+        noise[i].exponential_(generator=rows[i].generator)
+    # Exp(1) can round to 0; clamping keeps -log(E) finite, so a masked -inf stays -inf.
+    return noise.clamp_min_(torch.finfo(noise.dtype).tiny).log_().neg_()
+
+
+def _token_logprobs(
+    raw: torch.Tensor | None,
+    want: list[int],
+    tokens: torch.Tensor,
+    rows: Sequence[SamplingRequest],
+) -> list[TokenLogprobs | None]:
+    """For rows ``want`` (whose log-softmax rows are ``raw``): the chosen token's logprob and
+    rank, and the row's top-N; None for the other rows."""
+    out: list[TokenLogprobs | None] = [None] * len(rows)
+    if raw is None:
+        return out
+    chosen = tokens[want].unsqueeze(1)
+    chosen_lp = raw.gather(1, chosen)
+    ranks = (raw >= chosen_lp).sum(-1)
+    n_top = min(max(rows[i].params.logprobs for i in want), raw.shape[1])
+    top_lp, top_ids = raw.topk(n_top, dim=-1)
+    per_row = zip(
+        want, chosen.squeeze(1).tolist(), chosen_lp.squeeze(1).tolist(), ranks.tolist(),
+        top_ids.tolist(), top_lp.tolist(),
+    )
+    for i, token, logprob, rank, ids, lps in per_row:
+        n = rows[i].params.logprobs
+        out[i] = TokenLogprobs(token, logprob, rank, list(zip(ids[:n], lps[:n])))
+    return out

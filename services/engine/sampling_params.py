@@ -1,0 +1,138 @@
+"""Per-request sampling parameters: vLLM's field names, defaults and ranges, checked on creation.
+
+The gateway maps OpenAI fields onto this; the engine resolves ``max_tokens=None`` ("up to the
+context") once it knows the prompt length. Every bad value raises ``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
+MAX_STOP_STRINGS = 64
+# As vLLM: 0 < T < this is raised to it. Smaller T overflows logits / T to inf in float32
+# (and inf - inf = nan) while sampling at T = 0.01 is already greedy for practical purposes.
+MIN_TEMPERATURE = 1e-2
+# The range torch.Generator.manual_seed accepts.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
+@dataclass(slots=True, kw_only=True)
+class SamplingParams:
+    """How to pick each next token of one request (one sequence; the engine fans out ``n``)."""
+
+    n: int = 1
+    presence_penalty: float = 0.0  # [-2, 2], on output tokens (OpenAI)
+    frequency_penalty: float = 0.0  # [-2, 2], on output tokens (OpenAI)
+    repetition_penalty: float = 1.0  # > 0, on prompt + output tokens (HF/vLLM); 1 = off
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # (0, 1]
+    top_k: int = 0  # 0 = off; -1 (vLLM's older spelling of off) is normalised to 0
+    min_p: float = 0.0  # [0, 1]
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)  # a single str is accepted
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None = up to the context length
+    min_tokens: int = 0
+    logprobs: int | None = None  # top-N per generated token; 0 = only the chosen token's
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self._check_counts()
+        self._check_floats()
+        self._check_stops()
+        self._check_flags()
+        self._normalise()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def _check_counts(self) -> None:
+        _check_int("n", self.n, lo=1)
+        _check_int("top_k", self.top_k, lo=-1)
+        _check_int("min_tokens", self.min_tokens, lo=0)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, lo=1)
+            if self.min_tokens > self.max_tokens:
+                raise ValueError(
+                    f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+                )
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        if self.seed is not None:
+            _check_int("seed", self.seed, lo=SEED_MIN, hi=SEED_MAX)
+
+    def _check_floats(self) -> None:
+        self.presence_penalty = _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        self.frequency_penalty = _check_float(
+            "frequency_penalty", self.frequency_penalty, -2.0, 2.0
+        )
+        self.repetition_penalty = _check_float(
+            "repetition_penalty", self.repetition_penalty, 0.0, math.inf, lo_open=True
+        )
+        self.temperature = _check_float("temperature", self.temperature, 0.0, math.inf)
+        self.top_p = _check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        self.min_p = _check_float("min_p", self.min_p, 0.0, 1.0)
+
+    def _check_stops(self) -> None:
+        # Copies, so a caller mutating its own list later cannot change a running request.
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop must have at most {MAX_STOP_STRINGS} entries, got {len(stop)}")
+        for s in stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop entries must be non-empty strings, got {s!r}")
+        self.stop = stop
+        ids = list(self.stop_token_ids or ())
+        for t in ids:
+            _check_int("stop_token_ids entry", t, lo=0)
+        self.stop_token_ids = ids
+
+    def _check_flags(self) -> None:
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be a bool, got {value!r}")
+
+    def _normalise(self) -> None:
+        if self.top_k == -1:
+            self.top_k = 0
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning(
+                "temperature=%g is below %g; raised to %g", self.temperature,
+                MIN_TEMPERATURE, MIN_TEMPERATURE,
+            )
+            self.temperature = MIN_TEMPERATURE
+        if self.greedy:
+            # As vLLM: greedy ignores the truncation knobs, so the sampler never applies them.
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+
+def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> None:
+    # bool is an int subclass, but True as a count is always a client mistake.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {value}")
+
+
+def _check_float(name: str, value: object, lo: float, hi: float, lo_open: bool = False) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if value < lo or (lo_open and value == lo):
+        raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo:g}, got {value:g}")
+    if value > hi:
+        raise ValueError(f"{name} must be <= {hi:g}, got {value:g}")
+    return value
