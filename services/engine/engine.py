@@ -35,6 +35,9 @@ class RequestUpdate:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    arrival_time: float = 0.0  # monotonic seconds
+    first_token_time: float | None = None
+    num_preemptions: int = 0
 
 
 @dataclass(slots=True)
@@ -223,6 +226,9 @@ class LLMEngine:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             num_output_tokens=req.num_output_tokens,
+            arrival_time=req.arrival_time,
+            first_token_time=req.first_token_time,
+            num_preemptions=req.num_preemptions,
         )
 
     # -- observability ----------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -12,7 +13,7 @@ from tqdm import tqdm
 
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine, RequestUpdate
-from services.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from services.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from services.engine.sampler import TokenLogprobs
 from services.engine.sampling_params import SamplingParams
 from services.text.detokenizer import IncrementalDetokenizer
@@ -130,6 +131,7 @@ class LLM:
                 child.output.logprobs = []
                 child.output.cumulative_logprob = 0.0
             parent.children.append(child)
+            parent.output.outputs.append(child.output)
             parent.unfinished += 1
             by_child_id[child_id] = (parent, child)
         return parent
@@ -151,6 +153,7 @@ class LLM:
         out = child.output
         out.token_ids.extend(upd.new_token_ids)
         parent.output.num_cached_tokens = upd.num_cached_tokens
+        self._update_metrics(parent.output, upd)
         if out.logprobs is not None:
             for lp in upd.new_logprobs:
                 if lp is not None:
@@ -168,6 +171,18 @@ class LLM:
             out.finish_reason, out.stop_reason = upd.finish_reason, upd.stop_reason
             return True
         return False
+
+    @staticmethod
+    def _update_metrics(output: RequestOutput, upd: RequestUpdate) -> None:
+        m = output.metrics
+        if m is None:
+            m = output.metrics = RequestMetrics(arrival_time=upd.arrival_time)
+        if upd.first_token_time is not None and (
+            m.first_token_time is None or upd.first_token_time < m.first_token_time
+        ):
+            m.first_token_time = upd.first_token_time
+        if upd.finished:
+            m.finished_time = time.monotonic()
 
     def _logprob_dict(self, lp: TokenLogprobs) -> dict[int, Logprob]:
         d = {

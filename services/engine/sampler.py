@@ -99,7 +99,7 @@ def ban_stop_tokens(logits: torch.Tensor, rows: Sequence[SamplingRequest]) -> to
     if not hits:
         return logits
     banned = logits.clone()
-    row_idx, tok_idx = zip(*hits)
+    row_idx, tok_idx = zip(*hits, strict=True)
     banned[list(row_idx), list(tok_idx)] = _NEG_INF
     return banned
 
@@ -138,7 +138,7 @@ def _has_penalty(p: SamplingParams) -> bool:
 def _token_counts(seqs: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
     """[len(seqs), vocab] float32 occurrence counts, from one bincount over the flattened ids."""
     flat_ids = list(chain.from_iterable(seqs))
-    if flat_ids and not (0 <= min(flat_ids) and max(flat_ids) < vocab):
+    if flat_ids and not (min(flat_ids) >= 0 and max(flat_ids) < vocab):
         # Checked here because bincount would silently credit the neighbouring row.
         raise ValueError(f"token ids must be in [0, {vocab}) to apply penalties")
     ids = torch.tensor(flat_ids, dtype=torch.long, device=device)
@@ -229,10 +229,15 @@ def _token_logprobs(
     n_top = min(max(rows[i].params.logprobs for i in want), raw.shape[1])
     top_lp, top_ids = raw.topk(n_top, dim=-1)
     per_row = zip(
-        want, chosen.squeeze(1).tolist(), chosen_lp.squeeze(1).tolist(), ranks.tolist(),
-        top_ids.tolist(), top_lp.tolist(),
+        want,
+        chosen.squeeze(1).tolist(),
+        chosen_lp.squeeze(1).tolist(),
+        ranks.tolist(),
+        top_ids.tolist(),
+        top_lp.tolist(),
+        strict=True,
     )
     for i, token, logprob, rank, ids, lps in per_row:
         n = rows[i].params.logprobs
-        out[i] = TokenLogprobs(token, logprob, rank, list(zip(ids[:n], lps[:n])))
+        out[i] = TokenLogprobs(token, logprob, rank, list(zip(ids[:n], lps[:n], strict=True)))
     return out

@@ -1,7 +1,8 @@
 """Per-request sampling parameters: vLLM's field names, defaults and ranges, checked on creation.
 
 The gateway maps OpenAI fields onto this; the engine resolves ``max_tokens=None`` ("up to the
-context") once it knows the prompt length. Every bad value raises ``ValueError`` naming the field.
+context") once it knows the prompt length. Every bad value, a wrong type included, raises
+``ValueError`` whose message starts with the field's name (the gateway's 400 points at it).
 """
 
 from __future__ import annotations
@@ -99,15 +100,17 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             value = getattr(self, name)
             if not isinstance(value, bool):
-                raise ValueError(f"{name} must be a bool, got {value!r}")
+                raise ValueError(f"{name} must be a bool, got {value!r}")  # noqa: TRY004
 
     def _normalise(self) -> None:
         if self.top_k == -1:
             self.top_k = 0
         if 0.0 < self.temperature < MIN_TEMPERATURE:
             logger.warning(
-                "temperature=%g is below %g; raised to %g", self.temperature,
-                MIN_TEMPERATURE, MIN_TEMPERATURE,
+                "temperature=%g is below %g; raised to %g",
+                self.temperature,
+                MIN_TEMPERATURE,
+                MIN_TEMPERATURE,
             )
             self.temperature = MIN_TEMPERATURE
         if self.greedy:
@@ -118,7 +121,7 @@ class SamplingParams:
 def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> None:
     # bool is an int subclass, but True as a count is always a client mistake.
     if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise ValueError(f"{name} must be an integer, got {value!r}")  # noqa: TRY004
     if value < lo:
         raise ValueError(f"{name} must be >= {lo}, got {value}")
     if hi is not None and value > hi:
@@ -127,7 +130,7 @@ def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> None
 
 def _check_float(name: str, value: object, lo: float, hi: float, lo_open: bool = False) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise ValueError(f"{name} must be a number, got {value!r}")  # noqa: TRY004
     value = float(value)
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")

@@ -21,7 +21,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, ClassVar, Self, TypeVar, Union
+from typing import Any, Self, Union
 
 import msgpack
 
@@ -29,14 +29,11 @@ from services.protocol.block_hash import BlockHash
 
 BLOCK_HASH_BYTES = 16
 
-_M = TypeVar("_M", bound="Message")
-
 
 class Message:
     """Base of every wire message: dict and msgpack conversion with validation."""
 
     __slots__ = ()
-    _hints: ClassVar[dict[str, Any]]
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -48,7 +45,7 @@ class Message:
     def from_dict(cls, data: Any) -> Self:
         name = cls.__name__
         if not isinstance(data, dict):
-            raise ValueError(f"{name}: expected a map, got {type(data).__name__}")
+            raise ValueError(f"{name}: expected a map, got {type(data).__name__}")  # noqa: TRY004
         hints = _hints_of(cls)
         kwargs: dict[str, Any] = {}
         for f in dataclasses.fields(cls):  # type: ignore[arg-type]
@@ -153,7 +150,7 @@ def _check_non_empty(where: str, value: str) -> None:
         raise ValueError(f"{where} must be a non-empty string")
 
 
-def _check_non_negative(where: str, value: int | float) -> None:
+def _check_non_negative(where: str, value: float) -> None:
     if value < 0 or (isinstance(value, float) and not math.isfinite(value)):
         raise ValueError(f"{where} must be a finite number >= 0, got {value!r}")
 

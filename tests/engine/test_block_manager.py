@@ -196,7 +196,7 @@ def test_shared_prefix_between_live_requests_shares_blocks() -> None:
     assert mgr.num_free_blocks == 16 - 4
     mgr.free("a")  # b still holds the shared blocks: they are not free
     assert [mgr._blocks[i].ref_cnt for i in table_a[:2]] == [1, 1]
-    assert mgr.num_free_blocks == 16 - 2
+    assert mgr.num_free_blocks == 16 - 3  # b: two shared blocks and its own third
     mgr.free("b")
     assert mgr.num_free_blocks == 16
 
@@ -512,6 +512,10 @@ def test_kv_event_is_frozen_and_kind_is_a_str() -> None:
 # ------------------------------------------------------------------------ state machine
 
 
+# A three-token vocabulary, so that random prompts share prefixes.
+PROMPTS = st.lists(st.integers(0, 2), min_size=1, max_size=10)
+
+
 @dataclass(slots=True)
 class _Request:
     tokens: list[int]
@@ -533,14 +537,23 @@ class BlockManagerMachine(RuleBasedStateMachine):
         super().__init__()
         self.reqs: dict[str, _Request] = {}
         self.replayed: set[BlockHash] = set()  # the cache as the router sees it, from events
+        self.prompts: list[list[int]] = []  # every prompt so far, live or not
         self.next_id = 0
 
-    @initialize(num_blocks=st.integers(3, 12), block_size=st.integers(1, 3))
-    def setup(self, num_blocks: int, block_size: int) -> None:
+    @initialize(
+        num_blocks=st.integers(3, 16),
+        block_size=st.integers(1, 3),
+        first_prompts=st.lists(PROMPTS, max_size=3),
+    )
+    def setup(self, num_blocks: int, block_size: int, first_prompts: list[list[int]]) -> None:
         self.bs = block_size
         self.hasher = BlockHasher("m", block_size)
         self.mgr = BlockManager(num_blocks, block_size, enable_caching=self.ENABLE_CACHING)
         self.kv: dict[int, list[int | None]] = {i: [None] * block_size for i in range(num_blocks)}
+        # Hypothesis may switch add_request off for a whole run (swarm testing): start with a
+        # few requests anyway.
+        for tokens in first_prompts:
+            self._admit(tokens)
 
     # -- helpers
 
@@ -559,8 +572,23 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     # -- rules
 
-    @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=14))
+    @rule(tokens=PROMPTS)
     def add_request(self, tokens: list[int]) -> None:
+        self._admit(tokens)
+
+    @precondition(lambda self: self.prompts)
+    @rule(
+        index=st.integers(0, 99),
+        keep=st.integers(0, 10),
+        suffix=st.lists(st.integers(0, 2), min_size=1, max_size=4),
+    )
+    def add_request_sharing_a_prefix(self, index: int, keep: int, suffix: list[int]) -> None:
+        # A prompt that starts like an earlier one (live, freed or evicted): hits are common.
+        earlier = self.prompts[index % len(self.prompts)]
+        self._admit(earlier[:keep] + suffix)
+
+    def _admit(self, tokens: list[int]) -> None:
+        self.prompts.append(tokens)
         rid = f"r{self.next_id}"
         self.next_id += 1
         hashes = self.hasher.chain(tokens)
@@ -705,7 +733,7 @@ class BlockManagerNoCachingMachine(BlockManagerMachine):
     ENABLE_CACHING = False
 
 
-_MACHINE_SETTINGS = settings(max_examples=150, stateful_step_count=40, deadline=None)
+_MACHINE_SETTINGS = settings(max_examples=200, stateful_step_count=50, deadline=None)
 TestBlockManagerStateMachine = BlockManagerMachine.TestCase
 TestBlockManagerStateMachine.settings = _MACHINE_SETTINGS
 TestBlockManagerNoCachingStateMachine = BlockManagerNoCachingMachine.TestCase

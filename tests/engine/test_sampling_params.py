@@ -14,7 +14,9 @@ def test_defaults_match_vllm() -> None:
     assert (p.seed, p.max_tokens, p.min_tokens, p.logprobs) == (None, 16, 0, None)
     assert (p.stop, p.stop_token_ids) == ([], [])
     assert (p.ignore_eos, p.skip_special_tokens, p.include_stop_str_in_output) == (
-        False, True, False,
+        False,
+        True,
+        False,
     )
     assert not p.greedy
 
@@ -62,7 +64,7 @@ def test_defaults_match_vllm() -> None:
     ],
 )
 def test_bad_field_raises_value_error_naming_it(kwargs: dict, field: str) -> None:
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=rf"^{field}\b"):
         SamplingParams(**kwargs)
 
 
@@ -96,7 +98,8 @@ def test_max_tokens_none_means_up_to_the_context() -> None:
 
 def test_greedy_clears_truncation() -> None:
     p = SamplingParams(temperature=0, top_p=0.5, top_k=3, min_p=0.2)
-    assert p.greedy and (p.top_p, p.top_k, p.min_p) == (1.0, 0, 0.0)
+    assert p.greedy
+    assert (p.top_p, p.top_k, p.min_p) == (1.0, 0, 0.0)
 
 
 def test_tiny_temperature_is_raised_like_vllm() -> None:

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [blocks, bs, kv_heads, d]
 
 
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+def empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    """An uninitialised frozen parameter (the loader fills it)."""
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
@@ -73,7 +74,7 @@ class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = _param(size, dtype=dtype)
+        self.weight = empty_param(size, dtype=dtype)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -104,7 +105,7 @@ class HeadRMSNorm(nn.Module):
     ) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = _param(num_q_heads + num_kv_heads, head_dim, dtype=dtype)
+        self.weight = empty_param(num_q_heads + num_kv_heads, head_dim, dtype=dtype)
         self.shard_sizes = (num_q_heads, num_kv_heads)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, q_heads + kv_heads, head_dim]
@@ -128,11 +129,22 @@ class Linear(nn.Module):
     ) -> None:
         super().__init__()
         self.shard_sizes = shard_sizes  # rows of each stacked HF weight, in order
-        self.weight = _param(sum(shard_sizes), in_features, dtype=dtype)
-        self.bias = _param(sum(shard_sizes), dtype=dtype) if bias else None
+        self.weight = empty_param(sum(shard_sizes), in_features, dtype=dtype)
+        self.bias = empty_param(sum(shard_sizes), dtype=dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    """Token embedding table; also the LM head when embeddings are tied."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = empty_param(vocab_size, hidden_size, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

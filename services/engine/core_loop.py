@@ -1,0 +1,160 @@
+"""Runs an ``LLMEngine`` in its own thread so the model step never blocks the event loop.
+
+The asyncio side submits and aborts through a thread-safe queue; each step's updates are
+handed back to the loop with ``call_soon_threadsafe``. One thread owns the engine, so the
+engine itself needs no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from services.engine.config import EngineConfig
+from services.engine.engine import EngineStats, LLMEngine, RequestUpdate
+from services.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Sink = Callable[[RequestUpdate | Exception], None]
+_IDLE_WAIT_S = 0.05
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    sink: Sink
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.engine: LLMEngine | None = None
+        self.load_error: BaseException | None = None
+        self.stats: EngineStats | None = None
+        self.kv_events: deque = deque(maxlen=1_000_000)  # drained by the Redis publisher
+        self.loaded = threading.Event()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, Sink] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_ready(self) -> bool:
+        return self.loaded.is_set() and self.engine is not None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._sinks)
+
+    # -- called from the event loop -----------------------------------------------------------
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None,
+        sink: Sink,
+    ) -> None:
+        self._commands.put(_Add(request_id, prompt_token_ids, params, cache_salt, sink))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    # -- the engine thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self.engine = LLMEngine(self.config)
+            self.stats = self.engine.stats()
+        except BaseException as exc:  # reported by /health; the process stays up to say so
+            logger.exception("engine failed to load")
+            self.load_error = exc
+            return
+        finally:
+            self.loaded.set()
+        logger.info("engine ready: model=%s", self.engine.model_name)
+        while not self._stop.is_set():
+            self._drain_commands(block=not self.engine.has_unfinished_requests())
+            if self.engine.has_unfinished_requests():
+                self._step()
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, cmd: _Add | _Abort) -> None:
+        engine = self.engine
+        if isinstance(cmd, _Abort):
+            if cmd.request_id in self._sinks:
+                update = engine.abort_request(cmd.request_id)
+                self._deliver(cmd.request_id, update)
+            return
+        try:
+            engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.cache_salt)
+        except ValueError as exc:
+            self._post(cmd.sink, exc)
+            return
+        self._sinks[cmd.request_id] = cmd.sink
+
+    def _step(self) -> None:
+        try:
+            updates = self.engine.step()
+        except Exception as exc:  # a model failure must not kill the loop silently
+            logger.exception("engine step failed; aborting in-flight requests")
+            for rid in list(self._sinks):
+                self.engine.abort_request(rid)
+                self._post(self._sinks.pop(rid), RuntimeError(f"engine step failed: {exc}"))
+            return
+        for update in updates:
+            self._deliver(update.request_id, update)
+        self.stats = self.engine.stats()
+        self.kv_events.extend(self.engine.take_kv_events())
+
+    def _deliver(self, request_id: str, update: RequestUpdate | None) -> None:
+        if update is None:
+            return
+        sink = self._sinks.pop(request_id) if update.finished else self._sinks.get(request_id)
+        if sink is not None:
+            self._post(sink, update)
+        if update.finished:
+            self.stats = self.engine.stats()
+            self.kv_events.extend(self.engine.take_kv_events())
+
+    def _post(self, sink: Sink, item: RequestUpdate | Exception) -> None:
+        self._loop.call_soon_threadsafe(sink, item)

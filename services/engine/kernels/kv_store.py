@@ -1,0 +1,124 @@
+"""Triton kernel: write a step's new K and V into the paged cache by ``slot_mapping``.
+
+One program per new token copies its ``[num_kv_heads, head_dim]`` key and value rows into
+cache slot ``slot_mapping[t]`` (a slot is one row of the flattened
+``[num_blocks * block_size, num_kv_heads, head_dim]`` cache). Tokens whose slot is negative
+(padding) are skipped. The torch reference is ``TorchAttentionBackend.store_kv``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.engine.kernels import require_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only install: the torch backend does not need this module
+    triton = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _store_kv_kernel(
+        key_ptr,
+        value_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        slot_mapping_ptr,
+        key_stride_t,
+        key_stride_h,
+        value_stride_t,
+        value_stride_h,
+        NUM_KV_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        token = tl.program_id(0).to(tl.int64)
+        # int64: slot * row size overflows int32 for caches past 2**31 elements.
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        if slot >= 0:  # padding tokens carry slot -1
+            heads = tl.arange(0, BLOCK_H)[:, None]
+            dims = tl.arange(0, BLOCK_D)[None, :]
+            mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
+            # The cache is contiguous, so a slot's rows are NUM_KV_HEADS * HEAD_DIM apart.
+            dst = slot * (NUM_KV_HEADS * HEAD_DIM) + heads * HEAD_DIM + dims
+            k = tl.load(key_ptr + token * key_stride_t + heads * key_stride_h + dims, mask=mask)
+            tl.store(k_cache_ptr + dst, k, mask=mask)
+            v_src = value_ptr + token * value_stride_t + heads * value_stride_h + dims
+            tl.store(v_cache_ptr + dst, tl.load(v_src, mask=mask), mask=mask)
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Writes ``key[t]``/``value[t]`` into cache slot ``slot_mapping[t]``; slots < 0 skip.
+
+    ``key``/``value``: ``[num_tokens, num_kv_heads, head_dim]``, any token/head strides (the
+    model passes views of its fused qkv projection) but a unit stride over head_dim.
+    ``k_cache``/``v_cache``: contiguous ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+    """
+    require_triton()
+    _check_store_args(key, value, k_cache, v_cache, slot_mapping)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+def _check_store_args(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    if key.dim() != 3 or key.shape != value.shape or key.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(
+            f"key and value must be [num_tokens, {k_cache.shape[2]}, {k_cache.shape[3]}], "
+            f"got {tuple(key.shape)} and {tuple(value.shape)}"
+        )
+    if key.stride(2) != 1 or value.stride(2) != 1:
+        raise ValueError("key and value need a unit stride over head_dim")
+    if key.dtype != k_cache.dtype or value.dtype != v_cache.dtype:
+        raise ValueError(
+            f"key/value dtype ({key.dtype}, {value.dtype}) must match the cache's "
+            f"({k_cache.dtype}, {v_cache.dtype})"
+        )
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(
+            f"slot_mapping must be [num_tokens={key.shape[0]}], got {tuple(slot_mapping.shape)}"
+        )
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+    devices = {t.device for t in (key, value, k_cache, v_cache, slot_mapping)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")

@@ -1,0 +1,74 @@
+"""Prometheus metrics under vLLM's names, so existing dashboards and autoscalers work."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from services.engine.engine import EngineStats
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class _StatsCollector(Collector):
+    """Reads the engine's latest stats snapshot at scrape time."""
+
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]) -> None:
+        self._model = model_name
+        self._stats = stats
+
+    def collect(self) -> Iterator:
+        s = self._stats()
+        if s is None:
+            return
+        labels = ["model_name"]
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Requests in the running batch.", s.num_running),
+            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+            ("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", s.kv_usage),
+            ("pagoda:kv_free_blocks", "Free KV blocks (cached ones included).", s.num_free_blocks),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric([self._model], value)
+            yield g
+        for name, doc, value in (
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             s.prefix_cache_queries),
+            ("vllm:prefix_cache_hits", "Prompt tokens served by the prefix cache.",
+             s.prefix_cache_hits),
+            ("vllm:num_preemptions", "Preemptions by recompute.", s.num_preemptions),
+        ):
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric([self._model], value)
+            yield c
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        r = self.registry
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
+                              labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens.",
+                             labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.",
+                             labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.",
+                                     labels, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.",
+                                         labels, registry=r)
+        self.request_success = Counter("vllm:request_success", "Finished requests.",
+                                       labels + ["finished_reason"], registry=r)
+        r.register(_StatsCollector(model_name, stats))
+
+    def observe_finished(self, prompt_tokens: int, output_tokens: int, reason: str) -> None:
+        m = self.model_name
+        self.prompt_tokens.labels(m).inc(prompt_tokens)
+        self.generation_tokens.labels(m).inc(output_tokens)
+        self.request_success.labels(m, reason or "unknown").inc()

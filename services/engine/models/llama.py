@@ -1,0 +1,203 @@
+"""The Llama decoder; Mistral, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm) are
+switches on it (see ``ModelConfig.qkv_bias`` / ``qk_norm``).
+
+Works on one flattened batch (``[T, hidden]``, no batch dim): the attention backend finds the
+request boundaries in ``AttentionMetadata``. Q/K/V and gate/up are each one fused matmul; the
+loader stacks the HF weights into them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.engine.attention.base import AttentionBackend, AttentionMetadata
+from services.engine.models.layers import (
+    CausalLM,
+    Embedding,
+    HeadRMSNorm,
+    KVCache,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    silu_and_mul,
+)
+
+if TYPE_CHECKING:
+    from services.engine.models.config import ModelConfig
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, config: ModelConfig, attn_backend: AttentionBackend, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.qk_size = config.q_size + config.kv_size  # q and k are roped together
+        self.scale = config.head_dim**-0.5
+        self.backend = attn_backend
+        self.qkv_proj = Linear(
+            config.hidden_size,
+            (config.q_size, config.kv_size, config.kv_size),
+            bias=config.qkv_bias,
+            dtype=dtype,
+        )
+        self.o_proj = Linear(
+            config.q_size, (config.hidden_size,), bias=config.o_proj_bias, dtype=dtype
+        )
+        self.qk_norm = (
+            HeadRMSNorm(
+                config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps, dtype
+            )
+            if config.qk_norm
+            else None
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        # Views into qkv, no copies: [T, q_heads + kv_heads, d] and [T, kv_heads, d].
+        qk = qkv[:, : self.qk_size].view(num_tokens, -1, self.head_dim)
+        v = qkv[:, self.qk_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm is not None:
+            qk = self.qk_norm(qk)
+        qk = apply_rotary(qk, cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        k_cache, v_cache = kv_cache
+        self.backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = self.backend.forward(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = Linear(
+            config.hidden_size, (inter, inter), bias=config.mlp_bias, dtype=dtype
+        )
+        self.down_proj = Linear(inter, (config.hidden_size,), bias=config.mlp_bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, config: ModelConfig, attn_backend: AttentionBackend, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, attn_backend, dtype)
+        self.mlp = LlamaMLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's output, residual stream before it); the next layer's input
+        norm adds the two, so each residual add is fused into a norm."""
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self, config: ModelConfig, attn_backend: AttentionBackend, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, attn_backend, dtype) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope, dtype
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
+        cos, sin = self.rotary(positions)  # one gather per step, shared by all layers
+        h = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h, residual = layer(h, residual, cos, sin, kv_cache, meta)
+        h, _ = self.norm(h, residual)
+        return h
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama / Mistral / Qwen2 / Qwen3 causal LM over a flattened batch with a paged KV cache."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        attn_backend: AttentionBackend,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, attn_backend, dtype)
+        self.lm_head: nn.Module
+        if config.tie_word_embeddings:
+            # The same module: one weight in memory, listed once by named_parameters().
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = Linear(config.hidden_size, (config.vocab_size,), False, dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """``input_ids``/``positions``: ``[T]``; returns the final hidden states ``[T, hidden]``."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden``: ``[N, hidden]`` (only the rows that need logits); returns float32."""
+        return F.linear(hidden, self.lm_head.weight).float()
+
+    def stacked_params(self) -> dict[str, tuple[str, ...]]:
+        return {
+            "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+            "gate_up_proj": ("gate_proj", "up_proj"),
+            "qk_norm": ("q_norm", "k_norm"),
+        }
+
+    def reset_buffers(self) -> None:
+        self.model.rotary.reset_cache()

@@ -1,0 +1,164 @@
+"""Loads an HF safetensors checkpoint into our model implementations.
+
+The model is built on the meta device (no memory), materialised once on the target device with
+``to_empty``, then every checkpoint tensor is copied straight into its (possibly fused) slot:
+peak memory is one copy of the weights plus the memory-mapped file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from services.engine.attention.base import AttentionBackend
+from services.engine.models.config import ModelConfig
+from services.engine.models.layers import CausalLM
+from services.engine.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Checkpoint entries that carry no weights of ours (old Llama exports saved RoPE frequencies).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True, slots=True)
+class _Slot:
+    """Where one checkpoint tensor goes: rows ``[offset, offset + rows)`` of a parameter."""
+
+    param: str
+    offset: int
+    rows: int
+
+
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    attn_backend: AttentionBackend | None = None,
+) -> CausalLM:
+    """Builds the model for the HF directory ``path`` and loads its safetensors weights.
+
+    ``attn_backend`` defaults to the torch (CPU reference) backend.
+    """
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"unsupported dtype {dtype}; supported: {SUPPORTED_DTYPES}")
+    path = Path(path)
+    config = ModelConfig.from_hf_dir(path)
+    if attn_backend is None:
+        attn_backend = _default_backend()
+    start = time.perf_counter()
+    with torch.device("meta"):
+        model = get_model_class(config.architecture)(config, attn_backend, dtype)
+    model = model.to_empty(device=torch.device(device))
+    model.reset_buffers()
+    num_tensors = load_weights(model, path)
+    model.eval()
+    logger.info(
+        "loaded %s (%s) from %s: %d tensors, dtype=%s, device=%s in %.2fs",
+        config.architecture,
+        config.model_type,
+        path,
+        num_tensors,
+        dtype,
+        device,
+        time.perf_counter() - start,
+    )
+    return model
+
+
+def _default_backend() -> AttentionBackend:
+    from services.engine.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend()
+
+
+@torch.no_grad()
+def load_weights(model: CausalLM, path: Path) -> int:
+    """Copies every checkpoint tensor into ``model``; returns how many were loaded.
+
+    Raises ValueError for a checkpoint tensor with no home, a shape mismatch, or a model
+    parameter left unfilled.
+    """
+    params = dict(model.named_parameters())
+    slots = _slot_table(model)
+    tied = model.config.tie_word_embeddings
+    filled: set[str] = set()
+    count = 0
+    for name, tensor in _iter_checkpoint(path):
+        if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+            continue  # some tied checkpoints store the head anyway; ours is the embedding
+        slot = slots.get(name)
+        if slot is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no matching model parameter")
+        target = params[slot.param].narrow(0, slot.offset, slot.rows)
+        if not _fits(tensor.shape, target.shape):
+            raise ValueError(
+                f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
+                f"model expects {tuple(target.shape)}"
+            )
+        target.copy_(tensor)  # converts dtype and device in one go; broadcasts per-head norms
+        filled.add(name)
+        count += 1
+    missing = sorted(set(slots) - filled)
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ValueError(f"checkpoint at {path} is missing {len(missing)} tensors: {shown}")
+    return count
+
+
+def _fits(src: torch.Size, dst: torch.Size) -> bool:
+    """Exact match, or one row broadcast over a per-head slot (q_norm/k_norm -> HeadRMSNorm)."""
+    return src == dst or (len(dst) == 2 and tuple(src) == (dst[1],))
+
+
+def _slot_table(model: CausalLM) -> dict[str, _Slot]:
+    """HF checkpoint name -> slot, for every parameter of ``model``.
+
+    Fused modules (``qkv_proj`` ...) record the sizes of their stacked HF weights; each HF
+    weight takes the next rows in the order ``stacked_params`` lists them.
+    """
+    stacked = model.stacked_params()
+    modules = dict(model.named_modules())
+    table: dict[str, _Slot] = {}
+    for param_name, param in model.named_parameters():
+        module_name, _, leaf = param_name.rpartition(".")
+        parent, _, short = module_name.rpartition(".")
+        sources = stacked.get(short)
+        if sources is None:
+            table[param_name] = _Slot(param_name, 0, param.shape[0])
+            continue
+        offset = 0
+        for source, rows in zip(sources, modules[module_name].shard_sizes, strict=True):
+            table[f"{parent}.{source}.{leaf}"] = _Slot(param_name, offset, rows)
+            offset += rows
+    return table
+
+
+def _iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (name, tensor) over every safetensors file of the checkpoint (memory-mapped)."""
+    for file in _checkpoint_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        return [path / name for name in sorted(set(weight_map.values()))]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {path}")
+    return files

@@ -1,0 +1,77 @@
+"""Engine -> Redis: a heartbeat (liveness + load) and the block manager's KV events.
+
+Redis being down never affects serving: a failed publish is logged and retried on the next
+tick; events that could not be sent are kept (bounded) and sent later in order. When events
+were lost (the queue overflowed) the engine re-announces nothing and relies on the index TTL.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from services.engine.core_loop import EngineCore
+from services.protocol.messages import EngineHeartbeat
+from services.protocol.redis_schema import KVIndexPublisher
+
+logger = logging.getLogger(__name__)
+
+_MAX_EVENTS_PER_TICK = 50_000
+
+
+class EnginePublisher:
+    def __init__(self, server_config, core: EngineCore) -> None:
+        self.cfg = server_config
+        self.core = core
+        self.engine_id = server_config.resolved_engine_id()
+        self.url = server_config.resolved_url()
+        self.publisher = KVIndexPublisher.from_url(server_config.redis_url)
+        self._pending: list = []
+        self._failing = False
+
+    async def publish_once(self) -> None:
+        core = self.core
+        if not core.is_ready or core.stats is None:
+            return
+        engine = core.engine
+        while core.kv_events and len(self._pending) < _MAX_EVENTS_PER_TICK:
+            self._pending.append(core.kv_events.popleft())
+        s = core.stats
+        hb = EngineHeartbeat(
+            engine_id=self.engine_id,
+            url=self.url,
+            model=engine.model_name,
+            block_size=engine.config.block_size,
+            running=s.num_running,
+            waiting=s.num_waiting,
+            kv_usage=min(max(s.kv_usage, 0.0), 1.0),
+            free_blocks=s.num_free_blocks,
+            total_blocks=s.num_total_blocks,
+            timestamp=time.time(),
+        )
+        try:
+            if self._pending:
+                await self.publisher.apply_events(self.engine_id, engine.model_name, self._pending)
+                self._pending = []
+            await self.publisher.publish_heartbeat(hb, self.cfg.heartbeat_ttl_s)
+            if self._failing:
+                logger.info("redis reachable again; publishing resumed")
+            self._failing = False
+        except Exception as exc:  # Redis down: keep serving, retry next tick
+            if not self._failing:
+                logger.warning("redis publish failed: %s", exc)
+            self._failing = True
+
+    async def leave(self) -> None:
+        """Graceful shutdown: stop being routable before draining."""
+        engine = self.core.engine
+        if engine is None:
+            return
+        try:
+            await self.publisher.remove_engine(self.engine_id, engine.model_name)
+        except Exception as exc:
+            logger.warning("redis remove_engine failed: %s", exc)
+
+    async def close(self) -> None:
+        await self.leave()
+        await self.publisher.aclose()

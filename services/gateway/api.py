@@ -1,0 +1,223 @@
+"""``POST /v1/completions`` and ``POST /v1/chat/completions``.
+
+validate (services.protocol.openai) -> template + tokenize once -> length checks -> block-hash
+chain -> router -> engine stream(s) -> detokenize + stop strings -> SSE or one JSON body.
+Failures before the first byte to the client are JSON errors with their status; failures
+after it end the stream with ``data: {"error": ...}`` and ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from services.gateway.auth import TENANT_KEY, cache_salt_for
+from services.gateway.errors import read_json_body
+from services.gateway.generation import ChoiceJob, Generation, GenerationFailed
+from services.gateway.models import ServedModel
+from services.gateway.prompts import Prompt, check_length, prepare_prompts
+from services.gateway.responses import ResponseBuilder
+from services.gateway.sse import SSEWriter
+from services.gateway.state import MODEL_LABEL, STATE, GatewayState
+from services.protocol import openai as oa
+from services.protocol.block_hash import BlockHasher
+
+logger = logging.getLogger(__name__)
+
+ENGINE_HEADER = "x-pagoda-engine"
+
+
+@dataclass(slots=True)
+class _Plan:
+    """Everything decided before the first engine call."""
+
+    req: oa.GenerationRequest
+    model: ServedModel
+    prompts: list[Prompt]
+    jobs: list[ChoiceJob]
+    salt: str | None
+    rid: str
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, "completion")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, "chat")
+
+
+async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
+    state = request.app[STATE]
+    started = time.monotonic()
+    body = await read_json_body(request, state.config.max_body_bytes)
+    parse = oa.parse_chat_request if kind == "chat" else oa.parse_completion_request
+    req = parse(body)
+    model = state.models.get(req.model)
+    request[MODEL_LABEL] = model.name
+    if req.echo and req.params.logprobs is not None:
+        raise oa.OpenAIError("echo together with logprobs is not supported", param="echo")
+    plan = await _plan(request, state, req, model, body)
+    endpoint = request.path
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + state.config.request_timeout
+    timed_out = oa.OpenAIError("the request timed out", status=504)
+    gen = Generation(state.upstreams, model, plan.rid, plan.jobs, plan.salt)
+    timer: asyncio.TimerHandle | None = None
+    state.metrics.in_flight.labels(endpoint, model.name).inc()
+    try:
+        try:
+            async with asyncio.timeout_at(deadline):
+                await gen.start()
+        except TimeoutError:
+            raise timed_out from None
+        timer = loop.call_at(deadline, gen.abort, timed_out)
+        state.generations.add(gen)
+        if req.stream:
+            return await _stream(request, state, plan, gen, started)
+        return await _collect(state, plan, gen, started)
+    finally:
+        if timer is not None:
+            timer.cancel()
+        state.generations.discard(gen)
+        await gen.aclose()
+        state.metrics.in_flight.labels(endpoint, model.name).dec()
+
+
+async def _plan(
+    request: web.Request, state: GatewayState, req: oa.GenerationRequest, model: ServedModel,
+    body: dict[str, Any],
+) -> _Plan:
+    prompts = await prepare_prompts(state.tokenize_pool, model, req)
+    prompt_param = "messages" if req.kind == "chat" else "prompt"
+    max_param = "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"
+    for p in prompts:
+        check_length(model, len(p.token_ids), req.params.max_tokens, prompt_param, max_param)
+    salt = cache_salt_for(request.get(TENANT_KEY), req.cache_salt)
+    hasher = BlockHasher(model.name, model.block_size, salt)
+    rid = oa.new_id("chatcmpl" if req.kind == "chat" else "cmpl")
+    n = req.params.n
+    jobs = []
+    for p_idx, p in enumerate(prompts):
+        hashes = hasher.chain(p.token_ids)
+        for i in range(n):
+            jobs.append(ChoiceJob(
+                index=p_idx * n + i,
+                prompt_index=p_idx,
+                prompt_ids=p.token_ids,
+                block_hashes=hashes,
+                engine_params=_engine_params(req, i),
+                client_params=req.params,
+            ))
+    return _Plan(req, model, prompts, jobs, salt, rid)
+
+
+def _engine_params(req: oa.GenerationRequest, i: int) -> Any:
+    """One sample's params for the engine: n = 1, seed + i, and no stop strings (the gateway
+    applies them, since only it detokenizes)."""
+    p = req.params
+    seed = None if p.seed is None else p.seed + i
+    try:
+        return dataclasses.replace(p, n=1, seed=seed, stop=[], include_stop_str_in_output=False)
+    except ValueError as exc:  # seed + i past the seed range
+        raise oa.OpenAIError(str(exc), param="seed") from None
+
+
+def _builder(state: GatewayState, plan: _Plan) -> ResponseBuilder:
+    req = plan.req
+    echo = None
+    if req.kind == "completion" and req.echo:
+        tok = plan.model.tokenizer
+        echo = [p.text if p.text is not None else tok.decode(p.token_ids) for p in plan.prompts]
+    return ResponseBuilder(
+        req.kind, plan.rid, req.model, {j.index: j.prompt_index for j in plan.jobs},
+        want_logprobs=req.params.logprobs is not None, echo_texts=echo,
+    )
+
+
+def _usage(plan: _Plan, gen: Generation) -> dict[str, Any]:
+    prompt_tokens = sum(len(p.token_ids) for p in plan.prompts)
+    completion = cached = 0
+    first_of_prompt: set[int] = set()
+    for job in plan.jobs:
+        done, hit = gen.totals(job.index)
+        completion += done
+        if job.prompt_index not in first_of_prompt:  # a prompt counts once, as in OpenAI's usage
+            first_of_prompt.add(job.prompt_index)
+            cached += min(hit, len(job.prompt_ids))
+    return oa.usage(prompt_tokens, completion, cached)
+
+
+def _headers(plan: _Plan, gen: Generation) -> dict[str, str]:
+    return {ENGINE_HEADER: ",".join(gen.engine_ids), "x-request-id": plan.rid}
+
+
+async def _collect(
+    state: GatewayState, plan: _Plan, gen: Generation, started: float
+) -> web.Response:
+    builder = _builder(state, plan)
+    first = True
+    try:
+        async for delta in gen.deltas():
+            if first:
+                first = False
+                state.metrics.ttft.labels(plan.model.name).observe(time.monotonic() - started)
+            builder.add(delta)
+    except GenerationFailed as exc:
+        state.metrics.stream_errors.labels(plan.model.name).inc()
+        raise oa.OpenAIError(f"generation failed: {exc}", status=502) from None
+    body = builder.response(_usage(plan, gen))
+    state.metrics.e2e.labels(plan.model.name).observe(time.monotonic() - started)
+    _log_done(plan, gen, "ok")
+    return web.json_response(body, headers=_headers(plan, gen))
+
+
+async def _stream(
+    request: web.Request, state: GatewayState, plan: _Plan, gen: Generation, started: float
+) -> web.StreamResponse:
+    builder = _builder(state, plan)
+    sse = SSEWriter(request, _headers(plan, gen))
+    model = plan.model.name
+    outcome = "ok"
+    try:
+        await sse.open()
+        state.metrics.ttft.labels(model).observe(time.monotonic() - started)
+        for chunk in builder.opening_chunks():
+            await sse.send(chunk)
+        try:
+            async for delta in gen.deltas():
+                await sse.send(builder.chunk(delta))
+            if plan.req.include_usage:
+                await sse.send(builder.usage_chunk(_usage(plan, gen)))
+        except (GenerationFailed, oa.OpenAIError) as exc:
+            outcome = "error"
+            state.metrics.stream_errors.labels(model).inc()
+            await sse.error(_stream_error(exc))
+            return sse.response
+        await sse.done()
+        state.metrics.e2e.labels(model).observe(time.monotonic() - started)
+    except ConnectionError:
+        outcome = "client-disconnected"  # the caller's gen.aclose() aborts the engine requests
+    finally:
+        _log_done(plan, gen, outcome)
+    return sse.response
+
+
+def _stream_error(exc: Exception) -> oa.OpenAIError:
+    if isinstance(exc, oa.OpenAIError):
+        return exc
+    return oa.OpenAIError(f"generation failed: {exc}", status=502)
+
+
+def _log_done(plan: _Plan, gen: Generation, outcome: str) -> None:
+    logger.info(
+        "request done id=%s model=%s kind=%s prompts=%d choices=%d engines=%s outcome=%s",
+        plan.rid, plan.model.name, plan.req.kind, len(plan.prompts), len(plan.jobs),
+        ",".join(gen.engine_ids), outcome,
+    )

@@ -1,0 +1,223 @@
+"""One client request's generation: ``n × prompts`` engine streams, merged by choice index.
+
+``await gen.start()`` routes and opens every choice's engine stream (each asks the router,
+and when an engine fails before its first token asks again excluding it, at most
+``max_retries`` times), then ``gen.deltas()`` yields ``ChoiceDelta``s of all choices as they
+arrive. ``await gen.aclose()`` (always, in a ``finally``: after success, an error, or the
+cancellation that a client disconnect causes) cancels the readers and closes every engine
+stream still open, so the engines abort and free the KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+import aiohttp
+
+from services.engine.sampling_params import SamplingParams
+from services.gateway.choice import ChoiceDecoder, ChoiceDelta
+from services.gateway.engine_client import (
+    EngineStream,
+    EngineStreamError,
+    EngineUnavailable,
+    open_stream,
+)
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.models import ServedModel
+from services.gateway.router_client import RouterClient
+from services.protocol.block_hash import BlockHash
+from services.protocol.engine_api import GenerateRequest
+from services.protocol.messages import RouteRequest
+from services.protocol.openai import OpenAIError
+
+logger = logging.getLogger(__name__)
+
+_QUEUE_SIZE = 256  # deltas buffered per request before the engine readers wait for the client
+
+
+@dataclass(slots=True)
+class ChoiceJob:
+    """One engine request: one sample (choice) of one prompt."""
+
+    index: int  # the choice index the client sees
+    prompt_index: int
+    prompt_ids: list[int]
+    block_hashes: list[BlockHash]
+    engine_params: SamplingParams  # n = 1, its own seed, no stop strings
+    client_params: SamplingParams  # what the client asked (stop strings are applied here)
+
+
+@dataclass(slots=True)
+class Upstreams:
+    """What every generation shares (one per app)."""
+
+    session: aiohttp.ClientSession
+    router: RouterClient
+    metrics: GatewayMetrics
+    max_retries: int
+    connect_timeout: float
+
+
+class GenerationFailed(Exception):
+    """An engine failed after the first token; the request cannot be moved any more."""
+
+
+class _Wakeup:
+    """Queue sentinel: look at the abort flag."""
+
+
+class Generation:
+    def __init__(
+        self, up: Upstreams, model: ServedModel, request_id: str, jobs: Sequence[ChoiceJob],
+        cache_salt: str | None,
+    ) -> None:
+        self._up = up
+        self._model = model
+        self.request_id = request_id
+        self._jobs = list(jobs)
+        self._salt = cache_salt
+        self._streams: list[EngineStream] = []
+        self._decoders = [
+            ChoiceDecoder(j.index, model.tokenizer, j.prompt_ids, j.client_params) for j in jobs
+        ]
+        self._queue: asyncio.Queue[ChoiceDelta | GenerationFailed | _Wakeup] = asyncio.Queue(
+            _QUEUE_SIZE
+        )
+        self._readers: list[asyncio.Task[None]] = []
+        self._abort: OpenAIError | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        tasks = [asyncio.create_task(self._open(job)) for job in self._jobs]
+        try:
+            await _all_or_first_error(tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            for result in await asyncio.gather(*tasks, return_exceptions=True):
+                if isinstance(result, EngineStream):
+                    result.close()
+            raise
+        self._streams = [t.result() for t in tasks]
+
+    async def aclose(self) -> None:
+        for t in self._readers:
+            t.cancel()
+        if self._readers:
+            await asyncio.gather(*self._readers, return_exceptions=True)
+        for s in self._streams:
+            s.close()
+
+    def abort(self, err: OpenAIError) -> None:
+        """Ends the generation from outside (timeout, server shutdown): ``deltas()`` raises
+        ``err``."""
+        self._abort = err
+        for t in self._readers:
+            t.cancel()
+        with contextlib.suppress(asyncio.QueueFull):
+            self._queue.put_nowait(_Wakeup())
+
+    @property
+    def engine_ids(self) -> list[str]:
+        """The engines serving this request, each once, in choice order."""
+        return list(dict.fromkeys(s.engine_id for s in self._streams))
+
+    def totals(self, index: int) -> tuple[int, int]:
+        """(completion tokens, cached prompt tokens) of choice ``index`` so far."""
+        t = self._decoders[self._position(index)].totals
+        return t.completion_tokens, t.cached_tokens
+
+    def _position(self, index: int) -> int:
+        for pos, job in enumerate(self._jobs):
+            if job.index == index:
+                return pos
+        raise KeyError(index)
+
+    # -- streaming ---------------------------------------------------------------------------
+
+    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
+        """Every choice's deltas as they arrive; the last one of each has a finish_reason.
+        Raises GenerationFailed when an engine fails mid-stream, or the abort error."""
+        self._readers = [
+            asyncio.create_task(self._read(stream, decoder))
+            for stream, decoder in zip(self._streams, self._decoders)
+        ]
+        remaining = len(self._readers)
+        while remaining:
+            item = await self._queue.get()
+            if self._abort is not None:
+                raise self._abort
+            if isinstance(item, GenerationFailed):
+                raise item
+            if isinstance(item, _Wakeup):
+                continue
+            if item.finish_reason is not None:
+                remaining -= 1
+            yield item
+
+    async def _read(self, stream: EngineStream, decoder: ChoiceDecoder) -> None:
+        try:
+            async for frame in stream.frames():
+                delta = decoder.on_frame(frame)
+                if delta.text or delta.logprobs or delta.finish_reason is not None:
+                    await self._queue.put(delta)
+                if decoder.finished:
+                    return
+        except EngineStreamError as exc:
+            logger.warning(
+                "engine failed mid-stream request_id=%s engine=%s: %s",
+                self.request_id, stream.engine_id, exc,
+            )
+            await self._queue.put(GenerationFailed(str(exc)))
+        finally:
+            stream.close()  # a stop string ended it early: the engine aborts the rest
+
+    # -- routing with retries ---------------------------------------------------------------
+
+    async def _open(self, job: ChoiceJob) -> EngineStream:
+        up, model = self._up, self._model
+        exclude: list[str] = []
+        attempts = up.max_retries + 1
+        for attempt in range(attempts):
+            route = await up.router.route(
+                RouteRequest(
+                    model=model.name,
+                    block_hashes=job.block_hashes,
+                    prompt_len=len(job.prompt_ids),
+                    exclude=list(exclude),
+                    request_id=self.request_id,
+                )
+            )
+            rid = f"{self.request_id}-{job.index}" + (f"-r{attempt}" if attempt else "")
+            req = GenerateRequest(rid, job.prompt_ids, job.engine_params, self._salt)
+            try:
+                return await open_stream(
+                    up.session, route.engine_id, route.url, req, up.connect_timeout
+                )
+            except EngineUnavailable as exc:
+                logger.warning(
+                    "engine failed before the first token request_id=%s engine=%s "
+                    "attempt=%d/%d: %s",
+                    self.request_id, route.engine_id, attempt + 1, attempts, exc,
+                )
+                exclude.append(route.engine_id)
+                if attempt + 1 < attempts:
+                    up.metrics.engine_retries.labels(model.name).inc()
+        raise OpenAIError(
+            f"no engine could serve the request ({attempts} tried)", status=503,
+            code="engine_unavailable",
+        )
+
+
+async def _all_or_first_error(tasks: list[asyncio.Task[EngineStream]]) -> None:
+    """Waits until every task succeeded, or raises the first error one of them raised."""
+    pending = set(tasks)
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            if t.exception() is not None:
+                raise t.exception()  # type: ignore[misc]

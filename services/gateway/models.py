@@ -1,0 +1,130 @@
+"""The models this gateway serves: tokenizer, context length and block size of each.
+
+Tokenizers come from ``--model NAME=HF_DIR``. The context length is the directory's
+``max_position_embeddings`` until the engines report a ``max_model_len`` (the smallest wins);
+the block size is ``--block-size`` until the engines report theirs. Which models are *live*
+(have engines) is what the router's ``/engines`` said last.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.gateway.config import ModelSpec
+from services.gateway.router_client import EngineInfo
+from services.protocol.openai import OpenAIError
+from services.text.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ServedModel:
+    name: str
+    path: str
+    tokenizer: Tokenizer
+    config_context: int | None  # from the model directory; None = unknown
+    block_size: int
+    engine_context: int | None = None  # smallest max_model_len the engines reported
+    engine_ids: tuple[str, ...] = ()
+    created: int = 0
+
+    @property
+    def max_model_len(self) -> int | None:
+        known = [c for c in (self.config_context, self.engine_context) if c]
+        return min(known) if known else None
+
+
+def context_length_of(model_dir: str | Path) -> int | None:
+    """``max_position_embeddings`` (or a common alias) from the directory's config.json."""
+    try:
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    cfg = raw.get("text_config", raw) if isinstance(raw, dict) else {}
+    for key in ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length"):
+        value = cfg.get(key) if isinstance(cfg, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def load_tokenizers(specs: Iterable[ModelSpec]) -> dict[str, Tokenizer]:
+    """Loads each model's tokenizer (slow: call it off the event loop)."""
+    out: dict[str, Tokenizer] = {}
+    for spec in specs:
+        logger.info("loading tokenizer model=%s path=%s", spec.name, spec.path)
+        out[spec.name] = Tokenizer(spec.path)
+    return out
+
+
+@dataclass(slots=True)
+class ModelRegistry:
+    models: dict[str, ServedModel] = field(default_factory=dict)
+    default_block_size: int = 16
+
+    @classmethod
+    def build(
+        cls, specs: Iterable[ModelSpec], tokenizers: Mapping[str, Tokenizer], block_size: int,
+        created: int = 0,
+    ) -> ModelRegistry:
+        models = {
+            s.name: ServedModel(
+                name=s.name,
+                path=s.path,
+                tokenizer=tokenizers[s.name],
+                config_context=context_length_of(s.path),
+                block_size=block_size,
+                created=created,
+            )
+            for s in specs
+        }
+        return cls(models, block_size)
+
+    def get(self, name: str) -> ServedModel:
+        model = self.models.get(name)
+        if model is None:
+            raise OpenAIError(
+                f"the model {name!r} does not exist", status=404, param="model",
+                code="model_not_found",
+            )
+        return model
+
+    def resolve_optional(self, name: object) -> ServedModel:
+        """For /tokenize and /detokenize, where ``model`` may be left out if only one is served."""
+        if name is None and len(self.models) == 1:
+            return next(iter(self.models.values()))
+        if not isinstance(name, str) or not name:
+            raise OpenAIError("model is required and must be a string", param="model")
+        return self.get(name)
+
+    def live(self) -> list[ServedModel]:
+        return [m for m in self.models.values() if m.engine_ids]
+
+    def update(self, engines: Iterable[EngineInfo]) -> None:
+        """Takes in what the router's /engines said: liveness, block sizes, context limits."""
+        by_model: dict[str, list[EngineInfo]] = {}
+        for e in engines:
+            by_model.setdefault(e.model, []).append(e)
+        for name, model in self.models.items():
+            mine = by_model.get(name, [])
+            model.engine_ids = tuple(sorted(e.engine_id for e in mine))
+            if not mine:
+                continue
+            sizes = Counter(e.block_size for e in mine)
+            block_size = sizes.most_common(1)[0][0]
+            if len(sizes) > 1:
+                logger.warning(
+                    "engines of model=%s disagree on block_size=%s; hashing with %d",
+                    name, dict(sizes), block_size,
+                )
+            if block_size != model.block_size:
+                logger.info("model=%s block_size=%d (from engines)", name, block_size)
+            model.block_size = block_size
+            limits = [e.max_model_len for e in mine if e.max_model_len]
+            model.engine_context = min(limits) if limits else None

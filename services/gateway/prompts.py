@@ -1,0 +1,122 @@
+"""From a validated request to token ids: chat template, tokenization (once), length checks.
+
+Tokenizing runs on a single worker thread (``tokenize_in``), off the event loop; HF fast
+tokenizers are not safe to drive from several threads at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from services.gateway.models import ServedModel
+from services.protocol.openai import GenerationRequest, OpenAIError
+
+T = TypeVar("T")
+
+# chat_template_kwargs the client may not set: they would change what the call returns.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"tokenize", "return_dict", "return_tensors", "conversation", "messages", "tools",
+     "documents", "padding", "truncation", "max_length", "tokenizer_kwargs"}
+)
+
+
+@dataclass(slots=True)
+class Prompt:
+    text: str | None  # None when the client sent token ids (decoded lazily for echo)
+    token_ids: list[int]
+
+
+async def tokenize_in(pool: Executor, fn: Callable[[], T]) -> T:
+    return await asyncio.get_running_loop().run_in_executor(pool, fn)
+
+
+async def prepare_prompts(
+    pool: Executor, model: ServedModel, req: GenerationRequest
+) -> list[Prompt]:
+    tok = model.tokenizer
+    if req.kind == "chat":
+        kwargs = template_kwargs(req.chat_template_kwargs)
+
+        def render() -> Prompt:
+            text = tok.apply_chat_template(req.messages, **kwargs)
+            return Prompt(text, tok.encode(text, add_special_tokens=False))
+
+        try:
+            return [await tokenize_in(pool, render)]
+        except OpenAIError:
+            raise
+        except Exception as exc:  # jinja2 and the tokenizer raise many unrelated types
+            raise OpenAIError(
+                f"cannot apply the chat template: {_first_line(exc)}", param="messages"
+            ) from None
+
+    texts = [p for p in req.prompts if isinstance(p, str)]
+    encoded = iter(await tokenize_in(pool, lambda: [tok.encode(t) for t in texts]) if texts else [])
+    prompts = []
+    for p in req.prompts:
+        if isinstance(p, str):
+            prompts.append(Prompt(p, next(encoded)))
+        else:
+            _check_vocab(model, p)
+            prompts.append(Prompt(None, p))
+    return prompts
+
+
+def template_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    bad = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
+    if bad:
+        raise OpenAIError(
+            f"chat_template_kwargs may not set {bad}", param="chat_template_kwargs"
+        )
+    gen = kwargs.get("add_generation_prompt", True)
+    if not isinstance(gen, bool):
+        raise OpenAIError(
+            "chat_template_kwargs.add_generation_prompt must be a boolean",
+            param="chat_template_kwargs",
+        )
+    return kwargs
+
+
+def _check_vocab(model: ServedModel, ids: list[int]) -> None:
+    vocab = model.tokenizer.vocab_size
+    bad = next((t for t in ids if t >= vocab), None)
+    if bad is not None:
+        raise OpenAIError(
+            f"prompt token id {bad} is out of range for the vocabulary ({vocab} tokens)",
+            param="prompt",
+        )
+
+
+def check_length(
+    model: ServedModel, prompt_len: int, max_tokens: int | None, prompt_param: str,
+    max_tokens_param: str,
+) -> None:
+    """400 when the prompt leaves no room to generate, or prompt + max_tokens exceeds the
+    context. ``max_tokens=None`` means "up to the context" and is resolved by the engine."""
+    if prompt_len == 0:
+        raise OpenAIError("the prompt is empty after tokenization", param=prompt_param)
+    limit = model.max_model_len
+    if limit is None:
+        return
+    if prompt_len >= limit:
+        raise OpenAIError(
+            f"This model's maximum context length is {limit} tokens. However, your prompt has "
+            f"{prompt_len} tokens, which leaves no room for a completion.",
+            param=prompt_param, code="context_length_exceeded",
+        )
+    if max_tokens is not None and prompt_len + max_tokens > limit:
+        raise OpenAIError(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for "
+            f"the completion). Please reduce {max_tokens_param}.",
+            param=max_tokens_param, code="context_length_exceeded",
+        )
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__

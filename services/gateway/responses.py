@@ -1,0 +1,134 @@
+"""OpenAI response bodies and stream chunks for completions and chat, built from ChoiceDeltas.
+
+``ResponseBuilder`` keeps what each choice has produced; the handlers feed it deltas and ask
+for stream chunks as they go, or for the whole response object at the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.gateway.choice import ChoiceDelta
+from services.protocol import openai as oa
+
+
+@dataclass(slots=True)
+class _Choice:
+    index: int
+    prompt_index: int
+    echo: str = ""
+    text: str = ""
+    logprobs: list[oa.TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text_offset: int = 0  # completions: characters already sent, for logprobs' text_offset
+
+
+class ResponseBuilder:
+    def __init__(
+        self, kind: str, rid: str, model: str, choice_prompts: dict[int, int],
+        want_logprobs: bool, echo_texts: list[str] | None = None,
+    ) -> None:
+        self.kind = kind
+        self.rid = rid
+        self.model = model
+        self._want_logprobs = want_logprobs
+        self._choices = {
+            i: _Choice(i, p, echo=echo_texts[p] if echo_texts else "")
+            for i, p in sorted(choice_prompts.items())
+        }
+
+    def add(self, delta: ChoiceDelta) -> None:
+        c = self._choices[delta.index]
+        c.text += delta.text
+        c.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            c.finish_reason, c.stop_reason = delta.finish_reason, delta.stop_reason
+
+    # -- whole responses --------------------------------------------------------------------
+
+    def response(self, usage: dict[str, Any]) -> dict[str, Any]:
+        if self.kind == "chat":
+            choices = [
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": oa.chat_logprobs(c.logprobs) if self._want_logprobs else None,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                for c in self._choices.values()
+            ]
+            return oa.chat_object(self.rid, self.model, choices, usage)
+        choices = [
+            {
+                "index": c.index,
+                "text": c.echo + c.text,
+                "logprobs": (
+                    oa.completion_logprobs(c.logprobs, len(c.echo))
+                    if self._want_logprobs else None
+                ),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in self._choices.values()
+        ]
+        return oa.completion_object(self.rid, self.model, choices, usage)
+
+    # -- stream chunks ----------------------------------------------------------------------
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        """Chat: the assistant role of every choice. Completions: the echoed prompts."""
+        if self.kind == "chat":
+            return [
+                self._chunk({
+                    "index": c.index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                })
+                for c in self._choices.values()
+            ]
+        out = []
+        for c in self._choices.values():
+            if c.echo:
+                out.append(self._chunk({
+                    "index": c.index, "text": c.echo, "logprobs": None, "finish_reason": None,
+                }))
+                c.text_offset = len(c.echo)
+        return out
+
+    def chunk(self, delta: ChoiceDelta) -> dict[str, Any]:
+        """The stream chunk for ``delta`` (also recorded, as by ``add``)."""
+        self.add(delta)
+        c = self._choices[delta.index]
+        if self.kind == "chat":
+            choice: dict[str, Any] = {
+                "index": delta.index,
+                "delta": {"content": delta.text} if delta.text else {},
+                "logprobs": oa.chat_logprobs(delta.logprobs) if self._want_logprobs else None,
+                "finish_reason": delta.finish_reason,
+            }
+        else:
+            choice = {
+                "index": delta.index,
+                "text": delta.text,
+                "logprobs": (
+                    oa.completion_logprobs(delta.logprobs, c.text_offset)
+                    if self._want_logprobs else None
+                ),
+                "finish_reason": delta.finish_reason,
+            }
+            c.text_offset += len(delta.text)
+        if delta.finish_reason is not None:
+            choice["stop_reason"] = delta.stop_reason
+        return self._chunk(choice)
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        build = oa.chat_object if self.kind == "chat" else oa.completion_object
+        return build(self.rid, self.model, [], usage, chunk=True)
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        build = oa.chat_object if self.kind == "chat" else oa.completion_object
+        return build(self.rid, self.model, [choice], None, chunk=True)

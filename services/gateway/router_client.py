@@ -1,0 +1,116 @@
+"""The gateway's side of the router: ``POST /route`` (msgpack) and ``GET /engines``.
+
+``/route`` takes a ``RouteRequest`` and answers a ``RouteResponse`` (``services.protocol.messages``);
+a 503 (or 404) means no live engine of that model is left once ``exclude`` is applied.
+
+``/engines`` lists the live engines, as JSON or msgpack: either a list or ``{"engines": [...]}``
+of maps with at least ``engine_id``, ``url``, ``model`` and ``block_size`` (an
+``EngineHeartbeat``), optionally ``max_model_len``. Entries that lack those are skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import msgpack
+
+from services.protocol.messages import RouteRequest, RouteResponse
+from services.protocol.openai import OpenAIError
+
+logger = logging.getLogger(__name__)
+
+ROUTE_PATH = "/route"
+ENGINES_PATH = "/engines"
+MSGPACK = "application/msgpack"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    engine_id: str
+    url: str
+    model: str
+    block_size: int
+    max_model_len: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: Any) -> EngineInfo | None:
+        if not isinstance(d, dict):
+            return None
+        eid, url, model, bs = d.get("engine_id"), d.get("url"), d.get("model"), d.get("block_size")
+        if not all(isinstance(v, str) and v for v in (eid, url, model)):
+            return None
+        if not isinstance(bs, int) or isinstance(bs, bool) or bs <= 0:
+            return None
+        mml = d.get("max_model_len")
+        if not isinstance(mml, int) or isinstance(mml, bool) or mml <= 0:
+            mml = None
+        return cls(eid, url, model, bs, mml)
+
+
+class RouterUnavailable(Exception):
+    """The router could not be reached or answered garbage."""
+
+
+class RouterClient:
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, timeout: float) -> None:
+        self._session = session
+        self._base = base_url.rstrip("/")
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+
+    async def route(self, req: RouteRequest) -> RouteResponse:
+        """The engine for ``req``. Raises OpenAIError 503 when none is left or the router is
+        down (the request cannot be served either way)."""
+        try:
+            async with self._session.post(
+                self._base + ROUTE_PATH,
+                data=req.to_msgpack(),
+                headers={"Content-Type": MSGPACK, "Accept": MSGPACK},
+                timeout=self._timeout,
+            ) as resp:
+                body = await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            logger.warning("router unreachable: %s", type(exc).__name__)
+            raise OpenAIError("the router is unavailable", status=503) from None
+        if status in (404, 503):
+            raise OpenAIError(
+                f"no engine available for model {req.model!r}", status=503,
+                code="no_engine_available",
+            )
+        if status != 200:
+            logger.warning("router answered status=%d to /route", status)
+            raise OpenAIError("the router failed to pick an engine", status=503)
+        try:
+            return RouteResponse.from_msgpack(body)
+        except ValueError as exc:
+            logger.warning("router sent a malformed RouteResponse: %s", exc)
+            raise OpenAIError("the router failed to pick an engine", status=503) from None
+
+    async def engines(self) -> list[EngineInfo]:
+        """The live engines. Raises RouterUnavailable."""
+        try:
+            async with self._session.get(
+                self._base + ENGINES_PATH,
+                headers={"Accept": f"application/json, {MSGPACK}"},
+                timeout=self._timeout,
+            ) as resp:
+                if resp.status != 200:
+                    raise RouterUnavailable(f"/engines answered {resp.status}")
+                body = await resp.read()
+                ctype = resp.content_type
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise RouterUnavailable(type(exc).__name__) from None
+        try:
+            data = msgpack.unpackb(body, raw=False) if ctype == MSGPACK else json.loads(body)
+        except Exception as exc:  # json and msgpack raise several unrelated types on garbage
+            raise RouterUnavailable(f"/engines body is malformed: {type(exc).__name__}") from None
+        if isinstance(data, dict):
+            data = data.get("engines")
+        if not isinstance(data, list):
+            raise RouterUnavailable("/engines must be a list or {'engines': [...]}")
+        return [e for e in (EngineInfo.from_dict(d) for d in data) if e is not None]

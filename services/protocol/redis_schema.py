@@ -1,0 +1,527 @@
+"""The Redis layout shared by engines (writers) and routers (readers).
+
+Keys (``ns`` defaults to ``pagoda``; ``{model}`` is a Redis Cluster hash tag, so every key of
+one model lives in one slot and the Lua scripts below may touch them together)::
+
+    key                               type    written by        expires
+    --------------------------------  ------  ----------------  -------------------------------
+    ns:models                         SET     engine heartbeat  1 h after the last heartbeat
+    ns:{model}:engines                SET     engine heartbeat  1 h after the last heartbeat;
+                                              (router SREMs members whose heartbeat is gone)
+    ns:{model}:hb:<engine_id>         STRING  engine heartbeat  heartbeat TTL (engine died ->
+                                              (msgpack)                  key gone -> not live)
+    ns:{model}:blk:<engine_id>        ZSET    KV events,        block TTL after the last store;
+                                              router write-back member = 16-byte block hash,
+                                                                score = expiry (Redis ms clock)
+    ns:{model}:pend:<engine_id>       STRING  router write-back pending TTL; deleted by the
+                                              (INCR)            engine's next heartbeat
+    ns:{model}:rr                     STRING  round-robin INCR  never (one integer per model)
+
+Why one sorted set per engine rather than one key per block: every entry carries its own expiry
+(the score), an engine's whole index can be capped and dropped as one key, and a lookup is a
+binary search per engine over the prompt's chain (cached prefixes are prefix-closed: an engine
+that holds block i of a chain holds blocks 0..i-1 too, up to eviction races).
+
+Bounds. An entry lives ``block_ttl_s`` after its last "stored" event (or ``provisional_ttl_s``
+after a router's write-back), and is deleted at once by a "removed" event. Every write drops
+expired entries of that engine and trims the set to ``max_blocks_per_engine`` (lowest expiry
+first), and the set itself expires ``block_ttl_s`` after its last store. So the index is at most
+``engines x max_blocks_per_engine`` entries, and an engine that disappears leaves nothing behind
+after ``block_ttl_s``. Its entries are ignored as soon as its heartbeat key expires.
+
+Times are Redis server time (``TIME`` inside the scripts), so engine and router clocks never
+need to agree.
+
+Lookup (``KVIndexReader.lookup``) is one EVALSHA, whatever the prompt length: the script reads
+every live engine's heartbeat and pending count and binary-searches its sorted set, about
+``engines x (log2(blocks) + 2)`` ZSCOREs on the server. It only reads, so it may run on a replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Protocol
+from urllib.parse import quote, urlsplit, urlunsplit
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from services.protocol.block_hash import BlockHash
+from services.protocol.messages import BLOCK_HASH_BYTES, EngineHeartbeat
+
+DEFAULT_NAMESPACE = "pagoda"
+DEFAULT_HEARTBEAT_TTL_S = 10.0  # engines should publish every ttl/3 or faster
+DEFAULT_BLOCK_TTL_S = 600.0
+DEFAULT_PROVISIONAL_TTL_S = 60.0
+DEFAULT_PENDING_TTL_S = 5.0
+DEFAULT_MAX_BLOCKS_PER_ENGINE = 1 << 18
+REGISTRY_TTL_S = 3600.0
+# Hashes per script call when applying events: keeps any one script run short (Redis is
+# single-threaded); several calls share one pipeline round trip.
+_EVENT_CHUNK = 2048
+
+# ---------------------------------------------------------------------------------------------
+# Lua scripts. Shared helper: ``now_ms()`` from the server clock; ``trim()`` drops expired
+# entries and caps the set. Scores are absolute expiry times in Redis milliseconds.
+
+_LUA_PRELUDE = """
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function trim(key, now, cap)
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  local extra = redis.call('ZCARD', key) - cap
+  if extra > 0 then redis.call('ZREMRANGEBYRANK', key, 0, extra - 1) end
+end
+local function extend_ttl(key, ttl)
+  local pttl = redis.call('PTTL', key)
+  if pttl == -1 or (pttl >= 0 and pttl < ttl) then redis.call('PEXPIRE', key, ttl) end
+end
+"""
+
+# KEYS[1] = engine's block set. ARGV = ttl_ms, cap, then ops: kind ('S'|'R'|'C'), n, n hashes.
+_APPLY_EVENTS_LUA = (
+    _LUA_PRELUDE
+    + """
+local key = KEYS[1]
+local ttl = tonumber(ARGV[1])
+local cap = tonumber(ARGV[2])
+local now = now_ms()
+local i = 3
+local stored = false
+while i <= #ARGV do
+  local kind = ARGV[i]
+  local n = tonumber(ARGV[i + 1])
+  if kind == 'S' then
+    for j = i + 2, i + 1 + n do redis.call('ZADD', key, now + ttl, ARGV[j]) end
+    stored = stored or n > 0
+  elseif kind == 'R' then
+    for j = i + 2, i + 1 + n do redis.call('ZREM', key, ARGV[j]) end
+  elseif kind == 'C' then
+    redis.call('DEL', key)
+  end
+  i = i + 2 + n
+end
+if redis.call('EXISTS', key) == 1 then
+  trim(key, now, cap)
+  if stored then redis.call('PEXPIRE', key, ttl) end
+end
+return redis.call('ZCARD', key)
+"""
+)
+
+# KEYS[1] = engines set. ARGV[1] = "ns:{model}:" prefix, ARGV[2..] = block hashes.
+# Returns {now_ms, {dead ids...}, id1, hb1, pending1, matched1, id2, ...}.
+_LOOKUP_LUA = (
+    _LUA_PRELUDE
+    + """
+local prefix = ARGV[1]
+local n = #ARGV - 1
+local now = now_ms()
+local out = {now, {}}
+local dead = out[2]
+local function held(key, idx)
+  local s = redis.call('ZSCORE', key, ARGV[idx + 1])
+  return s and tonumber(s) > now
+end
+local function leading(key)
+  if n == 0 or redis.call('EXISTS', key) == 0 or not held(key, 1) then return 0 end
+  if held(key, n) then return n end
+  local lo, hi = 1, n  -- invariant: held(lo), not held(hi)
+  while hi - lo > 1 do
+    local mid = math.floor((lo + hi) / 2)
+    if held(key, mid) then lo = mid else hi = mid end
+  end
+  return lo
+end
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local hb = redis.call('GET', prefix .. 'hb:' .. id)
+  if hb then
+    local pending = tonumber(redis.call('GET', prefix .. 'pend:' .. id) or '0')
+    out[#out + 1] = id
+    out[#out + 1] = hb
+    out[#out + 1] = pending
+    out[#out + 1] = leading(prefix .. 'blk:' .. id)
+  else
+    dead[#dead + 1] = id
+  end
+end
+return out
+"""
+)
+
+# KEYS[1] = chosen engine's block set, KEYS[2] = its pending counter, KEYS[3] = engines set.
+# ARGV = ttl_ms, cap, pending_ttl_ms, n_dead, dead ids..., block hashes...
+# ZADD GT never shortens an entry the engine itself stored.
+_MARK_LUA = (
+    _LUA_PRELUDE
+    + """
+local key = KEYS[1]
+local ttl = tonumber(ARGV[1])
+local cap = tonumber(ARGV[2])
+local pending_ttl = tonumber(ARGV[3])
+local n_dead = tonumber(ARGV[4])
+local now = now_ms()
+for j = 5, 4 + n_dead do redis.call('SREM', KEYS[3], ARGV[j]) end
+local first = 5 + n_dead
+if first <= #ARGV then
+  for j = first, #ARGV do redis.call('ZADD', key, 'GT', now + ttl, ARGV[j]) end
+  trim(key, now, cap)
+  extend_ttl(key, ttl)
+end
+local pending = redis.call('INCR', KEYS[2])
+redis.call('PEXPIRE', KEYS[2], pending_ttl)
+return pending
+"""
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Key names.
+
+
+@dataclass(frozen=True, slots=True)
+class RedisKeys:
+    """Key names for one deployment namespace. Model names are percent-encoded where they
+    contain characters that would break the layout (braces, whitespace, '%')."""
+
+    namespace: str = DEFAULT_NAMESPACE
+
+    def __post_init__(self) -> None:
+        if not self.namespace or any(c in self.namespace for c in "{}: \t\r\n"):
+            raise ValueError(
+                f"namespace must be non-empty without braces, colons or spaces: {self.namespace!r}"
+            )
+
+    def models(self) -> str:
+        return f"{self.namespace}:models"
+
+    def model_prefix(self, model: str) -> str:
+        if not model:
+            raise ValueError("model must be a non-empty string")
+        return f"{self.namespace}:{{{quote(model, safe='/:._-@+=')}}}:"
+
+    def engines(self, model: str) -> str:
+        return self.model_prefix(model) + "engines"
+
+    def heartbeat(self, model: str, engine_id: str) -> str:
+        return self.model_prefix(model) + "hb:" + engine_id
+
+    def blocks(self, model: str, engine_id: str) -> str:
+        return self.model_prefix(model) + "blk:" + engine_id
+
+    def pending(self, model: str, engine_id: str) -> str:
+        return self.model_prefix(model) + "pend:" + engine_id
+
+    def round_robin(self, model: str) -> str:
+        return self.model_prefix(model) + "rr"
+
+
+# ---------------------------------------------------------------------------------------------
+# Connections.
+
+
+def connect(
+    url: str, *, timeout_s: float = 0.5, retries: int = 1, max_connections: int | None = None
+) -> aioredis.Redis:
+    """An asyncio Redis client for ``redis://``, ``rediss://`` (TLS) or ``unix://`` URLs, with
+    credentials in the URL (``redis://:password@host:6379/0``, ``rediss://user:pw@host``).
+
+    Failures surface within about ``timeout_s x (retries + 1)``: redis-py's default retry
+    policy (10 retries with backoff) would stall every request while Redis is down."""
+    scheme = urlsplit(url).scheme
+    if scheme not in ("redis", "rediss", "unix"):
+        raise ValueError(f"Redis URL must start with redis://, rediss:// or unix://: {url!r}")
+    kwargs: dict[str, Any] = {
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+        "retry": Retry(NoBackoff(), retries),
+        "decode_responses": False,
+    }
+    if max_connections is not None:
+        kwargs["max_connections"] = max_connections
+    return aioredis.from_url(url, **kwargs)
+
+
+def redact_url(url: str) -> str:
+    """The URL with its password replaced by ``***``, for logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+# ---------------------------------------------------------------------------------------------
+# KV events (engine side).
+
+
+class KVEventKind(str, Enum):
+    STORED = "stored"
+    REMOVED = "removed"
+    CLEARED = "cleared"  # the engine dropped its whole prefix cache; block_hashes is ignored
+
+
+class KVEventLike(Protocol):
+    """What ``apply_events`` accepts: any object with these two attributes."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def block_hashes(self) -> Sequence[bytes]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class KVEvent:
+    kind: KVEventKind
+    block_hashes: tuple[BlockHash, ...] = ()
+
+
+_KIND_CODES = {KVEventKind.STORED: b"S", KVEventKind.REMOVED: b"R", KVEventKind.CLEARED: b"C"}
+
+
+def _event_ops(events: Iterable[KVEventLike]) -> list[tuple[bytes, list[bytes]]]:
+    """Validates events and turns them into (code, hashes) ops, in order; consecutive events
+    of one kind are merged."""
+    ops: list[tuple[bytes, list[bytes]]] = []
+    for i, event in enumerate(events):
+        raw_kind = getattr(event, "kind", None)
+        raw_kind = raw_kind.value if isinstance(raw_kind, Enum) else raw_kind
+        try:
+            kind = KVEventKind(raw_kind)
+        except ValueError:
+            raise ValueError(
+                f"event {i}: kind must be 'stored', 'removed' or 'cleared', got {raw_kind!r}"
+            ) from None
+        hashes: list[bytes] = []
+        if kind is not KVEventKind.CLEARED:
+            for h in getattr(event, "block_hashes", None) or ():
+                if not isinstance(h, (bytes, bytearray)) or len(h) != BLOCK_HASH_BYTES:
+                    raise ValueError(
+                        f"event {i}: block hashes must be {BLOCK_HASH_BYTES} raw bytes"
+                    )
+                hashes.append(bytes(h))
+        code = _KIND_CODES[kind]
+        if ops and ops[-1][0] == code and code != b"C":
+            ops[-1][1].extend(hashes)
+        else:
+            ops.append((code, hashes))
+    return ops
+
+
+def _batches(ops: list[tuple[bytes, list[bytes]]], limit: int) -> list[list[Any]]:
+    """Script argument lists (after the fixed head) of at most ``limit`` hashes each."""
+    batches: list[list[Any]] = [[]]
+    room = limit
+    for code, hashes in ops:
+        start = 0
+        while True:
+            if room <= 0:
+                batches.append([])
+                room = limit
+            part = hashes[start : start + room]
+            batches[-1] += [code, len(part), *part]
+            room -= max(1, len(part))
+            start += len(part)
+            if start >= len(hashes):
+                break
+    return batches
+
+
+def _check_ttl(name: str, value: float) -> int:
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
+    return max(1, int(value * 1000))
+
+
+class KVIndexPublisher:
+    """Engine side: heartbeats and KV events into Redis.
+
+    ``apply_events`` for one engine must be called from one task at a time, in event order
+    (the engine's event queue is the order of truth)."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: RedisKeys | None = None,
+        *,
+        block_ttl_s: float = DEFAULT_BLOCK_TTL_S,
+        max_blocks_per_engine: int = DEFAULT_MAX_BLOCKS_PER_ENGINE,
+    ) -> None:
+        if max_blocks_per_engine <= 0:
+            raise ValueError(f"max_blocks_per_engine must be > 0, got {max_blocks_per_engine}")
+        self._redis = redis
+        self.keys = keys or RedisKeys()
+        self._block_ttl_ms = _check_ttl("block_ttl_s", block_ttl_s)
+        self._cap = max_blocks_per_engine
+        self._apply = redis.register_script(_APPLY_EVENTS_LUA)
+
+    @classmethod
+    def from_url(cls, url: str, **kwargs: Any) -> KVIndexPublisher:
+        return cls(connect(url), **kwargs)
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()
+
+    async def publish_heartbeat(
+        self, hb: EngineHeartbeat, ttl_s: float = DEFAULT_HEARTBEAT_TTL_S
+    ) -> None:
+        """Marks the engine live for ``ttl_s`` with its current load. Also resets the routers'
+        pending count for it: the heartbeat's ``waiting`` now covers those requests."""
+        ttl_ms = _check_ttl("ttl_s", ttl_s)
+        registry_ms = int(REGISTRY_TTL_S * 1000)
+        k = self.keys
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.set(k.heartbeat(hb.model, hb.engine_id), hb.to_msgpack(), px=ttl_ms)
+            pipe.sadd(k.engines(hb.model), hb.engine_id)
+            pipe.pexpire(k.engines(hb.model), registry_ms)
+            pipe.delete(k.pending(hb.model, hb.engine_id))
+            pipe.sadd(k.models(), hb.model)
+            pipe.pexpire(k.models(), registry_ms)
+            await pipe.execute()
+
+    async def apply_events(self, engine_id: str, model: str, events: Iterable[KVEventLike]) -> int:
+        """Applies stored/removed/cleared events in order, in one round trip. Returns the
+        number of entries the engine's index holds afterwards."""
+        if not engine_id:
+            raise ValueError("engine_id must be a non-empty string")
+        ops = _event_ops(events)
+        key = self.keys.blocks(model, engine_id)
+        if not ops:
+            return int(await self._redis.zcard(key))
+        head = [self._block_ttl_ms, self._cap]
+        batches = _batches(ops, _EVENT_CHUNK)
+        if len(batches) == 1:
+            return int(await self._apply(keys=[key], args=head + batches[0]))
+        # Large batches: several short script runs (Redis is single-threaded) in one pipeline.
+        await self._redis.script_load(_APPLY_EVENTS_LUA)
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for batch in batches:
+                pipe.evalsha(self._apply.sha, 1, key, *head, *batch)
+            results = await pipe.execute()
+        return int(results[-1])
+
+    async def remove_engine(self, engine_id: str, model: str) -> None:
+        """Graceful shutdown: the engine stops being live and its index is dropped now."""
+        k = self.keys
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.delete(k.heartbeat(model, engine_id), k.blocks(model, engine_id))
+            pipe.delete(k.pending(model, engine_id))
+            pipe.srem(k.engines(model), engine_id)
+            await pipe.execute()
+
+
+# ---------------------------------------------------------------------------------------------
+# Router side.
+
+
+@dataclass(frozen=True, slots=True)
+class EngineMatch:
+    heartbeat: EngineHeartbeat
+    pending: int  # requests routers sent since the engine's last heartbeat
+    matched_blocks: int  # leading blocks of the prompt the engine holds
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    engines: list[EngineMatch]  # live engines of the model, in Redis set order
+    dead: list[str]  # engine ids registered but with no live heartbeat
+    server_time_ms: int
+
+
+class KVIndexReader:
+    """Router side: one-round-trip lookups and the write-back of a routing choice."""
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: RedisKeys | None = None,
+        *,
+        max_blocks_per_engine: int = DEFAULT_MAX_BLOCKS_PER_ENGINE,
+    ) -> None:
+        self._redis = redis
+        self.keys = keys or RedisKeys()
+        self._cap = max_blocks_per_engine
+        self._lookup = redis.register_script(_LOOKUP_LUA)
+        self._mark = redis.register_script(_MARK_LUA)
+        self._decoded: dict[bytes, EngineHeartbeat] = {}
+
+    async def lookup(self, model: str, block_hashes: Sequence[bytes]) -> LookupResult:
+        """For every live engine of ``model``: its heartbeat, pending count and how many
+        leading blocks of ``block_hashes`` it holds. One EVALSHA (plus a SCRIPT LOAD the first
+        time a server sees the script). Malformed heartbeats are skipped as dead."""
+        raw = await self._lookup(
+            keys=[self.keys.engines(model)], args=[self.keys.model_prefix(model), *block_hashes]
+        )
+        engines: list[EngineMatch] = []
+        dead = [_text(d) for d in raw[1]]
+        for i in range(2, len(raw) - 3, 4):
+            hb = self._heartbeat(raw[i + 1])
+            if hb is None or hb.model != model:
+                dead.append(_text(raw[i]))
+                continue
+            engines.append(EngineMatch(hb, int(raw[i + 2]), int(raw[i + 3])))
+        return LookupResult(engines, dead, int(raw[0]))
+
+    async def mark(
+        self,
+        model: str,
+        engine_id: str,
+        block_hashes: Sequence[bytes],
+        *,
+        ttl_s: float = DEFAULT_PROVISIONAL_TTL_S,
+        pending_ttl_s: float = DEFAULT_PENDING_TTL_S,
+        forget: Sequence[str] = (),
+    ) -> int:
+        """Records a routing choice at once: ``engine_id`` provisionally holds the blocks
+        (never shortening what the engine itself stored), its pending count goes up by one,
+        and ``forget`` (dead engine ids from a lookup) leave the model's engine set. Returns
+        the new pending count."""
+        k = self.keys
+        args: list[Any] = [
+            _check_ttl("ttl_s", ttl_s),
+            self._cap,
+            _check_ttl("pending_ttl_s", pending_ttl_s),
+            len(forget),
+            *forget,
+            *block_hashes,
+        ]
+        keys = [k.blocks(model, engine_id), k.pending(model, engine_id), k.engines(model)]
+        return int(await self._mark(keys=keys, args=args))
+
+    async def next_counter(self, model: str) -> int:
+        """A counter shared by every router replica (round-robin)."""
+        return int(await self._redis.incr(self.keys.round_robin(model)))
+
+    async def live_engines(self, model: str) -> LookupResult:
+        return await self.lookup(model, ())
+
+    async def models(self) -> list[str]:
+        return sorted(_text(m) for m in await self._redis.smembers(self.keys.models()))
+
+    async def ping(self) -> bool:
+        return bool(await self._redis.ping())
+
+    def _heartbeat(self, blob: bytes) -> EngineHeartbeat | None:
+        hb = self._decoded.get(blob)
+        if hb is None:
+            try:
+                hb = EngineHeartbeat.from_msgpack(blob)
+            except ValueError:
+                return None
+            if len(self._decoded) >= 4096:
+                self._decoded.clear()
+            self._decoded[blob] = hb
+        return hb
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,29 @@
+"""``python -m services.router --help``"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+from aiohttp import web
+
+from services.router.config import RouterConfig
+from services.router.server import create_app
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = RouterConfig.from_args(argv)
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    # run_app handles SIGINT/SIGTERM: stop accepting, finish running handlers, run cleanup_ctx.
+    web.run_app(
+        create_app(config), host=config.host, port=config.port, print=None, shutdown_timeout=10.0
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

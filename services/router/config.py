@@ -1,0 +1,191 @@
+"""Router configuration: one dataclass; every field is one CLI flag (``--redis-url`` for
+``redis_url``), built from the fields themselves so the two cannot drift apart."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+from urllib.parse import urlsplit
+
+from services.protocol.redis_schema import (
+    DEFAULT_MAX_BLOCKS_PER_ENGINE,
+    DEFAULT_NAMESPACE,
+    DEFAULT_PENDING_TTL_S,
+    DEFAULT_PROVISIONAL_TTL_S,
+    RedisKeys,
+)
+
+
+class PolicyName(str, Enum):
+    PREFIX = "prefix"
+    LEAST_LOADED = "least-loaded"
+    ROUND_ROBIN = "round-robin"
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    host: str = field(default="0.0.0.0", metadata=_help("address to listen on"))
+    port: int = field(default=8100, metadata=_help("port to listen on"))
+    redis_url: str = field(
+        default="redis://127.0.0.1:6379/0",
+        metadata=_help(
+            "Redis URL: redis://[:password@]host:port/db, rediss:// for TLS, unix:///path"
+        ),
+    )
+    redis_namespace: str = field(
+        default=DEFAULT_NAMESPACE, metadata=_help("prefix of every Redis key")
+    )
+    redis_timeout_s: float = field(
+        default=0.25, metadata=_help("Redis connect/read timeout per attempt")
+    )
+    redis_retry_s: float = field(
+        default=1.0,
+        metadata=_help("after a Redis error, route from the fallback this long before retrying"),
+    )
+    engines: tuple[str, ...] = field(
+        default=(),
+        metadata=_help("static engine URLs, comma separated (instead of Kubernetes discovery)"),
+    )
+    k8s_service: str | None = field(
+        default=None, metadata=_help("discover engines from this Service's EndpointSlices")
+    )
+    k8s_namespace: str | None = field(
+        default=None,
+        metadata=_help("namespace of --k8s-service (default: the pod's own, else 'default')"),
+    )
+    k8s_port_name: str | None = field(
+        default=None,
+        metadata=_help("EndpointSlice port name to use (default: 'http' if any, else the first)"),
+    )
+    k8s_scheme: str = field(default="http", metadata=_help("URL scheme of discovered engines"))
+    k8s_api_url: str | None = field(
+        default=None,
+        metadata=_help("Kubernetes API URL (default: in-cluster config, else ~/.kube/config)"),
+    )
+    k8s_backoff_max_s: float = field(
+        default=30.0, metadata=_help("longest wait between watch restarts")
+    )
+    policy: PolicyName = field(default=PolicyName.PREFIX, metadata=_help("routing policy"))
+    load_weight: float = field(
+        default=0.5,
+        metadata=_help("prefix policy: weight of load (0..1 of the busiest) vs matched ratio"),
+    )
+    hot_spot_ratio: float = field(
+        default=2.0,
+        metadata=_help("prefix policy: balance when the chosen engine is this many times busier"),
+    )
+    hot_spot_min_load: int = field(
+        default=4,
+        metadata=_help("...than the least busy one and has at least this running+waiting+pending"),
+    )
+    provisional_ttl_s: float = field(
+        default=DEFAULT_PROVISIONAL_TTL_S,
+        metadata=_help("how long a routing write-back claims the prompt's blocks"),
+    )
+    pending_ttl_s: float = field(
+        default=DEFAULT_PENDING_TTL_S,
+        metadata=_help("how long a routed request counts as load before a heartbeat"),
+    )
+    max_blocks_per_engine: int = field(
+        default=DEFAULT_MAX_BLOCKS_PER_ENGINE,
+        metadata=_help("cap of an engine's entries in the Redis block index"),
+    )
+    fallback_max_age_s: float = field(
+        default=300.0, metadata=_help("Redis down: route by heartbeats seen at most this long ago")
+    )
+    log_level: str = field(default="INFO", metadata=_help("logging level"))
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if urlsplit(self.redis_url).scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(
+                f"redis_url must be redis://, rediss:// or unix://: {self.redis_url!r}"
+            )
+        RedisKeys(self.redis_namespace)  # validates
+        object.__setattr__(self, "policy", _enum(PolicyName, self.policy, "policy"))
+        object.__setattr__(self, "engines", tuple(u.strip() for u in self.engines if u.strip()))
+        for url in self.engines:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"engine URL must be http(s)://host:port, got {url!r}")
+        if self.engines and self.k8s_service:
+            raise ValueError("use either --engines or --k8s-service, not both")
+        if self.k8s_scheme not in ("http", "https"):
+            raise ValueError(f"k8s_scheme must be http or https, got {self.k8s_scheme!r}")
+        for name in (
+            "redis_timeout_s",
+            "redis_retry_s",
+            "k8s_backoff_max_s",
+            "provisional_ttl_s",
+            "pending_ttl_s",
+            "fallback_max_age_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not 0 <= self.load_weight <= 10:
+            raise ValueError(f"load_weight must be in [0, 10], got {self.load_weight}")
+        if not self.hot_spot_ratio >= 1:
+            raise ValueError(f"hot_spot_ratio must be >= 1, got {self.hot_spot_ratio}")
+        if self.hot_spot_min_load < 0:
+            raise ValueError(f"hot_spot_min_load must be >= 0, got {self.hot_spot_min_load}")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise ValueError("log_level must be DEBUG, INFO, WARNING, ERROR or CRITICAL")
+        if self.max_blocks_per_engine <= 0:
+            raise ValueError(f"max_blocks_per_engine must be > 0, got {self.max_blocks_per_engine}")
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str] | None = None) -> RouterConfig:
+        ns = build_parser().parse_args(argv)
+        try:
+            return cls(**vars(ns))
+        except ValueError as exc:
+            build_parser().error(str(exc))
+            raise  # unreachable: error() exits
+
+
+def _enum(cls: type[Enum], value: Any, name: str) -> Any:
+    try:
+        return cls(value)
+    except ValueError:
+        allowed = ", ".join(m.value for m in cls)
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}") from None
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m services.router",
+        description="Pagoda prefix-aware router: picks an engine for each prompt.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    hints = typing.get_type_hints(RouterConfig)
+    for f in dataclasses.fields(RouterConfig):
+        hint = hints[f.name]
+        flag = "--" + f.name.replace("_", "-")
+        kwargs: dict[str, Any] = {"default": f.default, "help": f.metadata["help"], "dest": f.name}
+        if isinstance(hint, type) and issubclass(hint, Enum):
+            kwargs["choices"] = [m.value for m in hint]
+            kwargs["default"] = f.default.value
+        elif hint == tuple[str, ...]:
+            kwargs["type"] = _csv
+            kwargs["metavar"] = "URL,..."
+            kwargs["default"] = ()
+        elif hint in (int, float):
+            kwargs["type"] = hint
+        else:  # str and str | None
+            kwargs["type"] = str
+        parser.add_argument(flag, **kwargs)
+    return parser

@@ -1,0 +1,268 @@
+"""Router-side view of the Redis block index: lookups, write-back of choices, and the
+in-process fallback used while Redis is unreachable.
+
+Normal operation keeps no state in the process: every answer comes from Redis, so replicas
+agree. The last heartbeats seen are cached only to route by load while Redis is down
+("degraded"); requests never fail because of Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from redis.exceptions import RedisError
+
+from services.protocol.messages import EngineHeartbeat
+from services.protocol.redis_schema import (
+    DEFAULT_PENDING_TTL_S,
+    DEFAULT_PROVISIONAL_TTL_S,
+    KVEvent,
+    KVEventKind,
+    KVIndexPublisher,
+    KVIndexReader,
+    RedisKeys,
+    connect,
+)
+from services.router.discovery import normalize_url
+from services.router.metrics import RouterMetrics
+
+logger = logging.getLogger(__name__)
+
+REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineView:
+    heartbeat: EngineHeartbeat
+    pending: int
+    matched_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class IndexSnapshot:
+    engines: list[EngineView]  # live engines of the model
+    dead: list[str]  # registered engine ids whose heartbeat expired
+    degraded: bool  # True: Redis unreachable, engines from the fallback cache
+
+
+class RouterIndex:
+    def __init__(
+        self,
+        reader: KVIndexReader,
+        metrics: RouterMetrics,
+        *,
+        provisional_ttl_s: float = DEFAULT_PROVISIONAL_TTL_S,
+        pending_ttl_s: float = DEFAULT_PENDING_TTL_S,
+        retry_s: float = 1.0,
+        fallback_max_age_s: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._reader = reader
+        self._metrics = metrics
+        self._provisional_ttl_s = provisional_ttl_s
+        self._pending_ttl_s = pending_ttl_s
+        self._retry_s = retry_s
+        self._max_age_s = fallback_max_age_s
+        self._clock = clock
+        self._down_until = 0.0
+        self._seen: dict[str, dict[str, tuple[EngineHeartbeat, float]]] = {}
+        self._local_pending: dict[str, dict[str, int]] = {}
+        self._local_counter: dict[str, int] = {}
+
+    @property
+    def redis_available(self) -> bool:
+        """False while in the back-off window after a Redis error."""
+        return self._clock() >= self._down_until
+
+    async def lookup(self, model: str, block_hashes: Sequence[bytes]) -> IndexSnapshot:
+        if self.redis_available:
+            start = time.perf_counter()
+            try:
+                result = await self._reader.lookup(model, block_hashes)
+            except REDIS_ERRORS as exc:
+                self._redis_failed("lookup", exc)
+            else:
+                self._metrics.lookup_seconds.observe(time.perf_counter() - start)
+                self._remember(model, [m.heartbeat for m in result.engines])
+                views = [
+                    EngineView(m.heartbeat, m.pending, m.matched_blocks) for m in result.engines
+                ]
+                return IndexSnapshot(views, result.dead, degraded=False)
+        return IndexSnapshot(self._fallback(model), [], degraded=True)
+
+    async def record_choice(
+        self,
+        model: str,
+        engine_id: str,
+        block_hashes: Sequence[bytes],
+        snapshot: IndexSnapshot,
+    ) -> None:
+        """Writes the choice back at once: the engine provisionally holds the prompt's blocks
+        (so sibling requests follow it) and one more request is pending on it."""
+        if not snapshot.degraded and self.redis_available:
+            try:
+                await self._reader.mark(
+                    model,
+                    engine_id,
+                    block_hashes,
+                    ttl_s=self._provisional_ttl_s,
+                    pending_ttl_s=self._pending_ttl_s,
+                    forget=snapshot.dead,
+                )
+                return
+            except REDIS_ERRORS as exc:
+                self._redis_failed("mark", exc)
+        pending = self._local_pending.setdefault(model, {})
+        pending[engine_id] = pending.get(engine_id, 0) + 1
+
+    async def next_counter(self, model: str) -> int:
+        if self.redis_available:
+            try:
+                return await self._reader.next_counter(model)
+            except REDIS_ERRORS as exc:
+                self._redis_failed("counter", exc)
+        self._local_counter[model] = self._local_counter.get(model, 0) + 1
+        return self._local_counter[model]
+
+    async def models(self) -> list[str] | None:
+        """Models with registered engines, or None when Redis is unreachable."""
+        if self.redis_available:
+            try:
+                return await self._reader.models()
+            except REDIS_ERRORS as exc:
+                self._redis_failed("models", exc)
+        return None
+
+    async def ping(self) -> bool:
+        try:
+            ok = await self._reader.ping()
+        except REDIS_ERRORS as exc:
+            self._redis_failed("ping", exc)
+            return False
+        self._down_until = 0.0
+        return ok
+
+    def cached_models(self) -> list[str]:
+        return sorted(self._seen)
+
+    def local_pending(self, model: str) -> dict[str, int]:
+        """Requests routed per engine while degraded (reset when Redis answers again)."""
+        return dict(self._local_pending.get(model, {}))
+
+    def engines_of_other_models(self, model: str) -> set[str]:
+        """Engine ids and normalized URLs last seen serving a model other than ``model``."""
+        out: set[str] = set()
+        for other, engines in self._seen.items():
+            if other != model:
+                for engine_id, (hb, _) in engines.items():
+                    out.add(engine_id)
+                    out.add(normalize_url(hb.url))
+        return out
+
+    def _redis_failed(self, op: str, exc: BaseException) -> None:
+        self._metrics.redis_errors.labels(op=op).inc()
+        if self.redis_available:
+            logger.warning("redis unavailable op=%s error=%r; routing by last known load", op, exc)
+        self._down_until = self._clock() + self._retry_s
+
+    def _remember(self, model: str, heartbeats: list[EngineHeartbeat]) -> None:
+        now = self._clock()
+        self._seen[model] = {hb.engine_id: (hb, now) for hb in heartbeats}
+        self._local_pending.pop(model, None)
+
+    def _fallback(self, model: str) -> list[EngineView]:
+        oldest = self._clock() - self._max_age_s
+        pending = self._local_pending.get(model, {})
+        return [
+            EngineView(hb, pending.get(engine_id, 0), 0)
+            for engine_id, (hb, seen) in sorted(self._seen.get(model, {}).items())
+            if seen >= oldest
+        ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Lookup latency at scale, for benchmarks (benchmarks/routing_lookup.py may call this).
+
+
+@dataclass(frozen=True, slots=True)
+class LookupLatency:
+    engines: int
+    blocks_per_engine: int
+    indexed_blocks: int
+    prompt_blocks: int
+    lookups: int
+    p50_ms: float
+    p99_ms: float
+    mean_ms: float
+
+
+async def measure_lookup_latency(
+    redis_url: str,
+    *,
+    engines: int = 128,
+    blocks_per_engine: int = 8192,
+    prompt_blocks: int = 128,
+    lookups: int = 500,
+    model: str = "bench-model",
+    namespace: str = "pagoda-bench",
+) -> LookupLatency:
+    """Fills the index with ``engines x blocks_per_engine`` entries (each engine holds chains
+    of ``prompt_blocks`` blocks, half of them shared with the prompts looked up) and times
+    ``lookups`` lookups of ``prompt_blocks``-block prompts, end to end from Python (one
+    EVALSHA each). Uses its own key namespace and deletes it afterwards."""
+    if engines <= 0 or blocks_per_engine <= 0 or prompt_blocks <= 0 or lookups <= 0:
+        raise ValueError("engines, blocks_per_engine, prompt_blocks and lookups must be > 0")
+    keys = RedisKeys(namespace)
+    redis = connect(redis_url, timeout_s=30.0)
+    publisher = KVIndexPublisher(redis, keys, max_blocks_per_engine=blocks_per_engine)
+    reader = KVIndexReader(redis, keys, max_blocks_per_engine=blocks_per_engine)
+    prompts = [[os.urandom(16) for _ in range(prompt_blocks)] for _ in range(16)]
+    try:
+        for e in range(engines):
+            engine_id = f"engine-{e:04d}"
+            await publisher.publish_heartbeat(
+                EngineHeartbeat(
+                    engine_id,
+                    f"http://10.0.{e // 250}.{e % 250}:8000",
+                    model,
+                    16,
+                    0,
+                    0,
+                    0.0,
+                    100,
+                    100,
+                    time.time(),
+                ),
+                ttl_s=600,
+            )
+            # A prefix of one of the looked-up prompts (engine-dependent length), then filler.
+            shared = prompts[e % len(prompts)][: (e * 7) % prompt_blocks]
+            held = list(shared)
+            held += [os.urandom(16) for _ in range(blocks_per_engine - len(held))]
+            await publisher.apply_events(engine_id, model, [KVEvent(KVEventKind.STORED, held)])
+        samples = []
+        for i in range(lookups):
+            start = time.perf_counter()
+            await reader.lookup(model, prompts[i % len(prompts)])
+            samples.append((time.perf_counter() - start) * 1000)
+        samples.sort()
+        return LookupLatency(
+            engines=engines,
+            blocks_per_engine=blocks_per_engine,
+            indexed_blocks=engines * blocks_per_engine,
+            prompt_blocks=prompt_blocks,
+            lookups=lookups,
+            p50_ms=samples[len(samples) // 2],
+            p99_ms=samples[min(len(samples) - 1, int(len(samples) * 0.99))],
+            mean_ms=statistics.fmean(samples),
+        )
+    finally:
+        async for key in redis.scan_iter(match=f"{namespace}:*", count=1000):
+            await redis.unlink(key)
+        await redis.aclose()

@@ -1,0 +1,52 @@
+"""Prometheus metrics of one router app (own registry, so several apps can share a process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_RATIO_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
+_LOOKUP_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.decisions = Counter(
+            "pagoda_router_decisions",
+            "Routing decisions by policy and reason",
+            ["policy", "reason"],
+            registry=r,
+        )
+        self.matched_ratio = Histogram(
+            "pagoda_router_matched_block_ratio",
+            "Leading blocks the chosen engine holds / blocks in the prompt",
+            buckets=_RATIO_BUCKETS,
+            registry=r,
+        )
+        self.lookup_seconds = Histogram(
+            "pagoda_router_lookup_seconds",
+            "Time of the Redis block-index lookup (one round trip)",
+            buckets=_LOOKUP_BUCKETS,
+            registry=r,
+        )
+        self.redis_errors = Counter(
+            "pagoda_router_redis_errors", "Redis calls that failed", ["op"], registry=r
+        )
+        self.no_engine = Counter(
+            "pagoda_router_no_engine",
+            "Requests answered with no engine (503: none live, 409: all excluded)",
+            ["status"],
+            registry=r,
+        )
+        self.live_engines = Gauge(
+            "pagoda_router_live_engines",
+            "Engines discovered and with a live heartbeat, per model",
+            ["model"],
+            registry=r,
+        )
+        self.discovery_restarts = Counter(
+            "pagoda_router_discovery_restarts",
+            "Kubernetes watch restarts after an error",
+            registry=r,
+        )

@@ -1,0 +1,157 @@
+"""The router's HTTP API (aiohttp).
+
+POST /route     msgpack RouteRequest -> msgpack RouteResponse
+                400 JSON: bad body; 503 JSON: no live engine serves the model;
+                409 JSON: live engines exist but the request excluded them all
+GET  /engines   JSON: live engines with their load (?model=NAME for one model)
+GET  /health    JSON liveness, with Redis and discovery state (always 200)
+GET  /ready     200 once engine discovery has synced, else 503 (Redis does not gate it:
+                without Redis the router still routes, by load)
+GET  /metrics   Prometheus text
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from services.protocol.messages import RouteRequest
+from services.protocol.redis_schema import KVIndexReader, RedisKeys, connect, redact_url
+from services.router.config import RouterConfig
+from services.router.discovery import (
+    Discovery,
+    KubernetesDiscovery,
+    OpenDiscovery,
+    StaticDiscovery,
+    default_api_client,
+)
+from services.router.index import RouterIndex
+from services.router.metrics import RouterMetrics
+from services.router.policies import make_policy
+from services.router.routing import NoEngineError, Router, status_dict
+
+logger = logging.getLogger(__name__)
+
+MSGPACK = "application/msgpack"
+MAX_BODY_BYTES = 8 * 1024 * 1024  # ~450k block hashes: prompts of several million tokens
+
+CONFIG_KEY = web.AppKey("config", RouterConfig)
+METRICS_KEY = web.AppKey("metrics", RouterMetrics)
+ROUTER_KEY = web.AppKey("router", Router)
+
+
+def create_app(config: RouterConfig) -> web.Application:
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app[CONFIG_KEY] = config
+    app[METRICS_KEY] = RouterMetrics()
+    app.cleanup_ctx.append(_lifecycle)
+    app.router.add_post("/route", handle_route)
+    app.router.add_get("/engines", handle_engines)
+    app.router.add_get("/health", handle_health)
+    app.router.add_get("/ready", handle_ready)
+    app.router.add_get("/metrics", handle_metrics)
+    return app
+
+
+def build_discovery(config: RouterConfig, metrics: RouterMetrics) -> Discovery:
+    if config.k8s_service:
+        api_url = config.k8s_api_url
+        return KubernetesDiscovery(
+            config.k8s_service,
+            config.k8s_namespace,
+            port_name=config.k8s_port_name,
+            scheme=config.k8s_scheme,
+            api_client_factory=lambda: default_api_client(api_url),
+            backoff_max_s=config.k8s_backoff_max_s,
+            on_restart=metrics.discovery_restarts.inc,
+        )
+    if config.engines:
+        return StaticDiscovery(config.engines)
+    return OpenDiscovery()
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    """Every long-lived resource: the Redis pool and the discovery watch."""
+    config = app[CONFIG_KEY]
+    metrics = app[METRICS_KEY]
+    redis = connect(config.redis_url, timeout_s=config.redis_timeout_s)
+    reader = KVIndexReader(
+        redis,
+        RedisKeys(config.redis_namespace),
+        max_blocks_per_engine=config.max_blocks_per_engine,
+    )
+    index = RouterIndex(
+        reader,
+        metrics,
+        provisional_ttl_s=config.provisional_ttl_s,
+        pending_ttl_s=config.pending_ttl_s,
+        retry_s=config.redis_retry_s,
+        fallback_max_age_s=config.fallback_max_age_s,
+    )
+    discovery = build_discovery(config, metrics)
+    app[ROUTER_KEY] = Router(index, discovery, make_policy(config.policy, config), metrics)
+    await discovery.start()
+    logger.info(
+        "router started policy=%s redis=%s discovery=%s",
+        config.policy.value,
+        redact_url(config.redis_url),
+        type(discovery).__name__,
+    )
+    try:
+        yield
+    finally:
+        await discovery.stop()
+        await redis.aclose()
+
+
+def _error(status: int, message: str, kind: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind}}, status=status)
+
+
+async def handle_route(request: web.Request) -> web.Response:
+    body = await request.read()
+    try:
+        route_request = RouteRequest.from_msgpack(body)
+    except ValueError as exc:
+        return _error(400, str(exc), "invalid_request")
+    try:
+        response = await request.app[ROUTER_KEY].route(route_request)
+    except NoEngineError as exc:
+        return _error(exc.status, exc.message, "no_engine")
+    return web.Response(body=response.to_msgpack(), content_type=MSGPACK)
+
+
+async def handle_engines(request: web.Request) -> web.Response:
+    model = request.query.get("model") or None
+    rows, degraded = await request.app[ROUTER_KEY].engines(model)
+    return web.json_response({"engines": [status_dict(r) for r in rows], "degraded": degraded})
+
+
+async def handle_health(request: web.Request) -> web.Response:
+    router = request.app[ROUTER_KEY]
+    redis_ok = await router.index.ping()
+    body: dict[str, Any] = {
+        "status": "ok",
+        "redis": "ok" if redis_ok else "unavailable",
+        "discovery": {
+            "kind": type(router.discovery).__name__,
+            "synced": router.discovery.synced,
+            "engines": len(router.discovery.current().engines),
+        },
+        "policy": router.policy.name.value,
+    }
+    return web.json_response(body)
+
+
+async def handle_ready(request: web.Request) -> web.Response:
+    synced = request.app[ROUTER_KEY].discovery.synced
+    return web.json_response({"ready": synced}, status=200 if synced else 503)
+
+
+async def handle_metrics(request: web.Request) -> web.Response:
+    payload = generate_latest(request.app[METRICS_KEY].registry)
+    return web.Response(body=payload, headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -1,0 +1,143 @@
+"""`make serve`: the whole stack on one machine.
+
+Starts a real redis-server on loopback (installing it if missing), ENGINES engine processes,
+the router and the gateway; Ctrl-C (or SIGTERM) stops all of it, engines first drained.
+
+    python -m services.serve --port 8000 --engines 1 [--model PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+logger = logging.getLogger("pagoda.serve")
+
+# Variables every child inherits untouched (OpenTelemetry is configured through OTEL_*).
+_PY = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_redis_server() -> str:
+    path = shutil.which("redis-server")
+    if path:
+        return path
+    logger.info("redis-server not found; installing it with apt-get")
+    subprocess.run(["apt-get", "update", "-qq"], check=False)
+    subprocess.run(["apt-get", "install", "-y", "-qq", "redis-server"], check=True)
+    path = shutil.which("redis-server")
+    if not path:
+        raise SystemExit("could not install redis-server; install it and retry")
+    return path
+
+
+def wait_http(url: str, timeout: float, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{url} exited with code {proc.returncode} during start-up")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{url} did not become healthy in {timeout:.0f}s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--port", type=int, default=8000, help="gateway port")
+    ap.add_argument("--engines", type=int, default=1, help="engine processes")
+    ap.add_argument("--model", default=None, help="HF model directory (default: SmolLM2)")
+    ap.add_argument("--policy", default="prefix", help="routing policy")
+    ap.add_argument("--api-key", action="append", default=[], help="require this API key")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if args.engines < 1:
+        raise SystemExit("--engines must be >= 1")
+
+    from services.engine.models.default import default_model_path
+
+    model_dir = Path(args.model) if args.model else default_model_path()
+    model_name = model_dir.name
+    procs: list[tuple[str, subprocess.Popen]] = []
+
+    def start(name: str, cmd: list[str]) -> subprocess.Popen:
+        logger.info("starting %s", name)
+        p = subprocess.Popen(cmd, env=os.environ.copy())
+        procs.append((name, p))
+        return p
+
+    def stop_all(*_: object) -> None:
+        for name, p in reversed(procs):  # gateway first, engines (drained), redis last
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for name, p in reversed(procs):
+            try:
+                p.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop; killing it", name)
+                p.kill()
+
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        redis_port = free_port()
+        start("redis", [ensure_redis_server(), "--port", str(redis_port), "--bind", "127.0.0.1",
+                        "--save", "", "--appendonly", "no", "--loglevel", "warning"])
+        redis_url = f"redis://127.0.0.1:{redis_port}/0"
+        threads = max(1, (os.cpu_count() or 1) // args.engines)
+        engine_urls = []
+        for i in range(args.engines):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            engine_urls.append(url)
+            env_threads = {"OMP_NUM_THREADS": str(threads)}
+            os.environ.update(env_threads)
+            p = start(f"engine-{i}", [_PY, "-m", "services.engine.server", "--port", str(port),
+                                      "--model", str(model_dir), "--engine-id", f"engine-{i}",
+                                      "--redis-url", redis_url])
+            wait_http(f"{url}/health", 600, p)
+        router_port = free_port()
+        p = start("router", [_PY, "-m", "services.router", "--port", str(router_port),
+                             "--redis-url", redis_url, "--engines", ",".join(engine_urls),
+                             "--policy", args.policy])
+        wait_http(f"http://127.0.0.1:{router_port}/health", 60, p)
+        gw_cmd = [_PY, "-m", "services.gateway", "--port", str(args.port),
+                  "--router-url", f"http://127.0.0.1:{router_port}",
+                  "--model", f"{model_name}={model_dir}"]
+        for key in args.api_key:
+            gw_cmd += ["--api-key", key]
+        p = start("gateway", gw_cmd)
+        wait_http(f"http://127.0.0.1:{args.port}/health", 120, p)
+        logger.info("Pagoda is serving %s at http://127.0.0.1:%d/v1 (Ctrl-C stops)",
+                    model_name, args.port)
+        while all(p.poll() is None for _, p in procs):
+            time.sleep(0.5)
+        dead = [name for name, p in procs if p.poll() is not None]
+        logger.error("a process exited: %s; stopping everything", dead)
+        return 1
+    except KeyboardInterrupt:
+        logger.info("stopping")
+        return 0
+    finally:
+        stop_all()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

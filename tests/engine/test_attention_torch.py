@@ -1,0 +1,273 @@
+"""TorchAttentionBackend against a naive dense causal attention over contiguous K/V."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from services.engine.attention.base import AttentionMetadata
+from services.engine.attention.metadata import build_attention_metadata
+from services.engine.attention.torch_backend import TorchAttentionBackend
+
+
+@dataclass
+class Batch:
+    meta: AttentionMetadata
+    query: torch.Tensor  # [num_tokens, H, D]
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    keys: list[torch.Tensor]  # per request, contiguous [seq_len, H_kv, D]
+    values: list[torch.Tensor]
+
+
+def make_batch(
+    seq_lens: list[int],
+    query_lens: list[int],
+    *,
+    block_size: int = 16,
+    num_heads: int = 6,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> Batch:
+    """Random K/V written straight into a paged cache through shuffled (non-contiguous) blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_needed = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_needed) + 3  # spare blocks hold garbage that must never be read
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, start = [], 0
+    for n in blocks_needed:
+        tables.append(perm[start : start + n])
+        start += n
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    keys, values = [], []
+    for table, n in zip(tables, seq_lens, strict=True):
+        k = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
+        for p in range(n):
+            k_cache[table[p // block_size], p % block_size] = k[p]
+            v_cache[table[p // block_size], p % block_size] = v[p]
+        keys.append(k)
+        values.append(v)
+    meta, _ = build_attention_metadata(tables, seq_lens, query_lens, block_size)
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(dtype)
+    return Batch(meta, query, k_cache, v_cache, keys, values)
+
+
+def naive_attention(batch: Batch, scale: float) -> torch.Tensor:
+    """Materialises each request's K/V and applies a plain masked softmax in float64."""
+    outs = []
+    start = 0
+    for q_len, k, v in zip(batch.meta.query_lens, batch.keys, batch.values, strict=True):
+        q = batch.query[start : start + q_len].double()
+        start += q_len
+        seq_len, num_kv_heads = k.shape[0], k.shape[1]
+        group = q.shape[1] // num_kv_heads
+        k = k.double().repeat_interleave(group, dim=1)  # [L, H, D]
+        v = v.double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        scores = scores.masked_fill(torch.arange(seq_len)[None, :] > q_pos, float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+    return torch.cat(outs).to(batch.query.dtype)
+
+
+def run_and_compare(batch: Batch, atol: float = 1e-5) -> None:
+    scale = batch.query.shape[-1] ** -0.5
+    out = TorchAttentionBackend().forward(
+        batch.query, batch.k_cache, batch.v_cache, batch.meta, scale
+    )
+    assert out.shape == batch.query.shape
+    assert out.dtype == batch.query.dtype
+    torch.testing.assert_close(out, naive_attention(batch, scale), atol=atol, rtol=atol)
+
+
+# ---------------------------------------------------------------------- forward
+
+
+@pytest.mark.parametrize("block_size", [16, 8])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(6, 2), (4, 4), (9, 3)])
+def test_decode_only_varied_lengths(block_size: int, num_heads: int, num_kv_heads: int) -> None:
+    seq_lens = [1, 7, 16, 17, 40, 33]  # single token, block boundary, just past it
+    batch = make_batch(
+        seq_lens,
+        [1] * len(seq_lens),
+        block_size=block_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+    )
+    run_and_compare(batch)
+
+
+def test_decode_only_equal_lengths_needs_no_mask() -> None:
+    run_and_compare(make_batch([24, 24, 24], [1, 1, 1], block_size=8))
+
+
+def test_decode_single_request() -> None:
+    run_and_compare(make_batch([50], [1]))
+
+
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_prefill_without_prefix(block_size: int) -> None:
+    run_and_compare(make_batch([5, 19, 32], [5, 19, 32], block_size=block_size))
+
+
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_prefill_chunk_over_cached_prefix(block_size: int) -> None:
+    # Chunks that start mid-block, on a block boundary, and end the sequence.
+    run_and_compare(make_batch([29, 32, 45], [10, 16, 3], block_size=block_size))
+
+
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_mixed_batch(block_size: int) -> None:
+    # Decodes before, between and after prefills, so outputs must be scattered back in place.
+    seq_lens = [20, 37, 9, 12, 50, 3]
+    query_lens = [1, 12, 1, 12, 1, 3]
+    run_and_compare(make_batch(seq_lens, query_lens, block_size=block_size, num_heads=8))
+
+
+def test_bfloat16_matches_within_rounding() -> None:
+    batch = make_batch([30, 12, 7], [1, 12, 3], dtype=torch.bfloat16)
+    run_and_compare(batch, atol=2e-2)
+
+
+def test_non_contiguous_query_view() -> None:
+    """The model passes q as a strided view of a fused qk tensor."""
+    batch = make_batch([9, 21], [1, 5])
+    num_tokens, num_heads, head_dim = batch.query.shape
+    fused = torch.randn(num_tokens, num_heads + 2, head_dim)
+    fused[:, :num_heads] = batch.query
+    batch.query = fused[:, :num_heads]
+    assert not batch.query.is_contiguous()
+    run_and_compare(batch)
+
+
+def test_new_metadata_is_not_served_from_the_previous_plan() -> None:
+    backend = TorchAttentionBackend()
+    first = make_batch([20, 30], [1, 1], seed=1)
+    second = make_batch([20, 30], [1, 1], seed=2)  # same shapes, other block tables
+    scale = 0.2
+    for batch in (first, second, first):
+        out = backend.forward(batch.query, batch.k_cache, batch.v_cache, batch.meta, scale)
+        torch.testing.assert_close(out, naive_attention(batch, scale), atol=1e-5, rtol=1e-5)
+
+
+def test_store_then_attend_over_steps() -> None:
+    """store_kv + forward through real metadata: a prefill chunk, a second chunk, a decode."""
+    gen = torch.Generator().manual_seed(3)
+    block_size, num_heads, num_kv_heads, head_dim = 8, 4, 2, 16
+    k_cache = torch.zeros(10, block_size, num_kv_heads, head_dim)
+    v_cache = torch.zeros_like(k_cache)
+    table = [7, 2, 5, 0]
+    total = 27
+    keys = torch.randn(total, num_kv_heads, head_dim, generator=gen)
+    values = torch.randn(total, num_kv_heads, head_dim, generator=gen)
+    queries = torch.randn(total, num_heads, head_dim, generator=gen)
+    backend = TorchAttentionBackend()
+    done = 0
+    for chunk in (11, 15, 1):
+        meta, positions = build_attention_metadata([table], [done + chunk], [chunk], block_size)
+        new = slice(done, done + chunk)
+        backend.store_kv(keys[new], values[new], k_cache, v_cache, meta.slot_mapping)
+        out = backend.forward(queries[new], k_cache, v_cache, meta, 0.25)
+        batch = Batch(meta, queries[new], k_cache, v_cache, [keys[: done + chunk]],
+                      [values[: done + chunk]])
+        torch.testing.assert_close(out, naive_attention(batch, 0.25), atol=1e-5, rtol=1e-5)
+        assert positions.tolist() == list(range(done, done + chunk))
+        done += chunk
+
+
+# ---------------------------------------------------------------------- store_kv
+
+
+def test_store_kv_writes_slots_and_skips_negative() -> None:
+    gen = torch.Generator().manual_seed(4)
+    k_cache = torch.zeros(4, 8, 2, 16)
+    v_cache = torch.zeros_like(k_cache)
+    # Strided views, like the model's slices of its fused qkv projection.
+    fused = torch.randn(5, 6, 16, generator=gen)
+    key, value = fused[:, 2:4], fused[:, 4:6]
+    slots = torch.tensor([9, -1, 31, 0, 17])
+    TorchAttentionBackend().store_kv(key, value, k_cache, v_cache, slots)
+    flat_k, flat_v = k_cache.view(-1, 2, 16), v_cache.view(-1, 2, 16)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(flat_k[slot], key[t])
+            assert torch.equal(flat_v[slot], value[t])
+    written = {9, 31, 0, 17}
+    untouched = [s for s in range(flat_k.shape[0]) if s not in written]
+    assert not flat_k[untouched].any() and not flat_v[untouched].any()
+
+
+def test_store_kv_empty_is_a_no_op() -> None:
+    k_cache = torch.zeros(2, 4, 1, 8)
+    empty = torch.zeros(0, 1, 8)
+    TorchAttentionBackend().store_kv(
+        empty, empty, k_cache, k_cache.clone(), torch.zeros(0, dtype=torch.int64)
+    )
+    assert not k_cache.any()
+
+
+# ---------------------------------------------------------------------- bad input
+
+
+def _store_args() -> dict[str, torch.Tensor]:
+    return {
+        "key": torch.zeros(3, 2, 16),
+        "value": torch.zeros(3, 2, 16),
+        "k_cache": torch.zeros(4, 8, 2, 16),
+        "v_cache": torch.zeros(4, 8, 2, 16),
+        "slot_mapping": torch.tensor([0, 1, 2]),
+    }
+
+
+@pytest.mark.parametrize(
+    ("field", "bad"),
+    [
+        ("key", torch.zeros(3, 32)),
+        ("value", torch.zeros(3, 2, 8)),
+        ("key", torch.zeros(3, 4, 16)),
+        ("v_cache", torch.zeros(4, 8, 2, 8)),
+        ("k_cache", torch.zeros(4, 8, 32)),
+        ("slot_mapping", torch.tensor([0, 1])),
+        ("slot_mapping", torch.tensor([0.0, 1.0, 2.0])),
+    ],
+)
+def test_store_kv_rejects_bad_shapes(field: str, bad: torch.Tensor) -> None:
+    args = _store_args()
+    args[field] = bad
+    with pytest.raises(ValueError):
+        TorchAttentionBackend().store_kv(**args)
+
+
+def test_forward_rejects_bad_shapes() -> None:
+    batch = make_batch([10, 5], [1, 5], num_heads=6, num_kv_heads=2, head_dim=32)
+    backend = TorchAttentionBackend()
+    q, kc, vc, meta = batch.query, batch.k_cache, batch.v_cache, batch.meta
+    bad_calls = {
+        "2-D query": (q.flatten(1), kc, vc, meta),
+        "head_dim mismatch": (q[..., :16], kc, vc, meta),
+        "heads not a multiple": (q[:, :5], kc, vc, meta),
+        "token count": (q[:-1], kc, vc, meta),
+        "cache shapes differ": (q, kc, vc[:, :, :1], meta),
+        "non-contiguous cache": (q, kc.transpose(1, 2), vc.transpose(1, 2), meta),
+        "dtype mismatch": (q.double(), kc, vc, meta),
+        "block size": (q, kc.view(-1, 8, 2, 32), vc.view(-1, 8, 2, 32), meta),
+    }
+    for name, args in bad_calls.items():
+        with pytest.raises(ValueError):
+            backend.forward(*args, scale=0.1)
+            pytest.fail(name)
+
+
+def test_forward_rejects_too_short_block_table() -> None:
+    batch = make_batch([40], [1], block_size=16)
+    meta = batch.meta
+    meta.block_tables = meta.block_tables[:, :2]  # 40 tokens need 3 blocks
+    with pytest.raises(ValueError, match="block"):
+        TorchAttentionBackend().forward(batch.query, batch.k_cache, batch.v_cache, meta, 0.1)

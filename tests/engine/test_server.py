@@ -1,0 +1,148 @@
+"""The engine server as a real process: streaming msgpack API, abort on disconnect, metrics,
+bad input refused without harming the loop, heartbeats and KV events in a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import aiohttp
+import msgpack
+import pytest
+
+from services.engine.sampling_params import SamplingParams
+from services.protocol import engine_api
+from services.protocol.redis_schema import KVIndexReader, connect
+from tests.support.redis_server import RedisServer
+from tests.support.services import ServiceProcess
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def engine(default_model_path, redis_server):
+    proc = ServiceProcess(
+        "services.engine.server",
+        ["--model", str(default_model_path), "--engine-id", "e-test",
+         "--redis-url", redis_server.url, "--heartbeat-interval-s", "0.2",
+         "--num-blocks", "256"],
+    )
+    with proc:
+        yield proc
+
+
+def gen_body(rid: str, prompt: list[int], **params) -> bytes:
+    return engine_api.GenerateRequest(rid, prompt, SamplingParams(**params)).to_msgpack()
+
+
+async def generate(url: str, body: bytes) -> list[dict]:
+    frames = []
+    dec = engine_api.FrameDecoder()
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + engine_api.GENERATE_PATH, data=body) as r:
+            assert r.status == 200, await r.text()
+            async for chunk in r.content.iter_any():
+                frames.extend(dec.feed(chunk))
+    return frames
+
+
+async def metric(url: str, name: str) -> float:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url + "/metrics") as r:
+            text = await r.text()
+    m = re.search(rf"^{re.escape(name)}{{[^}}]*}} ([0-9.e+-]+)$", text, re.M)
+    assert m, f"{name} missing from /metrics"
+    return float(m.group(1))
+
+
+def test_stream_tokens_and_usage(engine) -> None:
+    prompt = list(range(100, 140))
+    frames = asyncio.run(generate(engine.url, gen_body("a", prompt, max_tokens=8,
+                                                       temperature=0, ignore_eos=True)))
+    tokens = [t for f in frames if f["type"] == "tokens" for t in f["token_ids"]]
+    assert len(tokens) == 8
+    last = frames[-1]
+    assert last["type"] == "finished" and last["finish_reason"] == "length"
+    assert last["usage"] == {"prompt_tokens": 40, "completion_tokens": 8, "cached_tokens": 0}
+    again = asyncio.run(generate(engine.url, gen_body("b", prompt, max_tokens=8,
+                                                      temperature=0, ignore_eos=True)))
+    assert again[-1]["usage"]["cached_tokens"] == 32  # two full blocks of 16 from the cache
+    assert [t for f in again if f["type"] == "tokens" for t in f["token_ids"]] == tokens
+
+
+def test_bad_requests_are_400_and_the_engine_keeps_serving(engine) -> None:
+    async def post(data: bytes) -> int:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(engine.url + engine_api.GENERATE_PATH, data=data) as r:
+                body = await r.json()
+                assert "error" in body
+                return r.status
+
+    assert asyncio.run(post(b"\xc1garbage")) == 400
+    assert asyncio.run(post(msgpack.packb({"request_id": "x"}))) == 400
+    assert asyncio.run(post(msgpack.packb({"request_id": "x", "prompt_token_ids": [1],
+                                           "params": {"temperature": -1}}))) == 400
+    assert asyncio.run(post(gen_body("long", [1] * 9000))) == 400  # over the context
+    frames = asyncio.run(generate(engine.url, gen_body("ok", [5, 6, 7], max_tokens=2)))
+    assert frames[-1]["type"] == "finished"
+
+
+def test_disconnect_aborts_and_frees_blocks(engine) -> None:
+    async def run() -> None:
+        async with aiohttp.ClientSession() as s:
+            body = gen_body("long", list(range(200, 300)), max_tokens=2000, ignore_eos=True)
+            async with s.post(engine.url + engine_api.GENERATE_PATH, data=body) as r:
+                await r.content.readany()  # first frame arrived: the request is running
+            # leaving the block closes the connection mid-stream
+        for _ in range(100):
+            if await metric(engine.url, "vllm:num_requests_running") == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert await metric(engine.url, "vllm:num_requests_running") == 0
+        assert await metric(engine.url, "pagoda:kv_free_blocks") == 256
+
+    asyncio.run(run())
+
+
+def test_metrics_use_vllm_names(engine) -> None:
+    async def run() -> str:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(engine.url + "/metrics") as r:
+                return await r.text()
+
+    text = asyncio.run(run())
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
+                 "vllm:prefix_cache_hits_total", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_bucket", "vllm:num_preemptions_total",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total"):
+        assert name in text, name
+
+
+def test_heartbeat_and_kv_events_reach_redis(engine, redis_server) -> None:
+    async def run() -> None:
+        asyncio.get_running_loop()
+        frames = await generate(engine.url, gen_body("kv", list(range(400, 448)), max_tokens=1))
+        assert frames[-1]["type"] == "finished"
+        reader = KVIndexReader(connect(redis_server.url))
+        try:
+            from services.protocol.block_hash import BlockHasher
+
+            hashes = BlockHasher("SmolLM2-135M-Instruct", 16).chain(list(range(400, 448)))
+            for _ in range(50):
+                result = await reader.lookup("SmolLM2-135M-Instruct", hashes)
+                matches = {m.engine_id: m for m in result.engines}
+                if "e-test" in matches and matches["e-test"].matched_blocks == 3:
+                    break
+                await asyncio.sleep(0.1)
+            assert matches["e-test"].matched_blocks == 3
+            assert matches["e-test"].heartbeat.url == engine.url
+        finally:
+            await reader._redis.aclose()
+
+    asyncio.run(run())

@@ -1,0 +1,1 @@
+"""Helpers shared by test packages (real local servers, fixtures' building blocks)."""

@@ -1,0 +1,94 @@
+"""Real service processes for end-to-end tests: start, wait until healthy, stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+from tests.support.redis_server import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class ServiceProcess:
+    """``python -m MODULE ARGS`` on a free port; ``url`` once ``/health`` answers 200."""
+
+    def __init__(
+        self,
+        module: str,
+        args: list[str],
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+        health_path: str = "/health",
+        startup_timeout_s: float = 180.0,
+    ) -> None:
+        self.module = module
+        self.port = port or free_port()
+        self.args = ["--port", str(self.port), *args]
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.health_path = health_path
+        self.startup_timeout_s = startup_timeout_s
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> Self:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", self.module, *self.args],
+            cwd=REPO,
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        self.wait_healthy()
+        return self
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace")[-4000:]
+                raise RuntimeError(f"{self.module} exited ({self.proc.returncode}):\n{err}")
+            try:
+                with urllib.request.urlopen(self.url + self.health_path, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"{self.module} not healthy after {self.startup_timeout_s}s")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
