@@ -48,7 +48,10 @@ class BlockManager:
         _check_int("num_blocks", num_blocks, minimum=1)
         _check_int("block_size", block_size, minimum=1)
         if not isinstance(enable_caching, bool):
-            raise ValueError(f"enable_caching must be a bool, got {enable_caching!r}")
+            # A string such as "false" would be truthy: refuse it rather than guess.
+            raise ValueError(  # noqa: TRY004 - bad configuration is a ValueError here
+                f"enable_caching must be a bool, got {enable_caching!r}"
+            )
         self.block_size = block_size
         self.enable_caching = enable_caching
         self._blocks = [KVBlock(block_id=i) for i in range(num_blocks)]
@@ -113,10 +116,14 @@ class BlockManager:
             if block is None:
                 break
             hits.append(block)
-        num_hit_tokens = len(hits) * bs
-        self.prefix_cache_queries += len(token_ids)
-        self.prefix_cache_hits += num_hit_tokens
-        return hits, num_hit_tokens
+        return hits, len(hits) * bs
+
+    def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        """Counts one admitted lookup in the stats (a lookup whose allocation failed and is
+        retried next step must not be counted twice)."""
+        if self.enable_caching:
+            self.prefix_cache_queries += num_query_tokens
+            self.prefix_cache_hits += num_hit_tokens
 
     def cache_full_blocks(
         self,

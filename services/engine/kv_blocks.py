@@ -49,7 +49,7 @@ class FreeBlockQueue:
                           ^ popleft()         ^ append()
     """
 
-    __slots__ = ("_head", "_tail", "_len")
+    __slots__ = ("_head", "_len", "_tail")
 
     def __init__(self, blocks: Iterable[KVBlock] = ()) -> None:
         self._head = KVBlock(block_id=-1)

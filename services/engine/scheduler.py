@@ -133,6 +133,7 @@ class Scheduler:
             if not self.block_manager.allocate_slots(req.request_id, num_cached + num_new, blocks):
                 break  # FCFS: the head waits for blocks; nothing overtakes it
             self.waiting.popleft()
+            self.block_manager.record_prefix_lookup(req.num_tokens, num_cached)
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached

@@ -157,6 +157,7 @@ async def _stream(
 ) -> bool:
     start = time.monotonic()
     last = None
+    first_frame = True
     item = first
     model = metrics.model_name
     while True:
@@ -170,8 +171,10 @@ async def _stream(
             else:
                 metrics.itl.labels(model).observe(now - last)
             last = now
+            cached = item.num_cached_tokens if first_frame else None
+            first_frame = False
             await resp.write(
-                engine_api.tokens_frame(item.new_token_ids, _logprobs(item.new_logprobs))
+                engine_api.tokens_frame(item.new_token_ids, _logprobs(item.new_logprobs), cached)
             )
         if item.finished:
             metrics.e2e.labels(model).observe(now - start)
@@ -260,8 +263,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     app = create_app(engine_config, server_config)
+    # handler_cancellation: a client that goes away cancels its handler at once (even during
+    # prefill), and the handler's finally-block aborts the request and frees its KV blocks.
     web.run_app(app, host=server_config.host, port=server_config.port, print=None,
-                shutdown_timeout=server_config.drain_timeout_s)
+                shutdown_timeout=server_config.drain_timeout_s, handler_cancellation=True)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
+from services.engine.sampling_params import SamplingParams
 from services.gateway.auth import TENANT_KEY, cache_salt_for
 from services.gateway.errors import read_json_body
 from services.gateway.generation import ChoiceJob, Generation, GenerationFailed
@@ -31,6 +32,7 @@ from services.protocol.block_hash import BlockHasher
 logger = logging.getLogger(__name__)
 
 ENGINE_HEADER = "x-pagoda-engine"
+MAX_CHOICES = 256  # prompts x n: engine requests one client request may fan out to
 
 
 @dataclass(slots=True)
@@ -91,9 +93,15 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
 
 
 async def _plan(
-    request: web.Request, state: GatewayState, req: oa.GenerationRequest, model: ServedModel,
+    request: web.Request,
+    state: GatewayState,
+    req: oa.GenerationRequest,
+    model: ServedModel,
     body: dict[str, Any],
 ) -> _Plan:
+    choices = max(len(req.prompts), 1) * req.params.n
+    if choices > MAX_CHOICES:
+        raise oa.OpenAIError(f"prompts x n must be at most {MAX_CHOICES}, got {choices}", param="n")
     prompts = await prepare_prompts(state.tokenize_pool, model, req)
     prompt_param = "messages" if req.kind == "chat" else "prompt"
     max_param = "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"
@@ -107,18 +115,20 @@ async def _plan(
     for p_idx, p in enumerate(prompts):
         hashes = hasher.chain(p.token_ids)
         for i in range(n):
-            jobs.append(ChoiceJob(
-                index=p_idx * n + i,
-                prompt_index=p_idx,
-                prompt_ids=p.token_ids,
-                block_hashes=hashes,
-                engine_params=_engine_params(req, i),
-                client_params=req.params,
-            ))
+            jobs.append(
+                ChoiceJob(
+                    index=p_idx * n + i,
+                    prompt_index=p_idx,
+                    prompt_ids=p.token_ids,
+                    block_hashes=hashes,
+                    engine_params=_engine_params(req, i),
+                    client_params=req.params,
+                )
+            )
     return _Plan(req, model, prompts, jobs, salt, rid)
 
 
-def _engine_params(req: oa.GenerationRequest, i: int) -> Any:
+def _engine_params(req: oa.GenerationRequest, i: int) -> SamplingParams:
     """One sample's params for the engine: n = 1, seed + i, and no stop strings (the gateway
     applies them, since only it detokenizes)."""
     p = req.params
@@ -136,8 +146,12 @@ def _builder(state: GatewayState, plan: _Plan) -> ResponseBuilder:
         tok = plan.model.tokenizer
         echo = [p.text if p.text is not None else tok.decode(p.token_ids) for p in plan.prompts]
     return ResponseBuilder(
-        req.kind, plan.rid, req.model, {j.index: j.prompt_index for j in plan.jobs},
-        want_logprobs=req.params.logprobs is not None, echo_texts=echo,
+        req.kind,
+        plan.rid,
+        req.model,
+        {j.index: j.prompt_index for j in plan.jobs},
+        want_logprobs=req.params.logprobs is not None,
+        echo_texts=echo,
     )
 
 
@@ -200,6 +214,13 @@ async def _stream(
             state.metrics.stream_errors.labels(model).inc()
             await sse.error(_stream_error(exc))
             return sse.response
+        except ConnectionError:
+            raise
+        except Exception:  # the response has started: end it with an error event, never hang
+            logger.exception("stream failed id=%s", plan.rid)
+            outcome = "error"
+            await sse.error(oa.OpenAIError("internal server error", status=500))
+            return sse.response
         await sse.done()
         state.metrics.e2e.labels(model).observe(time.monotonic() - started)
     except ConnectionError:
@@ -218,6 +239,11 @@ def _stream_error(exc: Exception) -> oa.OpenAIError:
 def _log_done(plan: _Plan, gen: Generation, outcome: str) -> None:
     logger.info(
         "request done id=%s model=%s kind=%s prompts=%d choices=%d engines=%s outcome=%s",
-        plan.rid, plan.model.name, plan.req.kind, len(plan.prompts), len(plan.jobs),
-        ",".join(gen.engine_ids), outcome,
+        plan.rid,
+        plan.model.name,
+        plan.req.kind,
+        len(plan.prompts),
+        len(plan.jobs),
+        ",".join(gen.engine_ids),
+        outcome,
     )

@@ -115,30 +115,54 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=d.port, help="port to listen on")
     p.add_argument("--router-url", default=d.router_url, help="base URL of the router")
     p.add_argument(
-        "--api-key", action="append", metavar="KEY",
+        "--api-key",
+        action="append",
+        metavar="KEY",
         help=f"accepted bearer key (repeatable; also ${API_KEYS_ENV}, comma separated); "
         "none = open",
     )
     p.add_argument(
-        "--model", action="append", metavar="NAME=HF_DIR",
+        "--model",
+        action="append",
+        metavar="NAME=HF_DIR",
         help="served model name and the HF directory of its tokenizer and chat template "
         "(repeatable; default: the default model)",
     )
     p.add_argument(
-        "--block-size", type=int, default=d.block_size,
+        "--block-size",
+        type=int,
+        default=d.block_size,
         help="tokens per KV block until the router's /engines reports a model's own",
     )
-    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
-                   help="larger request bodies get 413")
-    p.add_argument("--request-timeout", type=float, default=d.request_timeout,
-                   help="seconds one generation may take")
-    p.add_argument("--max-retries", type=int, default=d.max_retries,
-                   help="other engines tried when one fails before its first token")
-    p.add_argument("--router-timeout", type=float, default=d.router_timeout,
-                   help="seconds per router call")
-    p.add_argument("--engines-refresh", type=float, default=d.engines_refresh,
-                   help="seconds between polls of the router's /engines")
-    p.add_argument("--shutdown-grace", type=float, default=d.shutdown_grace,
-                   help="seconds open generations get to finish on SIGTERM")
+    p.add_argument(
+        "--max-body-bytes", type=int, default=d.max_body_bytes, help="larger request bodies get 413"
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=d.request_timeout,
+        help="seconds one generation may take",
+    )
+    p.add_argument(
+        "--max-retries",
+        type=int,
+        default=d.max_retries,
+        help="other engines tried when one fails before its first token",
+    )
+    p.add_argument(
+        "--router-timeout", type=float, default=d.router_timeout, help="seconds per router call"
+    )
+    p.add_argument(
+        "--engines-refresh",
+        type=float,
+        default=d.engines_refresh,
+        help="seconds between polls of the router's /engines",
+    )
+    p.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=d.shutdown_grace,
+        help="seconds open generations get to finish on SIGTERM",
+    )
     p.add_argument("--log-level", default=d.log_level, help="logging level")
     return p

@@ -9,7 +9,6 @@ the request and free its KV blocks.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -35,7 +34,10 @@ class EngineStreamError(Exception):
 
 class EngineStream:
     def __init__(
-        self, engine_id: str, resp: aiohttp.ClientResponse, decoder: FrameDecoder,
+        self,
+        engine_id: str,
+        resp: aiohttp.ClientResponse,
+        decoder: FrameDecoder,
         pending: list[dict[str, Any]],
     ) -> None:
         self.engine_id = engine_id
@@ -60,7 +62,7 @@ class EngineStream:
                 yield frame
             try:
                 chunk = await self._resp.content.readany()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 raise EngineStreamError(f"engine connection lost: {type(exc).__name__}") from None
             if not chunk:
                 raise EngineStreamError("engine stream ended before the request finished")
@@ -74,7 +76,10 @@ class EngineStream:
 
 
 async def open_stream(
-    session: aiohttp.ClientSession, engine_id: str, url: str, req: GenerateRequest,
+    session: aiohttp.ClientSession,
+    engine_id: str,
+    url: str,
+    req: GenerateRequest,
     connect_timeout: float,
 ) -> EngineStream:
     """Starts ``req`` on the engine at ``url`` and returns once its first frame arrived.
@@ -90,7 +95,7 @@ async def open_stream(
             headers={"Content-Type": CONTENT_TYPE, "Accept": CONTENT_TYPE},
             timeout=timeout,
         )
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         raise EngineUnavailable(f"cannot reach engine: {type(exc).__name__}") from None
     try:
         if resp.status != 200:
@@ -100,7 +105,7 @@ async def open_stream(
         while not pending:
             try:
                 chunk = await resp.content.readany()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 raise EngineUnavailable(f"engine failed: {type(exc).__name__}") from None
             if not chunk:
                 raise EngineUnavailable("engine closed the stream before any frame")
@@ -124,17 +129,15 @@ async def _raise_for_status(resp: aiohttp.ClientResponse) -> None:
         err = json.loads(body).get("error", {})
         message = str(err.get("message") or "the engine refused the request")
         param = err.get("param") if isinstance(err.get("param"), str) else None
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
+    except (TimeoutError, aiohttp.ClientError, ValueError, AttributeError):
         message, param = "the engine refused the request", None
     raise OpenAIError(message, status=status if 400 <= status < 500 else 502, param=param)
 
 
-def _decode(
-    decoder: FrameDecoder, chunk: bytes, error: type[Exception]
-) -> list[dict[str, Any]]:
+def _decode(decoder: FrameDecoder, chunk: bytes, error: type[Exception]) -> list[dict[str, Any]]:
     try:
         return decoder.feed(chunk)
-    except Exception as exc:  # msgpack raises several unrelated types on garbage
+    except Exception as exc:  # noqa: BLE001 -- msgpack raises several unrelated types
         raise error(f"malformed engine frame: {type(exc).__name__}") from None
 
 

@@ -15,6 +15,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+
 import aiohttp
 
 from services.engine.sampling_params import SamplingParams
@@ -71,7 +72,11 @@ class _Wakeup:
 
 class Generation:
     def __init__(
-        self, up: Upstreams, model: ServedModel, request_id: str, jobs: Sequence[ChoiceJob],
+        self,
+        up: Upstreams,
+        model: ServedModel,
+        request_id: str,
+        jobs: Sequence[ChoiceJob],
         cache_salt: str | None,
     ) -> None:
         self._up = up
@@ -170,7 +175,9 @@ class Generation:
         except EngineStreamError as exc:
             logger.warning(
                 "engine failed mid-stream request_id=%s engine=%s: %s",
-                self.request_id, stream.engine_id, exc,
+                self.request_id,
+                stream.engine_id,
+                exc,
             )
             await self._queue.put(GenerationFailed(str(exc)))
         finally:
@@ -202,13 +209,18 @@ class Generation:
                 logger.warning(
                     "engine failed before the first token request_id=%s engine=%s "
                     "attempt=%d/%d: %s",
-                    self.request_id, route.engine_id, attempt + 1, attempts, exc,
+                    self.request_id,
+                    route.engine_id,
+                    attempt + 1,
+                    attempts,
+                    exc,
                 )
                 exclude.append(route.engine_id)
                 if attempt + 1 < attempts:
                     up.metrics.engine_retries.labels(model.name).inc()
         raise OpenAIError(
-            f"no engine could serve the request ({attempts} tried)", status=503,
+            f"no engine could serve the request ({attempts} tried)",
+            status=503,
             code="engine_unavailable",
         )
 

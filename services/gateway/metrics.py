@@ -13,7 +13,22 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 _LATENCY_BUCKETS = (
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    320.0,
 )
 OTHER_MODEL = "other"
 
@@ -31,32 +46,42 @@ class GatewayMetrics:
     def __post_init__(self) -> None:
         r = self.registry
         self.requests = Counter(
-            "pagoda_gateway_requests", "Finished HTTP requests by endpoint, model and status.",
-            ["endpoint", "model", "status"], registry=r,
+            "pagoda_gateway_requests",
+            "Finished HTTP requests by endpoint, model and status.",
+            ["endpoint", "model", "status"],
+            registry=r,
         )
         self.in_flight = Gauge(
-            "pagoda_gateway_requests_in_flight", "Generation requests being served now.",
-            ["endpoint", "model"], registry=r,
+            "pagoda_gateway_requests_in_flight",
+            "Generation requests being served now.",
+            ["endpoint", "model"],
+            registry=r,
         )
         self.ttft = Histogram(
             "pagoda_gateway_time_to_first_token_seconds",
             "From request arrival to the first generated token.",
-            ["model"], buckets=_LATENCY_BUCKETS, registry=r,
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.e2e = Histogram(
             "pagoda_gateway_e2e_request_latency_seconds",
             "From request arrival to the last byte of a successful generation.",
-            ["model"], buckets=_LATENCY_BUCKETS, registry=r,
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.engine_retries = Counter(
             "pagoda_gateway_engine_retries",
             "Engines that failed before the first token and were replaced by another.",
-            ["model"], registry=r,
+            ["model"],
+            registry=r,
         )
         self.stream_errors = Counter(
             "pagoda_gateway_stream_errors",
             "Generations that failed after their first token (ended with an error event).",
-            ["model"], registry=r,
+            ["model"],
+            registry=r,
         )
 
     def render(self) -> tuple[bytes, str]:

@@ -70,7 +70,10 @@ class ModelRegistry:
 
     @classmethod
     def build(
-        cls, specs: Iterable[ModelSpec], tokenizers: Mapping[str, Tokenizer], block_size: int,
+        cls,
+        specs: Iterable[ModelSpec],
+        tokenizers: Mapping[str, Tokenizer],
+        block_size: int,
         created: int = 0,
     ) -> ModelRegistry:
         models = {
@@ -90,7 +93,9 @@ class ModelRegistry:
         model = self.models.get(name)
         if model is None:
             raise OpenAIError(
-                f"the model {name!r} does not exist", status=404, param="model",
+                f"the model {name!r} does not exist",
+                status=404,
+                param="model",
                 code="model_not_found",
             )
         return model
@@ -121,7 +126,9 @@ class ModelRegistry:
             if len(sizes) > 1:
                 logger.warning(
                     "engines of model=%s disagree on block_size=%s; hashing with %d",
-                    name, dict(sizes), block_size,
+                    name,
+                    dict(sizes),
+                    block_size,
                 )
             if block_size != model.block_size:
                 logger.info("model=%s block_size=%d (from engines)", name, block_size)

@@ -17,10 +17,23 @@ from services.protocol.openai import GenerationRequest, OpenAIError
 
 T = TypeVar("T")
 
-# chat_template_kwargs the client may not set: they would change what the call returns.
+# chat_template_kwargs the client may not set: they would change what the call returns, or
+# (chat_template) run a template of the client's choosing.
 _RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"tokenize", "return_dict", "return_tensors", "conversation", "messages", "tools",
-     "documents", "padding", "truncation", "max_length", "tokenizer_kwargs"}
+    {
+        "tokenize",
+        "return_dict",
+        "return_tensors",
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "padding",
+        "truncation",
+        "max_length",
+        "tokenizer_kwargs",
+        "chat_template",
+    }
 )
 
 
@@ -49,7 +62,7 @@ async def prepare_prompts(
             return [await tokenize_in(pool, render)]
         except OpenAIError:
             raise
-        except Exception as exc:  # jinja2 and the tokenizer raise many unrelated types
+        except Exception as exc:  # noqa: BLE001 -- jinja2 and tokenizers raise many types
             raise OpenAIError(
                 f"cannot apply the chat template: {_first_line(exc)}", param="messages"
             ) from None
@@ -69,9 +82,7 @@ async def prepare_prompts(
 def template_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     bad = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
     if bad:
-        raise OpenAIError(
-            f"chat_template_kwargs may not set {bad}", param="chat_template_kwargs"
-        )
+        raise OpenAIError(f"chat_template_kwargs may not set {bad}", param="chat_template_kwargs")
     gen = kwargs.get("add_generation_prompt", True)
     if not isinstance(gen, bool):
         raise OpenAIError(
@@ -92,7 +103,10 @@ def _check_vocab(model: ServedModel, ids: list[int]) -> None:
 
 
 def check_length(
-    model: ServedModel, prompt_len: int, max_tokens: int | None, prompt_param: str,
+    model: ServedModel,
+    prompt_len: int,
+    max_tokens: int | None,
+    prompt_param: str,
     max_tokens_param: str,
 ) -> None:
     """400 when the prompt leaves no room to generate, or prompt + max_tokens exceeds the
@@ -106,14 +120,16 @@ def check_length(
         raise OpenAIError(
             f"This model's maximum context length is {limit} tokens. However, your prompt has "
             f"{prompt_len} tokens, which leaves no room for a completion.",
-            param=prompt_param, code="context_length_exceeded",
+            param=prompt_param,
+            code="context_length_exceeded",
         )
     if max_tokens is not None and prompt_len + max_tokens > limit:
         raise OpenAIError(
             f"This model's maximum context length is {limit} tokens. However, you requested "
             f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for "
             f"the completion). Please reduce {max_tokens_param}.",
-            param=max_tokens_param, code="context_length_exceeded",
+            param=max_tokens_param,
+            code="context_length_exceeded",
         )
 
 

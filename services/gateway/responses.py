@@ -27,8 +27,13 @@ class _Choice:
 
 class ResponseBuilder:
     def __init__(
-        self, kind: str, rid: str, model: str, choice_prompts: dict[int, int],
-        want_logprobs: bool, echo_texts: list[str] | None = None,
+        self,
+        kind: str,
+        rid: str,
+        model: str,
+        choice_prompts: dict[int, int],
+        want_logprobs: bool,
+        echo_texts: list[str] | None = None,
     ) -> None:
         self.kind = kind
         self.rid = rid
@@ -66,8 +71,7 @@ class ResponseBuilder:
                 "index": c.index,
                 "text": c.echo + c.text,
                 "logprobs": (
-                    oa.completion_logprobs(c.logprobs, len(c.echo))
-                    if self._want_logprobs else None
+                    oa.completion_logprobs(c.logprobs, len(c.echo)) if self._want_logprobs else None
                 ),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
@@ -82,20 +86,29 @@ class ResponseBuilder:
         """Chat: the assistant role of every choice. Completions: the echoed prompts."""
         if self.kind == "chat":
             return [
-                self._chunk({
-                    "index": c.index,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                })
+                self._chunk(
+                    {
+                        "index": c.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                )
                 for c in self._choices.values()
             ]
         out = []
         for c in self._choices.values():
             if c.echo:
-                out.append(self._chunk({
-                    "index": c.index, "text": c.echo, "logprobs": None, "finish_reason": None,
-                }))
+                out.append(
+                    self._chunk(
+                        {
+                            "index": c.index,
+                            "text": c.echo,
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    )
+                )
                 c.text_offset = len(c.echo)
         return out
 
@@ -116,7 +129,8 @@ class ResponseBuilder:
                 "text": delta.text,
                 "logprobs": (
                     oa.completion_logprobs(delta.logprobs, c.text_offset)
-                    if self._want_logprobs else None
+                    if self._want_logprobs
+                    else None
                 ),
                 "finish_reason": delta.finish_reason,
             }

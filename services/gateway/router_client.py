@@ -1,7 +1,7 @@
 """The gateway's side of the router: ``POST /route`` (msgpack) and ``GET /engines``.
 
 ``/route`` takes a ``RouteRequest`` and answers a ``RouteResponse`` (``services.protocol.messages``);
-a 503 (or 404) means no live engine of that model is left once ``exclude`` is applied.
+a 503 (no live engine of the model) or 409 (all of them excluded) means no engine is left.
 
 ``/engines`` lists the live engines, as JSON or msgpack: either a list or ``{"engines": [...]}``
 of maps with at least ``engine_id``, ``url``, ``model`` and ``block_size`` (an
@@ -10,7 +10,6 @@ of maps with at least ``engine_id``, ``url``, ``model`` and ``block_size`` (an
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from dataclasses import dataclass
@@ -74,12 +73,13 @@ class RouterClient:
             ) as resp:
                 body = await resp.read()
                 status = resp.status
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             logger.warning("router unreachable: %s", type(exc).__name__)
             raise OpenAIError("the router is unavailable", status=503) from None
-        if status in (404, 503):
+        if status in (404, 409, 503):
             raise OpenAIError(
-                f"no engine available for model {req.model!r}", status=503,
+                f"no engine available for model {req.model!r}",
+                status=503,
                 code="no_engine_available",
             )
         if status != 200:
@@ -103,11 +103,11 @@ class RouterClient:
                     raise RouterUnavailable(f"/engines answered {resp.status}")
                 body = await resp.read()
                 ctype = resp.content_type
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             raise RouterUnavailable(type(exc).__name__) from None
         try:
             data = msgpack.unpackb(body, raw=False) if ctype == MSGPACK else json.loads(body)
-        except Exception as exc:  # json and msgpack raise several unrelated types on garbage
+        except Exception as exc:  # noqa: BLE001 -- json and msgpack raise many types
             raise RouterUnavailable(f"/engines body is malformed: {type(exc).__name__}") from None
         if isinstance(data, dict):
             data = data.get("engines")

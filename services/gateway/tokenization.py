@@ -61,12 +61,11 @@ async def tokenize(request: web.Request) -> web.Response:
         ids = await tokenize_in(state.tokenize_pool, run)
     except OpenAIError:
         raise
-    except Exception as exc:  # jinja2 and the tokenizer raise many unrelated types
+    except Exception as exc:  # noqa: BLE001 -- jinja2 and tokenizers raise many types
         raise OpenAIError(f"cannot tokenize: {str(exc)[:200]}", param=param) from None
     strs = [tok.convert_id_to_token(t) for t in ids] if want_strs else None
     return web.json_response(
-        {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids,
-         "token_strs": strs}
+        {"count": len(ids), "max_model_len": model.max_model_len, "tokens": ids, "token_strs": strs}
     )
 
 
@@ -82,9 +81,7 @@ async def detokenize(request: web.Request) -> web.Response:
         or len(ids) > _MAX_TOKENS
         or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids)
     ):
-        raise OpenAIError(
-            f"tokens must be a list of token ids in [0, {vocab})", param="tokens"
-        )
+        raise OpenAIError(f"tokens must be a list of token ids in [0, {vocab})", param="tokens")
     text = await tokenize_in(state.tokenize_pool, lambda: model.tokenizer.decode(ids))
     return web.json_response({"prompt": text})
 

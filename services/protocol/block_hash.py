@@ -41,7 +41,10 @@ def _digest(algorithm: HashAlgorithm, data: bytes) -> BlockHash:
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes:
     # Little-endian uint32 whatever the host, so every replica hashes the same bytes.
-    arr = array("I", token_ids)
+    try:
+        arr = array("I", token_ids)
+    except (OverflowError, TypeError):
+        raise ValueError("token ids must be integers in [0, 2**32)") from None
     if sys.byteorder != "little":
         arr.byteswap()
     return arr.tobytes()
@@ -58,7 +61,11 @@ class BlockHasher:
     seed: BlockHash = field(init=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.block_size, int) or self.block_size <= 0:
+        if (
+            not isinstance(self.block_size, int)
+            or isinstance(self.block_size, bool)
+            or self.block_size <= 0
+        ):
             raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
         if not self.model:
             raise ValueError("model must be a non-empty string")

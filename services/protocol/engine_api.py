@@ -3,7 +3,8 @@
 ``POST /internal/generate`` with a msgpack ``GenerateRequest`` body answers with a chunked
 stream of msgpack ``StreamFrame`` maps, one after another (decode with ``FrameDecoder``):
 
-    {"type": "tokens", "token_ids": [...], "logprobs": [...] | None}   (zero or more)
+    {"type": "tokens", "token_ids": [...], "logprobs": [...] | None,
+     "cached_tokens": n (first frame only)}                           (zero or more)
     {"type": "finished", "finish_reason": "stop"|"length"|"abort", "stop_reason": ...,
      "usage": {"prompt_tokens", "completion_tokens", "cached_tokens"}}  (last frame)
     {"type": "error", "message": ...}                                   (last frame, on failure)
@@ -83,8 +84,15 @@ class GenerateRequest:
         return cls(rid, ids, params, salt)
 
 
-def tokens_frame(token_ids: list[int], logprobs: list[Any] | None = None) -> bytes:
-    return msgpack.packb({"type": "tokens", "token_ids": token_ids, "logprobs": logprobs})
+def tokens_frame(
+    token_ids: list[int], logprobs: list[Any] | None = None, cached_tokens: int | None = None
+) -> bytes:
+    """``cached_tokens`` rides on the first frame, so a client that closes the stream early
+    (a stop string) still knows how much of the prompt the prefix cache served."""
+    frame: dict[str, Any] = {"type": "tokens", "token_ids": token_ids, "logprobs": logprobs}
+    if cached_tokens is not None:
+        frame["cached_tokens"] = cached_tokens
+    return msgpack.packb(frame)
 
 
 def finished_frame(

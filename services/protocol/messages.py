@@ -67,7 +67,9 @@ class Message:
     @classmethod
     def from_msgpack(cls, payload: bytes) -> Self:
         if not isinstance(payload, (bytes, bytearray, memoryview)):
-            raise ValueError(f"{cls.__name__}: expected bytes, got {type(payload).__name__}")
+            raise ValueError(  # noqa: TRY004 - bad input from a peer is a ValueError here
+                f"{cls.__name__}: expected bytes, got {type(payload).__name__}"
+            )
         try:
             data = msgpack.unpackb(payload, raw=False, strict_map_key=True)
         except (ValueError, TypeError, msgpack.UnpackException) as exc:

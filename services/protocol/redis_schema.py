@@ -19,8 +19,10 @@ one model lives in one slot and the Lua scripts below may touch them together)::
 
 Why one sorted set per engine rather than one key per block: every entry carries its own expiry
 (the score), an engine's whole index can be capped and dropped as one key, and a lookup is a
-binary search per engine over the prompt's chain (cached prefixes are prefix-closed: an engine
-that holds block i of a chain holds blocks 0..i-1 too, up to eviction races).
+search per engine over the prompt's chain, not a walk of it (cached prefixes are prefix-closed:
+an engine that holds block i of a chain holds blocks 0..i-1 too; a hole left by an eviction
+race can make the count wrong for that engine, which only steers routing: the engine's own
+prefix cache decides what is really reused).
 
 Bounds. An entry lives ``block_ttl_s`` after its last "stored" event (or ``provisional_ttl_s``
 after a router's write-back), and is deleted at once by a "removed" event. Every write drops
@@ -33,8 +35,11 @@ Times are Redis server time (``TIME`` inside the scripts), so engine and router 
 need to agree.
 
 Lookup (``KVIndexReader.lookup``) is one EVALSHA, whatever the prompt length: the script reads
-every live engine's heartbeat and pending count and binary-searches its sorted set, about
-``engines x (log2(blocks) + 2)`` ZSCOREs on the server. It only reads, so it may run on a replica.
+every live engine's heartbeat and pending count (two MGETs), asks each engine's sorted set for
+the prompt's first and last block (one ZMSCORE: settles engines holding none or all of it), and
+searches the rest 4-ary (about log4(blocks) more ZMSCOREs of 3 members). Hashes travel as one
+concatenated argument and the reply is one msgpack string, so a long prompt costs the client
+almost nothing. The script only reads. Requires Redis >= 6.2 (ZMSCORE, ZADD GT).
 """
 
 from __future__ import annotations
@@ -45,9 +50,11 @@ from enum import Enum
 from typing import Any, Protocol
 from urllib.parse import quote, urlsplit, urlunsplit
 
+import msgpack
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ResponseError
 
 from services.protocol.block_hash import BlockHash
 from services.protocol.messages import BLOCK_HASH_BYTES, EngineHeartbeat
@@ -68,6 +75,10 @@ _EVENT_CHUNK = 2048
 # entries and caps the set. Scores are absolute expiry times in Redis milliseconds.
 
 _LUA_PRELUDE = """
+local HASH = 16  -- block hashes travel concatenated in one argument: far cheaper than one each
+local function hash_at(blob, i)
+  return string.sub(blob, (i - 1) * HASH + 1, i * HASH)
+end
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -81,9 +92,27 @@ local function extend_ttl(key, ttl)
   local pttl = redis.call('PTTL', key)
   if pttl == -1 or (pttl >= 0 and pttl < ttl) then redis.call('PEXPIRE', key, ttl) end
 end
+-- ZADD (flag may be nil) or ZREM of every hash in blob, 500 members per call.
+local function each_hash(cmd, key, flag, score, blob)
+  local n = math.floor(#blob / HASH)
+  local args = {}
+  for j = 1, n do
+    if score then args[#args + 1] = score end
+    args[#args + 1] = hash_at(blob, j)
+    if #args >= 1000 or j == n then
+      if flag then
+        redis.call(cmd, key, flag, unpack(args))
+      else
+        redis.call(cmd, key, unpack(args))
+      end
+      args = {}
+    end
+  end
+  return n
+end
 """
 
-# KEYS[1] = engine's block set. ARGV = ttl_ms, cap, then ops: kind ('S'|'R'|'C'), n, n hashes.
+# KEYS[1] = engine's block set. ARGV = ttl_ms, cap, then ops: kind ('S'|'R'|'C'), hashes blob.
 _APPLY_EVENTS_LUA = (
     _LUA_PRELUDE
     + """
@@ -91,20 +120,16 @@ local key = KEYS[1]
 local ttl = tonumber(ARGV[1])
 local cap = tonumber(ARGV[2])
 local now = now_ms()
-local i = 3
 local stored = false
-while i <= #ARGV do
+for i = 3, #ARGV - 1, 2 do
   local kind = ARGV[i]
-  local n = tonumber(ARGV[i + 1])
   if kind == 'S' then
-    for j = i + 2, i + 1 + n do redis.call('ZADD', key, now + ttl, ARGV[j]) end
-    stored = stored or n > 0
+    stored = each_hash('ZADD', key, nil, now + ttl, ARGV[i + 1]) > 0 or stored
   elseif kind == 'R' then
-    for j = i + 2, i + 1 + n do redis.call('ZREM', key, ARGV[j]) end
+    each_hash('ZREM', key, nil, nil, ARGV[i + 1])
   elseif kind == 'C' then
     redis.call('DEL', key)
   end
-  i = i + 2 + n
 end
 if redis.call('EXISTS', key) == 1 then
   trim(key, now, cap)
@@ -114,48 +139,89 @@ return redis.call('ZCARD', key)
 """
 )
 
-# KEYS[1] = engines set. ARGV[1] = "ns:{model}:" prefix, ARGV[2..] = block hashes.
-# Returns {now_ms, {dead ids...}, id1, hb1, pending1, matched1, id2, ...}.
+# KEYS[1] = engines set. ARGV[1] = "ns:{model}:" prefix, ARGV[2] = the prompt's hashes blob.
+# Returns msgpack of [now_ms, [dead ids...], id1, hb1, pending1, matched1, id2, ...].
+# leading() finds how many leading blocks an engine holds, relying on prefix-closed caches: a
+# first ZMSCORE of blocks 1 and n settles engines that hold none or all of the prompt (most of
+# them); the rest get a 4-ary search, 3 ZMSCORE members per step (about log4(n) steps). The
+# probe plans depend only on (lo, hi), so engines share them.
 _LOOKUP_LUA = (
     _LUA_PRELUDE
     + """
 local prefix = ARGV[1]
-local n = #ARGV - 1
+local blob = ARGV[2]
+local n = math.floor(#blob / HASH)
+local K = 3
 local now = now_ms()
 local out = {now, {}}
 local dead = out[2]
-local function held(key, idx)
-  local s = redis.call('ZSCORE', key, ARGV[idx + 1])
-  return s and tonumber(s) > now
+local plans = {}
+local function plan(lo, hi)
+  local k = lo * 1048576 + hi
+  local cached = plans[k]
+  if cached then return cached end
+  local probes = {}
+  if lo == 0 and hi == n + 1 then
+    probes[1] = 1
+    if n > 1 then probes[2] = n end
+  else
+    for j = 1, K do
+      local p = lo + math.floor(j * (hi - lo) / (K + 1))
+      if p > lo and p < hi and (#probes == 0 or p > probes[#probes]) then
+        probes[#probes + 1] = p
+      end
+    end
+  end
+  local members = {}
+  for i, p in ipairs(probes) do members[i] = hash_at(blob, p) end
+  cached = {probes, members}
+  plans[k] = cached
+  return cached
 end
 local function leading(key)
-  if n == 0 or redis.call('EXISTS', key) == 0 or not held(key, 1) then return 0 end
-  if held(key, n) then return n end
-  local lo, hi = 1, n  -- invariant: held(lo), not held(hi)
+  local lo, hi = 0, n + 1  -- invariant: blocks 1..lo held, block hi not (n + 1: past the end)
   while hi - lo > 1 do
-    local mid = math.floor((lo + hi) / 2)
-    if held(key, mid) then lo = mid else hi = mid end
+    local step = plan(lo, hi)
+    local scores = redis.call('ZMSCORE', key, unpack(step[2]))
+    for i, p in ipairs(step[1]) do
+      local s = scores[i]
+      if s and tonumber(s) > now then lo = p else hi = p; break end
+    end
   end
   return lo
 end
-for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local hb = redis.call('GET', prefix .. 'hb:' .. id)
-  if hb then
-    local pending = tonumber(redis.call('GET', prefix .. 'pend:' .. id) or '0')
+local ids = redis.call('SMEMBERS', KEYS[1])
+local hbs, pends = {}, {}
+for first = 1, #ids, 500 do
+  local hk, pk = {}, {}
+  for i = first, math.min(#ids, first + 499) do
+    hk[#hk + 1] = prefix .. 'hb:' .. ids[i]
+    pk[#pk + 1] = prefix .. 'pend:' .. ids[i]
+  end
+  local h = redis.call('MGET', unpack(hk))
+  local p = redis.call('MGET', unpack(pk))
+  for i = 1, #hk do
+    hbs[first + i - 1] = h[i]
+    pends[first + i - 1] = p[i]
+  end
+end
+for i, id in ipairs(ids) do
+  if hbs[i] then
     out[#out + 1] = id
-    out[#out + 1] = hb
-    out[#out + 1] = pending
+    out[#out + 1] = hbs[i]
+    out[#out + 1] = tonumber(pends[i] or '0')
     out[#out + 1] = leading(prefix .. 'blk:' .. id)
   else
     dead[#dead + 1] = id
   end
 end
-return out
+-- One msgpack string instead of a multi-bulk reply: far cheaper for the client to parse.
+return cmsgpack.pack(out)
 """
 )
 
 # KEYS[1] = chosen engine's block set, KEYS[2] = its pending counter, KEYS[3] = engines set.
-# ARGV = ttl_ms, cap, pending_ttl_ms, n_dead, dead ids..., block hashes...
+# ARGV = ttl_ms, cap, pending_ttl_ms, hashes blob, dead engine ids...
 # ZADD GT never shortens an entry the engine itself stored.
 _MARK_LUA = (
     _LUA_PRELUDE
@@ -164,12 +230,9 @@ local key = KEYS[1]
 local ttl = tonumber(ARGV[1])
 local cap = tonumber(ARGV[2])
 local pending_ttl = tonumber(ARGV[3])
-local n_dead = tonumber(ARGV[4])
 local now = now_ms()
-for j = 5, 4 + n_dead do redis.call('SREM', KEYS[3], ARGV[j]) end
-local first = 5 + n_dead
-if first <= #ARGV then
-  for j = first, #ARGV do redis.call('ZADD', key, 'GT', now + ttl, ARGV[j]) end
+for j = 5, #ARGV do redis.call('SREM', KEYS[3], ARGV[j]) end
+if each_hash('ZADD', key, 'GT', now + ttl, ARGV[4]) > 0 then
   trim(key, now, cap)
   extend_ttl(key, ttl)
 end
@@ -317,9 +380,10 @@ def _event_ops(events: Iterable[KVEventLike]) -> list[tuple[bytes, list[bytes]]]
     return ops
 
 
-def _batches(ops: list[tuple[bytes, list[bytes]]], limit: int) -> list[list[Any]]:
-    """Script argument lists (after the fixed head) of at most ``limit`` hashes each."""
-    batches: list[list[Any]] = [[]]
+def _batches(ops: list[tuple[bytes, list[bytes]]], limit: int) -> list[list[bytes]]:
+    """Script argument lists (after the fixed head): (code, concatenated hashes) pairs, at most
+    ``limit`` hashes per list."""
+    batches: list[list[bytes]] = [[]]
     room = limit
     for code, hashes in ops:
         start = 0
@@ -328,12 +392,21 @@ def _batches(ops: list[tuple[bytes, list[bytes]]], limit: int) -> list[list[Any]
                 batches.append([])
                 room = limit
             part = hashes[start : start + room]
-            batches[-1] += [code, len(part), *part]
+            batches[-1] += [code, b"".join(part)]
             room -= max(1, len(part))
             start += len(part)
             if start >= len(hashes):
                 break
     return batches
+
+
+def _hash_blob(block_hashes: Sequence[bytes]) -> bytes:
+    blob = b"".join(block_hashes)
+    if len(blob) != BLOCK_HASH_BYTES * len(block_hashes) or (
+        block_hashes and set(map(len, block_hashes)) != {BLOCK_HASH_BYTES}
+    ):
+        raise ValueError(f"block hashes must be {BLOCK_HASH_BYTES} raw bytes each")
+    return blob
 
 
 def _check_ttl(name: str, value: float) -> int:
@@ -458,9 +531,16 @@ class KVIndexReader:
         """For every live engine of ``model``: its heartbeat, pending count and how many
         leading blocks of ``block_hashes`` it holds. One EVALSHA (plus a SCRIPT LOAD the first
         time a server sees the script). Malformed heartbeats are skipped as dead."""
-        raw = await self._lookup(
-            keys=[self.keys.engines(model)], args=[self.keys.model_prefix(model), *block_hashes]
+        packed = await self._lookup(
+            keys=[self.keys.engines(model)],
+            args=[self.keys.model_prefix(model), _hash_blob(block_hashes)],
         )
+        try:
+            raw = msgpack.unpackb(packed, raw=True, strict_map_key=False)
+            if isinstance(raw[1], dict):  # cmsgpack encodes an empty Lua table as a map
+                raw[1] = []
+        except (ValueError, TypeError, IndexError, msgpack.UnpackException) as exc:
+            raise ResponseError(f"malformed lookup reply: {exc!r}") from None
         engines: list[EngineMatch] = []
         dead = [_text(d) for d in raw[1]]
         for i in range(2, len(raw) - 3, 4):
@@ -490,9 +570,8 @@ class KVIndexReader:
             _check_ttl("ttl_s", ttl_s),
             self._cap,
             _check_ttl("pending_ttl_s", pending_ttl_s),
-            len(forget),
+            _hash_blob(block_hashes),
             *forget,
-            *block_hashes,
         ]
         keys = [k.blocks(model, engine_id), k.pending(model, engine_id), k.engines(model)]
         return int(await self._mark(keys=keys, args=args))

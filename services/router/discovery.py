@@ -202,7 +202,6 @@ class KubernetesDiscovery:
         self._slices: dict[str, frozenset[DiscoveredEngine]] = {}
         self._filter = EngineFilter(frozenset())
         self._synced = False
-        self.changed = asyncio.Event()  # set on every change; tests and readiness wait on it
         self.restarts = 0
         # Watch-thread plumbing.
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -256,7 +255,6 @@ class KubernetesDiscovery:
         if engines != self._filter.engines:
             logger.info("discovered engines service=%s count=%d", self.service, len(engines))
         self._filter = EngineFilter(engines)
-        self.changed.set()
 
     # --- watch thread ------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from redis.exceptions import RedisError
 
@@ -172,9 +173,12 @@ class RouterIndex:
         self._down_until = self._clock() + self._retry_s
 
     def _remember(self, model: str, heartbeats: list[EngineHeartbeat]) -> None:
+        self._local_pending.pop(model, None)
+        if not heartbeats:  # unknown model names must not grow the cache
+            self._seen.pop(model, None)
+            return
         now = self._clock()
         self._seen[model] = {hb.engine_id: (hb, now) for hb in heartbeats}
-        self._local_pending.pop(model, None)
 
     def _fallback(self, model: str) -> list[EngineView]:
         oldest = self._clock() - self._max_age_s
@@ -200,6 +204,7 @@ class LookupLatency:
     p50_ms: float
     p99_ms: float
     mean_ms: float
+    server_cpu_ms: float  # Redis CPU per lookup (INFO cpu delta): unaffected by other load
 
 
 async def measure_lookup_latency(
@@ -212,10 +217,13 @@ async def measure_lookup_latency(
     model: str = "bench-model",
     namespace: str = "pagoda-bench",
 ) -> LookupLatency:
-    """Fills the index with ``engines x blocks_per_engine`` entries (each engine holds chains
-    of ``prompt_blocks`` blocks, half of them shared with the prompts looked up) and times
-    ``lookups`` lookups of ``prompt_blocks``-block prompts, end to end from Python (one
-    EVALSHA each). Uses its own key namespace and deletes it afterwards."""
+    """Fills the index with ``engines x blocks_per_engine`` entries and times ``lookups``
+    lookups of ``prompt_blocks``-block prompts, end to end from Python (one EVALSHA each).
+
+    Workload: 16 distinct prompts, looked up in turn; engine ``e`` holds the first
+    ``7e mod prompt_blocks`` blocks of prompt ``e mod 16`` plus random filler, so every prompt
+    is partly cached on 1/16 of the engines (each needing a search) and absent from the rest.
+    Uses its own key namespace and deletes it afterwards."""
     if engines <= 0 or blocks_per_engine <= 0 or prompt_blocks <= 0 or lookups <= 0:
         raise ValueError("engines, blocks_per_engine, prompt_blocks and lookups must be > 0")
     keys = RedisKeys(namespace)
@@ -246,11 +254,14 @@ async def measure_lookup_latency(
             held = list(shared)
             held += [os.urandom(16) for _ in range(blocks_per_engine - len(held))]
             await publisher.apply_events(engine_id, model, [KVEvent(KVEventKind.STORED, held)])
+        await reader.lookup(model, prompts[0])  # loads the script
+        cpu_before = await _redis_cpu_s(redis)
         samples = []
         for i in range(lookups):
             start = time.perf_counter()
             await reader.lookup(model, prompts[i % len(prompts)])
             samples.append((time.perf_counter() - start) * 1000)
+        server_cpu_ms = (await _redis_cpu_s(redis) - cpu_before) * 1000 / lookups
         samples.sort()
         return LookupLatency(
             engines=engines,
@@ -261,8 +272,14 @@ async def measure_lookup_latency(
             p50_ms=samples[len(samples) // 2],
             p99_ms=samples[min(len(samples) - 1, int(len(samples) * 0.99))],
             mean_ms=statistics.fmean(samples),
+            server_cpu_ms=server_cpu_ms,
         )
     finally:
         async for key in redis.scan_iter(match=f"{namespace}:*", count=1000):
             await redis.unlink(key)
         await redis.aclose()
+
+
+async def _redis_cpu_s(redis: Any) -> float:
+    info = await redis.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])

@@ -54,12 +54,15 @@ class Router:
         self.discovery = discovery
         self.policy = policy
         self.metrics = metrics
+        self._gauged: set[str] = set()  # models with a live-engines gauge (bounded cardinality)
 
     async def route(self, req: RouteRequest) -> RouteResponse:
         snapshot = await self.index.lookup(req.model, req.block_hashes)
         eligible = self._eligible(req.model, snapshot)
-        self.metrics.live_engines.labels(model=req.model).set(len(eligible))
-        excluded = {x for x in req.exclude} | {normalize_url(x) for x in req.exclude}
+        if eligible or req.model in self._gauged:  # never a label per unknown model name
+            self._gauged.add(req.model)
+            self.metrics.live_engines.labels(model=req.model).set(len(eligible))
+        excluded = set(req.exclude) | {normalize_url(x) for x in req.exclude}
         candidates = [
             c
             for c in eligible

@@ -175,8 +175,9 @@ def test_store_then_attend_over_steps() -> None:
         new = slice(done, done + chunk)
         backend.store_kv(keys[new], values[new], k_cache, v_cache, meta.slot_mapping)
         out = backend.forward(queries[new], k_cache, v_cache, meta, 0.25)
-        batch = Batch(meta, queries[new], k_cache, v_cache, [keys[: done + chunk]],
-                      [values[: done + chunk]])
+        batch = Batch(
+            meta, queries[new], k_cache, v_cache, [keys[: done + chunk]], [values[: done + chunk]]
+        )
         torch.testing.assert_close(out, naive_attention(batch, 0.25), atol=1e-5, rtol=1e-5)
         assert positions.tolist() == list(range(done, done + chunk))
         done += chunk

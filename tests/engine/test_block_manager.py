@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 from collections import Counter
@@ -28,6 +29,7 @@ def admit(mgr: BlockManager, rid: str, tokens: list[int]) -> int:
     """What the scheduler does to admit a prompt: look up the cache, allocate. Returns hit."""
     computed, num_hit = mgr.get_computed_blocks(tokens, chain(tokens))
     assert mgr.allocate_slots(rid, len(tokens), computed)
+    mgr.record_prefix_lookup(len(tokens), num_hit)
     return num_hit
 
 
@@ -635,8 +637,17 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(index=st.integers(0, 99))
     def free(self, index: int) -> None:
         rid, _ = self._pick(index)
+        table = [self.mgr._blocks[i] for i in self.mgr.get_block_table(rid)]
+        released = [block for block in table if block.ref_cnt == 1]
         self.mgr.free(rid)
         del self.reqs[rid]
+        # Released uncached blocks now head the queue (in table order, as the tail went in
+        # first); released cached ones end it, tail first, so the tail is evicted first.
+        queue = free_ids(self.mgr)
+        uncached = [b.block_id for b in released if b.block_hash is None]
+        cached = [b.block_id for b in reversed(released) if b.block_hash is not None]
+        assert queue[: len(uncached)] == uncached
+        assert queue[len(queue) - len(cached) :] == cached
 
     @rule()
     def free_unknown(self) -> None:
@@ -700,11 +711,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         queued = list(mgr._free)
         assert len(queued) == len(mgr._free) == mgr.num_free_blocks
         assert {b.block_id for b in queued} == {b.block_id for b in mgr._blocks if b.ref_cnt == 0}
-        for prev, nxt in zip(queued, queued[1:]):
+        for prev, nxt in itertools.pairwise(queued):
             assert prev.next_free is nxt and nxt.prev_free is prev
         for block in mgr._blocks:
             assert block.is_free == (block.ref_cnt == 0)
             assert (block.prev_free is None) == (block.next_free is None)
+        # Uncached free blocks always come before cached ones: they are reused first.
+        kinds = [block.block_hash is not None for block in queued]
+        assert kinds == sorted(kinds)
 
     @invariant()
     def hash_map_matches_blocks(self) -> None:
@@ -733,7 +747,7 @@ class BlockManagerNoCachingMachine(BlockManagerMachine):
     ENABLE_CACHING = False
 
 
-_MACHINE_SETTINGS = settings(max_examples=200, stateful_step_count=50, deadline=None)
+_MACHINE_SETTINGS = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestBlockManagerStateMachine = BlockManagerMachine.TestCase
 TestBlockManagerStateMachine.settings = _MACHINE_SETTINGS
 TestBlockManagerNoCachingStateMachine = BlockManagerNoCachingMachine.TestCase

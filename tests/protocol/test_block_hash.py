@@ -146,11 +146,6 @@ def test_bad_block_size_raises(block_size: object) -> None:
         block_hash_chain([1, 2, 3], block_size, "m")  # type: ignore[arg-type]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="block_hash.py accepts block_size=True (bool is an int) and seeds it as 'True', "
-    "a namespace different from block_size=1; reported to the lead",
-)
 def test_bool_block_size_raises() -> None:
     with pytest.raises(ValueError):
         BlockHasher("m", True)

@@ -17,25 +17,29 @@ from services.protocol.redis_schema import KVIndexPublisher, connect
 from tests.router.util import MODEL, chain, heartbeat, stored
 from tests.support.redis_server import free_port
 
-pytestmark = pytest.mark.asyncio
-
 REPO = Path(__file__).resolve().parents[2]
 
 
-async def test_help() -> None:
+def test_help_and_bad_flags() -> None:
+    cmd = [sys.executable, "-m", "services.router"]
     out = subprocess.run(
-        [sys.executable, "-m", "services.router", "--help"],
-        cwd=REPO, capture_output=True, text=True, timeout=60, check=True,
-    )  # fmt: skip
+        [*cmd, "--help"], cwd=REPO, capture_output=True, text=True, timeout=60, check=True
+    )
     for flag in ("--redis-url", "--engines", "--k8s-service", "--policy", "--hot-spot-ratio"):
         assert flag in out.stdout
     bad = subprocess.run(
-        [sys.executable, "-m", "services.router", "--policy", "random"],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
+        [*cmd, "--policy", "random"], cwd=REPO, capture_output=True, text=True, timeout=60,
+        check=False,
     )  # fmt: skip
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
+    both = subprocess.run(
+        [*cmd, "--engines", "http://a:1", "--k8s-service", "svc"], cwd=REPO,
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert both.returncode == 2 and "not both" in both.stderr
 
 
+@pytest.mark.asyncio
 async def test_router_process_routes_and_stops_on_sigterm(redis_url: str) -> None:
     client = connect(redis_url)
     publisher = KVIndexPublisher(client)
@@ -46,10 +50,10 @@ async def test_router_process_routes_and_stops_on_sigterm(redis_url: str) -> Non
     await client.aclose()
 
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.router", "--host", "127.0.0.1", "--port", str(port),
-         "--redis-url", redis_url, "--log-level", "warning"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.router", "--host", "127.0.0.1", "--port", str(port),
+        "--redis-url", redis_url, "--log-level", "warning",
+        cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
@@ -61,21 +65,21 @@ async def test_router_process_routes_and_stops_on_sigterm(redis_url: str) -> Non
                 answer = RouteResponse.from_msgpack(await resp.read())
             assert (answer.engine_id, answer.matched_blocks) == ("b", 4)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=20) == 0
+        assert await asyncio.wait_for(proc.wait(), 20) == 0
     finally:
-        if proc.poll() is None:
+        if proc.returncode is None:
             proc.kill()
-            proc.wait(timeout=10)
-        if proc.stdout is not None:
-            proc.stdout.close()
+            await proc.wait()
 
 
-async def _wait_healthy(http: aiohttp.ClientSession, base: str, proc: subprocess.Popen) -> None:
+async def _wait_healthy(
+    http: aiohttp.ClientSession, base: str, proc: asyncio.subprocess.Process
+) -> None:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            out = proc.stdout.read().decode() if proc.stdout else ""
-            raise AssertionError(f"router exited early: {out}")
+        if proc.returncode is not None:
+            out = await proc.stdout.read() if proc.stdout else b""
+            raise AssertionError(f"router exited early: {out.decode()}")
         try:
             async with http.get(f"{base}/health") as resp:
                 if resp.status == 200:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass
 from enum import Enum
 
@@ -30,7 +31,9 @@ async def matches(reader: KVIndexReader, hashes: list[bytes]) -> dict[str, int]:
     return {m.heartbeat.engine_id: m.matched_blocks for m in result.engines}
 
 
-async def test_stored_and_removed_events(publisher: KVIndexPublisher, reader: KVIndexReader) -> None:
+async def test_stored_and_removed_events(
+    publisher: KVIndexPublisher, reader: KVIndexReader
+) -> None:
     prompt = chain(8)
     await publisher.publish_heartbeat(heartbeat("a"))
     await publisher.publish_heartbeat(heartbeat("b"))
@@ -74,7 +77,9 @@ async def test_prefix_closed_matching(publisher: KVIndexPublisher, reader: KVInd
     prompt = chain(64)
     await publisher.publish_heartbeat(heartbeat("a"))
     for held in (0, 1, 2, 31, 32, 33, 63, 64):
-        await publisher.apply_events("a", MODEL, [KVEvent(KVEventKind.CLEARED), stored(prompt[:held])])
+        await publisher.apply_events(
+            "a", MODEL, [KVEvent(KVEventKind.CLEARED), stored(prompt[:held])]
+        )
         assert await matches(reader, prompt) == {"a": held}
     # Another prompt sharing the first 10 blocks only.
     other = prompt[:10] + chain(54, start=9)
@@ -83,7 +88,7 @@ async def test_prefix_closed_matching(publisher: KVIndexPublisher, reader: KVInd
 
 
 async def test_entries_expire_and_the_index_stays_bounded(aredis: aioredis.Redis) -> None:
-    publisher = KVIndexPublisher(aredis, block_ttl_s=0.3, max_blocks_per_engine=100)
+    publisher = KVIndexPublisher(aredis, block_ttl_s=1.0, max_blocks_per_engine=100)
     reader = KVIndexReader(aredis, max_blocks_per_engine=100)
     keys = RedisKeys()
     await publisher.publish_heartbeat(heartbeat("a"))
@@ -98,9 +103,9 @@ async def test_entries_expire_and_the_index_stays_bounded(aredis: aioredis.Redis
 
     # The TTL: entries (and the key) disappear without any event.
     pttl = await aredis.pttl(keys.blocks(MODEL, "a"))
-    assert 0 < pttl <= 300
+    assert 0 < pttl <= 1000
     await publisher.publish_heartbeat(heartbeat("a"))
-    await asyncio.sleep(0.45)
+    await asyncio.sleep(1.05)
     assert await matches(reader, second) == {"a": 0}
     assert await aredis.exists(keys.blocks(MODEL, "a")) == 0
 
@@ -117,11 +122,11 @@ async def test_large_event_batches_are_chunked(
 
 async def test_dead_engine_is_not_live(publisher: KVIndexPublisher, reader: KVIndexReader) -> None:
     prompt = chain(4)
-    await publisher.publish_heartbeat(heartbeat("a"), ttl_s=0.2)
+    await publisher.publish_heartbeat(heartbeat("a"), ttl_s=0.5)
     await publisher.publish_heartbeat(heartbeat("b"), ttl_s=30)
     await publisher.apply_events("a", MODEL, [stored(prompt)])
     assert await matches(reader, prompt) == {"a": 4, "b": 0}
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.55)
     result = await reader.lookup(MODEL, prompt)
     assert [m.heartbeat.engine_id for m in result.engines] == ["b"]
     assert result.dead == ["a"]
@@ -142,11 +147,11 @@ async def test_mark_is_provisional_and_never_shortens_stored_entries(
     prompt = chain(6)
     await publisher.publish_heartbeat(heartbeat("a"))
     await publisher.apply_events("a", MODEL, [stored(prompt[:3])])
-    assert await reader.mark(MODEL, "a", prompt, ttl_s=0.2, pending_ttl_s=5) == 1
-    assert await reader.mark(MODEL, "a", [], ttl_s=0.2) == 2
+    assert await reader.mark(MODEL, "a", prompt, ttl_s=0.5, pending_ttl_s=5) == 1
+    assert await reader.mark(MODEL, "a", [], ttl_s=0.5) == 2
     assert await matches(reader, prompt) == {"a": 6}
     assert (await reader.lookup(MODEL, [])).engines[0].pending == 2
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.55)
     # The provisional tail expired; what the engine stored did not; the key keeps its TTL.
     assert await matches(reader, prompt) == {"a": 3}
     assert await aredis.pttl(keys.blocks(MODEL, "a")) > 20_000
@@ -185,7 +190,8 @@ async def test_lookup_is_one_round_trip_however_long_the_prompt(
             # and heartbeat reads ran inside it.
             client_calls = {k: after[k] - before.get(k, 0) for k in after}
             assert client_calls.get("evalsha") == 1
-            assert client_calls.get("zscore", 0) <= 8 * (blocks.bit_length() + 2)
+            # Per engine: one ZMSCORE of the first and last block, then a 4-ary search.
+            assert client_calls.get("zmscore", 0) <= 8 * (1 + math.ceil(math.log(blocks + 1, 4)))
             assert {m.heartbeat.engine_id: m.matched_blocks for m in result.engines} == {
                 f"e{e}": min(blocks, e * 100) for e in range(8)
             }
@@ -227,3 +233,34 @@ async def test_key_layout() -> None:
         RedisKeys("bad:ns")
     with pytest.raises(ValueError):
         connect("http://localhost")
+
+
+async def test_search_finds_every_prefix_length(
+    publisher: KVIndexPublisher, reader: KVIndexReader
+) -> None:
+    """The 4-ary search against a linear walk, for every held length of prompts of several
+    sizes (prefix-closed holdings), several engines at once."""
+    await publisher.publish_heartbeat(heartbeat("a"))
+    await publisher.publish_heartbeat(heartbeat("b"))
+    for n in (1, 2, 3, 5, 17, 64, 100):
+        prompt = chain(n, start=n)
+        for held in sorted({0, 1, n // 3, n // 2, n - 1, n} | set(range(0, n + 1, max(1, n // 9)))):
+            await publisher.apply_events(
+                "a", MODEL, [KVEvent(KVEventKind.CLEARED), stored(prompt[:held])]
+            )
+            await publisher.apply_events(
+                "b", MODEL, [KVEvent(KVEventKind.CLEARED), stored(prompt[: n - held])]
+            )
+            assert await matches(reader, prompt) == {"a": held, "b": n - held}, (n, held)
+
+
+async def test_connect_accepts_tls_and_passwords() -> None:
+    client = connect("rediss://user:pw@redis.example:6380/2")
+    kwargs = client.connection_pool.connection_kwargs
+    assert (kwargs["username"], kwargs["password"], kwargs["db"]) == ("user", "pw", 2)
+    assert client.connection_pool.connection_class.__name__ == "SSLConnection"
+    assert (
+        redact_url("rediss://user:pw@redis.example:6380/2")
+        == "rediss://user:***@redis.example:6380/2"
+    )
+    await client.aclose()

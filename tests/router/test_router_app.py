@@ -84,12 +84,12 @@ async def test_replicas_agree(redis_url: str, publisher: KVIndexPublisher) -> No
 
 async def test_dead_engine_gets_no_traffic(redis_url: str, publisher: KVIndexPublisher) -> None:
     prompt = chain(5)
-    await publisher.publish_heartbeat(heartbeat("dying"), ttl_s=0.3)
     await publisher.publish_heartbeat(heartbeat("alive", running=5))
-    await publisher.apply_events("dying", MODEL, [stored(prompt)])
     async with router_client(redis_url=redis_url) as client:
+        await publisher.publish_heartbeat(heartbeat("dying"), ttl_s=0.5)
+        await publisher.apply_events("dying", MODEL, [stored(prompt)])
         assert (await route(client, prompt)).engine_id == "dying"
-        await asyncio.sleep(0.4)
+        await asyncio.sleep(0.55)
         for _ in range(3):
             assert (await route(client, prompt)).engine_id == "alive"
         engines = (await (await client.get("/engines")).json())["engines"]

@@ -87,9 +87,7 @@ async def route_raw(
 ) -> tuple[int, Any]:
     hashes = hashes or []
     req = RouteRequest(model, hashes, len(hashes) * BLOCK_SIZE + 1, exclude or [])
-    resp = await client.post(
-        "/route", data=req.to_msgpack(), headers={"Content-Type": MSGPACK}
-    )
+    resp = await client.post("/route", data=req.to_msgpack(), headers={"Content-Type": MSGPACK})
     if resp.status == 200:
         return 200, RouteResponse.from_msgpack(await resp.read())
     return resp.status, await resp.json()

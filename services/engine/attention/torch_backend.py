@@ -225,7 +225,9 @@ def _build_plan(meta: AttentionMetadata, device: torch.device) -> _StepPlan:
     max_blocks = meta.block_tables.shape[1]
     for q_len, seq_len in zip(meta.query_lens, meta.seq_lens, strict=True):
         if not 0 < q_len <= seq_len:
-            raise ValueError(f"every request needs 0 < query_len <= seq_len, got {q_len}, {seq_len}")
+            raise ValueError(
+                f"every request needs 0 < query_len <= seq_len, got {q_len}, {seq_len}"
+            )
         if -(-seq_len // bs) > max_blocks:
             raise ValueError(
                 f"a sequence of {seq_len} tokens needs more than the {max_blocks} blocks "

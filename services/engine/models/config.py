@@ -136,8 +136,9 @@ class ModelConfig:
         hidden = _required_int(raw, "hidden_size")
         heads = _required_int(raw, "num_attention_heads")
         attention_bias = bool(raw.get("attention_bias", False))
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r}; only 'silu' (SwiGLU)")
         generation = generation or {}
-        eos = generation.get("eos_token_id", raw.get("eos_token_id"))
         return cls(
             architecture=architecture,
             model_type=str(raw.get("model_type", "")),
@@ -157,9 +158,9 @@ class ModelConfig:
             o_proj_bias=attention_bias if spec.o_proj_bias is None else spec.o_proj_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)),
             qk_norm=spec.qk_norm,
-            eos_token_ids=_token_ids(eos),
-            bos_token_id=_optional_int(generation.get("bos_token_id", raw.get("bos_token_id"))),
-            pad_token_id=_optional_int(generation.get("pad_token_id", raw.get("pad_token_id"))),
+            eos_token_ids=_token_ids(_generation_field(generation, raw, "eos_token_id")),
+            bos_token_id=_optional_int(_generation_field(generation, raw, "bos_token_id")),
+            pad_token_id=_optional_int(_generation_field(generation, raw, "pad_token_id")),
             checkpoint_dtype=raw.get("dtype") or raw.get("torch_dtype"),
         )
 
@@ -212,6 +213,12 @@ def _max_positions(raw: dict[str, Any]) -> int:
         )
         return int(window)
     return max_pos
+
+
+def _generation_field(generation: dict[str, Any], raw: dict[str, Any], key: str) -> Any:
+    """generation_config.json wins over config.json; a null there falls back (id 0 is valid)."""
+    value = generation.get(key)
+    return raw.get(key) if value is None else value
 
 
 def _required_int(raw: dict[str, Any], key: str) -> int:

@@ -112,6 +112,7 @@ def _convert(gguf: Path, target: Path) -> None:
             _write_tokenizer(tokenizer, staging)
             steps.update()
         (staging / _MARKER).write_text(json.dumps({"source": gguf.name}) + "\n")
+        _make_readable(staging)
         if target.exists():  # a leftover without marker: an interrupted older layout
             shutil.rmtree(target)
         os.replace(staging, target)
@@ -119,6 +120,13 @@ def _convert(gguf: Path, target: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     logger.info("default model ready at %s (%.1fs)", target, time.perf_counter() - start)
+
+
+def _make_readable(directory: Path) -> None:
+    """mkdtemp (and safetensors) create owner-only files; the cache is shared read-only."""
+    directory.chmod(0o755)
+    for file in directory.iterdir():
+        file.chmod(0o644)
 
 
 def _remove_stale_staging(target: Path) -> None:
@@ -150,7 +158,9 @@ def _write_configs(model: Any, tokenizer: Any, out: Path) -> None:
     config = model.config.to_dict()
     # The weights we write are plain float32: the GGUF quantisation no longer applies.
     config.pop("quantization_config", None)
-    config.pop("_model_name_or_path", None)  # the GGUF's internal name, not a path
+    # Where it was loaded from (the venv) and the GGUF's internal name: neither applies here.
+    config.pop("_name_or_path", None)
+    config.pop("_model_name_or_path", None)
     config["architectures"] = [type(model).__name__]
     config["dtype"] = "float32"
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -116,7 +116,8 @@ class LlamaDecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's output, residual stream before it); the next layer's input
-        norm adds the two, so each residual add is fused into a norm."""
+        norm adds the two, so each residual add is fused into a norm. ``residual`` is updated
+        in place (it is a tensor this forward pass owns: the embedding output, then sums)."""
         if residual is None:
             residual = x
             h = self.input_layernorm(x)

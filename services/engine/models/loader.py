@@ -146,7 +146,7 @@ def _iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (name, tensor) over every safetensors file of the checkpoint (memory-mapped)."""
     for file in _checkpoint_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for name in list(f.keys()):
                 yield name, f.get_tensor(name)
 
 

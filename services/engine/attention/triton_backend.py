@@ -1,0 +1,67 @@
+"""The Triton attention backend (GPU): the kernels in ``services.engine.kernels``.
+
+Decode-only steps use the GQA-grouped decode kernel (split over the context when the batch is
+too small to fill the GPU); any step with a multi-token request uses the varlen prefill kernel,
+which handles the step's single-token requests as one-row queries.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.engine.attention.base import AttentionMetadata
+from services.engine.kernels import kv_store, paged_attention
+
+
+class TritonAttentionBackend:
+    """Paged attention with Triton kernels (CUDA tensors, or CPU under ``TRITON_INTERPRET=1``)."""
+
+    name = "triton"
+
+    def store_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        kv_store.store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if k_cache.dim() == 4 and k_cache.shape[1] != meta.block_size:
+            raise ValueError(
+                f"cache block size {k_cache.shape[1]} != metadata block_size {meta.block_size}"
+            )
+        num_tokens = sum(meta.query_lens)
+        if query.dim() >= 1 and query.shape[0] != num_tokens:
+            raise ValueError(
+                f"query has {query.shape[0]} tokens but the metadata schedules {num_tokens}"
+            )
+        if meta.is_decode_only:
+            return paged_attention.paged_decode_attention(
+                query,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.context_lens,
+                scale,
+                max_context_len=meta.max_seqlen_k,
+            )
+        return paged_attention.paged_prefill_attention(
+            query,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.context_lens,
+            meta.cu_seqlens_q,
+            meta.max_seqlen_q,
+            scale,
+        )

@@ -1,0 +1,160 @@
+"""Fused RMSNorm (Triton) and its torch reference, optionally with the residual add fused in.
+
+One program per row: the row is read once, its mean square taken in float32, and
+``weight * round(x * rsqrt(mean(x^2) + eps))`` written back. The rounding to the input dtype
+before the weight multiply follows HF's Llama RMSNorm, so bf16/fp16 outputs match the model's
+torch path bit for bit up to float32 summation order.
+
+``fused_add_rms_norm`` also does the decoder layer's residual add in the same pass:
+``residual <- x + residual`` (in place, rounded to residual's dtype) and the norm is taken of
+that rounded sum, which is what an unfused ``h = x + residual; norm(h)`` computes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.engine.kernels import require_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only install: the torch references below still work
+    triton = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(
+        out_ptr,
+        x_ptr,
+        residual_ptr,  # updated in place when HAS_RESIDUAL
+        weight_ptr,
+        x_stride,
+        residual_stride,
+        out_stride,
+        n_cols,
+        eps,
+        HAS_RESIDUAL: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            r_ptrs = residual_ptr + row * residual_stride + cols
+            summed = (x + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)).to(
+                residual_ptr.dtype.element_ty
+            )
+            tl.store(r_ptrs, summed, mask=mask)
+            x = summed.to(tl.float32)
+        mean_sq = tl.sum(x * x, axis=0) / n_cols
+        normed = (x * tl.rsqrt(mean_sq + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = (normed * w).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * out_stride + cols, y, mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim with the Triton kernel; returns a new tensor."""
+    require_triton()
+    rows = _check_args(x, weight, eps)
+    out = torch.empty(x.shape, dtype=_out_dtype(x, weight), device=x.device)
+    _launch(out, rows, None, weight, eps)
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual += x`` in place, then returns ``(rms_norm(residual), residual)``."""
+    require_triton()
+    rows = _check_args(x, weight, eps)
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(
+            f"residual must match x: {tuple(residual.shape)} {residual.dtype} vs "
+            f"{tuple(x.shape)} {x.dtype}"
+        )
+    res_rows = _rows(residual, "residual")
+    if res_rows.data_ptr() != residual.data_ptr() or res_rows.stride(-1) != 1:
+        raise ValueError("residual must be updatable in place: a row-strided 2-D view is needed")
+    out = torch.empty(x.shape, dtype=_out_dtype(x, weight), device=x.device)
+    _launch(out, rows, res_rows, weight, eps)
+    return out, residual
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Torch reference of ``rms_norm`` (statistics in float32, HF rounding order)."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def fused_add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of ``fused_add_rms_norm`` (also updates ``residual`` in place)."""
+    residual.copy_((x.float() + residual.float()).to(residual.dtype))
+    return rms_norm_reference(residual, weight, eps), residual
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _launch(
+    out: torch.Tensor,
+    rows: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+) -> None:
+    n_rows, n_cols = rows.shape
+    if n_rows == 0:
+        return
+    out_rows = out.view(-1, n_cols)
+    block = triton.next_power_of_2(n_cols)
+    _rms_norm_kernel[(n_rows,)](
+        out_rows,
+        rows,
+        rows if residual is None else residual,
+        weight,
+        rows.stride(0),
+        0 if residual is None else residual.stride(0),
+        out_rows.stride(0),
+        n_cols,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=block,
+        num_warps=min(16, max(1, block // 256)),
+    )
+
+
+def _check_args(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Validates and returns x as a [rows, hidden] view (a copy only if it cannot be viewed)."""
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension")
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"weight must be [{x.shape[-1]}], got {tuple(weight.shape)}")
+    if not weight.is_contiguous():
+        raise ValueError("weight must be contiguous")
+    if eps <= 0:
+        raise ValueError(f"eps must be positive, got {eps}")
+    if x.device != weight.device:
+        raise ValueError(f"x and weight must share a device, got {x.device} and {weight.device}")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"unsupported dtype {x.dtype}; use fp16, bf16 or fp32")
+    rows = _rows(x, "x")
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
+    if t.shape[-1] == 0:
+        raise ValueError(f"{name} has an empty last dimension")
+    return t.reshape(-1, t.shape[-1])
+
+
+def _out_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    # Same as the torch path's `weight * normed.to(x.dtype)`.
+    return torch.promote_types(x.dtype, weight.dtype)

@@ -1,0 +1,50 @@
+"""``python -m services.gateway [--help]``: serves the OpenAI-compatible API."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from collections.abc import Sequence
+
+from aiohttp import web
+
+from services.gateway.config import GatewayConfig, ModelSpec
+from services.gateway.server import create_app
+
+logger = logging.getLogger("services.gateway")
+
+_GRACE_AFTER_DRAIN_S = 5.0  # for handlers ended by the drain to write their last event
+
+
+def _with_default_model(config: GatewayConfig) -> GatewayConfig:
+    if config.models:
+        return config
+    # Imported only here: the converter is not needed when models are given.
+    from services.engine.models.default import DEFAULT_MODEL_NAME, default_model_path
+
+    spec = ModelSpec(DEFAULT_MODEL_NAME, str(default_model_path()))
+    return dataclasses.replace(config, models=(spec,))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = GatewayConfig.from_args(argv)
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+    config = _with_default_model(config)
+    app = create_app(config)
+    web.run_app(
+        app,
+        host=config.host,
+        port=config.port,
+        handler_cancellation=True,
+        shutdown_timeout=_GRACE_AFTER_DRAIN_S,
+        print=None,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,379 @@
+"""The OpenAPI 3 document served at ``/openapi.json``: every route, its request body and its
+responses, so schema-driven fuzzers (schemathesis) and client generators can use it.
+
+Kept next to the handlers by hand; ``tests/gateway`` checks that every route of the app is
+described here and that the examples parse.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_ERROR = {"$ref": "#/components/schemas/Error"}
+
+
+def _json(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"content": {"application/json": {"schema": schema}}}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    text = {
+        400: "invalid request (names the offending param)",
+        401: "missing or invalid API key",
+        404: "unknown model",
+        413: "request body too large",
+        502: "the engine failed mid-generation",
+        503: "no engine (or router) available",
+        504: "the request timed out",
+    }
+    return {str(s): {"description": text[s], **_json(_ERROR)} for s in statuses}
+
+
+_GEN_ERRORS = (400, 401, 404, 413, 502, 503, 504)
+
+_SAMPLING: dict[str, Any] = {
+    "n": {"type": "integer", "minimum": 1, "maximum": 16, "default": 1},
+    "temperature": {"type": "number", "minimum": 0, "default": 1},
+    "top_p": {"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 1, "default": 1},
+    "top_k": {"type": "integer", "minimum": -1, "default": 0},
+    "min_p": {"type": "number", "minimum": 0, "maximum": 1, "default": 0},
+    "seed": {"type": "integer", "minimum": -(2**63), "maximum": 2**63 - 1, "nullable": True},
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2, "default": 0},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2, "default": 0},
+    "repetition_penalty": {"type": "number", "minimum": 0, "exclusiveMinimum": True, "default": 1},
+    "max_tokens": {"type": "integer", "minimum": 1, "nullable": True},
+    "min_tokens": {"type": "integer", "minimum": 0, "default": 0},
+    "stop": {
+        "nullable": True,
+        "oneOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "maxItems": 64, "items": {"type": "string", "minLength": 1}},
+        ],
+    },
+    "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+    "ignore_eos": {"type": "boolean", "default": False},
+    "skip_special_tokens": {"type": "boolean", "default": True},
+    "include_stop_str_in_output": {"type": "boolean", "default": False},
+    "stream": {"type": "boolean", "default": False},
+    "stream_options": {
+        "type": "object",
+        "nullable": True,
+        "properties": {"include_usage": {"type": "boolean"}},
+        "description": "only allowed when stream is true",
+    },
+    "cache_salt": {
+        "type": "string",
+        "minLength": 1,
+        "description": "namespaces the prefix cache (scoped per API key when keys are set)",
+    },
+    "user": {"type": "string"},
+}
+
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+
+_COMPLETION_REQUEST = {
+    "type": "object",
+    "required": ["model", "prompt"],
+    "properties": {
+        "model": {"type": "string", "minLength": 1},
+        "prompt": {
+            "oneOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+                _TOKEN_IDS,
+                {"type": "array", "minItems": 1, "items": _TOKEN_IDS},
+            ]
+        },
+        "echo": {"type": "boolean", "default": False},
+        "logprobs": {"type": "integer", "minimum": 0, "maximum": 5, "nullable": True},
+        **_SAMPLING,
+    },
+}
+
+_MESSAGE = {
+    "type": "object",
+    "required": ["role"],
+    "properties": {
+        "role": {"type": "string", "enum": ["system", "user", "assistant", "tool", "developer"]},
+        "content": {
+            "nullable": True,
+            "oneOf": [
+                {"type": "string"},
+                {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["type", "text"],
+                        "properties": {
+                            "type": {"type": "string", "enum": ["text"]},
+                            "text": {"type": "string"},
+                        },
+                    },
+                },
+            ],
+        },
+        "name": {"type": "string"},
+    },
+}
+
+_CHAT_REQUEST = {
+    "type": "object",
+    "required": ["model", "messages"],
+    "properties": {
+        "model": {"type": "string", "minLength": 1},
+        "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+        "max_completion_tokens": {"type": "integer", "minimum": 1, "nullable": True},
+        "logprobs": {"type": "boolean", "default": False},
+        "top_logprobs": {
+            "type": "integer",
+            "minimum": 0,
+            "maximum": 20,
+            "nullable": True,
+            "description": "requires logprobs: true",
+        },
+        "chat_template_kwargs": {"type": "object"},
+        **_SAMPLING,
+    },
+}
+
+_TOKENIZE_REQUEST = {
+    "type": "object",
+    "description": "either prompt or messages",
+    "properties": {
+        "model": {"type": "string", "minLength": 1},
+        "prompt": {"type": "string"},
+        "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+        "add_special_tokens": {"type": "boolean"},
+        "add_generation_prompt": {"type": "boolean", "default": True},
+        "return_token_strs": {"type": "boolean", "default": False},
+        "chat_template_kwargs": {"type": "object"},
+    },
+}
+
+_USAGE = {
+    "type": "object",
+    "properties": {
+        "prompt_tokens": {"type": "integer"},
+        "completion_tokens": {"type": "integer"},
+        "total_tokens": {"type": "integer"},
+        "prompt_tokens_details": {
+            "type": "object",
+            "properties": {"cached_tokens": {"type": "integer"}},
+        },
+    },
+}
+
+_COMPLETION_RESPONSE = {
+    "type": "object",
+    "required": ["id", "object", "created", "model", "choices"],
+    "properties": {
+        "id": {"type": "string"},
+        "object": {"type": "string"},
+        "created": {"type": "integer"},
+        "model": {"type": "string"},
+        "choices": {"type": "array", "items": {"type": "object"}},
+        "usage": {**_USAGE, "nullable": True},
+    },
+}
+
+_SSE = {
+    "text/event-stream": {
+        "schema": {
+            "type": "string",
+            "description": "data: {chunk}\\n\\n ... data: [DONE]\\n\\n; a failure after the "
+            'first chunk is sent as data: {"error": {...}}',
+        }
+    }
+}
+
+
+def _generation(summary: str, request_schema: str) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {
+                "required": True,
+                **_json({"$ref": f"#/components/schemas/{request_schema}"}),
+            },
+            "responses": {
+                "200": {
+                    "description": "the completion (JSON), or an SSE stream when stream is true",
+                    "headers": {
+                        "x-pagoda-engine": {
+                            "description": "the engine(s) that served the request",
+                            "schema": {"type": "string"},
+                        }
+                    },
+                    "content": {
+                        "application/json": {
+                            "schema": {"$ref": "#/components/schemas/CompletionResponse"}
+                        },
+                        **_SSE,
+                    },
+                },
+                **_errors(*_GEN_ERRORS),
+            },
+        }
+    }
+
+
+def openapi_document() -> dict[str, Any]:
+    open_route = {"security": []}
+    return {
+        "openapi": "3.0.3",
+        "info": {
+            "title": "Pagoda gateway",
+            "version": "0.1.0",
+            "description": "OpenAI-compatible API of the Pagoda LLM serving stack.",
+        },
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "schemas": {
+                "Error": {
+                    "type": "object",
+                    "required": ["error"],
+                    "properties": {
+                        "error": {
+                            "type": "object",
+                            "required": ["message", "type"],
+                            "properties": {
+                                "message": {"type": "string"},
+                                "type": {"type": "string"},
+                                "param": {"type": "string", "nullable": True},
+                                "code": {"type": "string", "nullable": True},
+                            },
+                        }
+                    },
+                },
+                "CompletionRequest": _COMPLETION_REQUEST,
+                "ChatCompletionRequest": _CHAT_REQUEST,
+                "CompletionResponse": _COMPLETION_RESPONSE,
+                "TokenizeRequest": _TOKENIZE_REQUEST,
+                "DetokenizeRequest": {
+                    "type": "object",
+                    "required": ["tokens"],
+                    "properties": {
+                        "model": {"type": "string", "minLength": 1},
+                        "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                    },
+                },
+            },
+        },
+        "security": [{"bearer": []}],
+        "paths": {
+            "/v1/completions": _generation("Create a completion", "CompletionRequest"),
+            "/v1/chat/completions": _generation(
+                "Create a chat completion", "ChatCompletionRequest"
+            ),
+            "/v1/models": {
+                "get": {
+                    "summary": "Models that have live engines",
+                    "responses": {
+                        "200": {
+                            "description": "the model list",
+                            **_json(
+                                {
+                                    "type": "object",
+                                    "required": ["object", "data"],
+                                    "properties": {
+                                        "object": {"type": "string", "enum": ["list"]},
+                                        "data": {"type": "array", "items": {"type": "object"}},
+                                    },
+                                }
+                            ),
+                        },
+                        **_errors(401, 503),
+                    },
+                }
+            },
+            "/tokenize": {
+                "post": {
+                    "summary": "Tokenize a prompt or a conversation (vLLM's shape)",
+                    "requestBody": {
+                        "required": True,
+                        **_json({"$ref": "#/components/schemas/TokenizeRequest"}),
+                    },
+                    "responses": {
+                        "200": {
+                            "description": "the token ids",
+                            **_json(
+                                {
+                                    "type": "object",
+                                    "required": ["count", "tokens"],
+                                    "properties": {
+                                        "count": {"type": "integer"},
+                                        "max_model_len": {"type": "integer", "nullable": True},
+                                        "tokens": {"type": "array", "items": {"type": "integer"}},
+                                        "token_strs": {
+                                            "type": "array",
+                                            "nullable": True,
+                                            "items": {"type": "string"},
+                                        },
+                                    },
+                                }
+                            ),
+                        },
+                        **_errors(400, 401, 404, 413),
+                    },
+                }
+            },
+            "/detokenize": {
+                "post": {
+                    "summary": "Turn token ids back into text (vLLM's shape)",
+                    "requestBody": {
+                        "required": True,
+                        **_json({"$ref": "#/components/schemas/DetokenizeRequest"}),
+                    },
+                    "responses": {
+                        "200": {
+                            "description": "the text",
+                            **_json(
+                                {
+                                    "type": "object",
+                                    "required": ["prompt"],
+                                    "properties": {"prompt": {"type": "string"}},
+                                }
+                            ),
+                        },
+                        **_errors(400, 401, 404, 413),
+                    },
+                }
+            },
+            "/health": {
+                "get": {
+                    **open_route,
+                    "summary": "Liveness: the process is up and its tokenizers are loaded",
+                    "responses": {"200": {"description": "healthy"}},
+                }
+            },
+            "/ready": {
+                "get": {
+                    **open_route,
+                    "summary": "Readiness: the router answers",
+                    "responses": {
+                        "200": {"description": "ready"},
+                        "503": {"description": "the router does not answer", **_json(_ERROR)},
+                    },
+                }
+            },
+            "/metrics": {
+                "get": {
+                    **open_route,
+                    "summary": "Prometheus metrics",
+                    "responses": {
+                        "200": {
+                            "description": "text exposition format",
+                            "content": {"text/plain": {"schema": {"type": "string"}}},
+                        }
+                    },
+                }
+            },
+            "/openapi.json": {
+                "get": {
+                    **open_route,
+                    "summary": "This document",
+                    "responses": {"200": {"description": "the OpenAPI document"}},
+                }
+            },
+        },
+    }

@@ -1,0 +1,221 @@
+"""The gateway's aiohttp app: ``create_app(config) -> web.Application``.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``POST /tokenize``, ``POST /detokenize``, ``GET /health`` (liveness), ``GET /ready`` (the router
+answers), ``GET /metrics``, ``GET /openapi.json``.
+
+Serve it with ``handler_cancellation=True`` (``__main__`` does): a client that disconnects then
+cancels its handler, which closes the engine streams, so the engines abort and free KV blocks
+even while nothing is being written to the client (a long prefill, a non-streaming request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from services.gateway import api, tokenization
+from services.gateway.auth import ApiKeyAuth, auth_middleware
+from services.gateway.config import GatewayConfig
+from services.gateway.errors import error_middleware
+from services.gateway.generation import Upstreams
+from services.gateway.metrics import OTHER_MODEL, GatewayMetrics
+from services.gateway.models import ModelRegistry, load_tokenizers
+from services.gateway.openapi import openapi_document
+from services.gateway.router_client import RouterClient, RouterUnavailable
+from services.gateway.state import MODEL_LABEL, STATE, GatewayState
+from services.protocol.openai import OpenAIError
+from services.text.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_METRICS = web.AppKey("metrics", GatewayMetrics)
+_CONNECT_TIMEOUT_S = 5.0
+
+
+def create_app(
+    config: GatewayConfig, *, tokenizers: Mapping[str, Tokenizer] | None = None
+) -> web.Application:
+    """``tokenizers`` (served name -> Tokenizer) skips loading them from ``config.models``;
+    the caller then owns them (tests share one across apps)."""
+    if not config.models:
+        raise ValueError("at least one model is required (--model NAME=HF_DIR)")
+    if tokenizers is not None:
+        missing = {m.name for m in config.models} - set(tokenizers)
+        if missing:
+            raise ValueError(f"no tokenizer given for models {sorted(missing)}")
+    metrics = GatewayMetrics()
+    app = web.Application(
+        client_max_size=config.max_body_bytes,
+        middlewares=[
+            _metrics_middleware,
+            error_middleware,
+            auth_middleware(ApiKeyAuth(config.api_keys)),
+        ],
+    )
+    app[_METRICS] = metrics
+
+    async def resources(app: web.Application) -> AsyncIterator[None]:
+        async with _resources(app, config, metrics, tokenizers):
+            yield
+
+    app.cleanup_ctx.append(resources)
+    app.on_shutdown.append(_drain)
+    app.router.add_post("/v1/completions", api.completions)
+    app.router.add_post("/v1/chat/completions", api.chat_completions)
+    app.router.add_get("/v1/models", _list_models)
+    app.router.add_post("/tokenize", tokenization.tokenize)
+    app.router.add_post("/detokenize", tokenization.detokenize)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/ready", _ready)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/openapi.json", _openapi)
+    return app
+
+
+@contextlib.asynccontextmanager
+async def _resources(
+    app: web.Application,
+    config: GatewayConfig,
+    metrics: GatewayMetrics,
+    tokenizers: Mapping[str, Tokenizer] | None,
+) -> AsyncIterator[None]:
+    """Every long-lived resource: tokenizer thread, tokenizers, HTTP session, engines poller."""
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+    session: aiohttp.ClientSession | None = None
+    poller: asyncio.Task[None] | None = None
+    try:
+        loop = asyncio.get_running_loop()
+        toks = tokenizers
+        if toks is None:
+            toks = await loop.run_in_executor(pool, load_tokenizers, config.models)
+        models = ModelRegistry.build(config.models, toks, config.block_size, int(time.time()))
+        # No pool cap: every streaming generation holds one engine connection.
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        router = RouterClient(session, config.router_url, config.router_timeout)
+        upstreams = Upstreams(session, router, metrics, config.max_retries, _CONNECT_TIMEOUT_S)
+        state = GatewayState(config, models, router, upstreams, metrics, pool)
+        app[STATE] = state
+        await _refresh_engines(state)
+        poller = asyncio.create_task(_poll_engines(state))
+        logger.info(
+            "gateway ready models=%s router=%s auth=%s",
+            ",".join(models.models),
+            config.router_url,
+            "on" if config.api_keys else "off",
+        )
+        yield
+    finally:
+        if poller is not None:
+            poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await poller
+        if session is not None:
+            await session.close()
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def _refresh_engines(state: GatewayState) -> bool:
+    try:
+        engines = await state.router.engines()
+    except RouterUnavailable as exc:
+        logger.warning("router /engines unavailable: %s", exc)
+        return False
+    state.models.update(engines)
+    return True
+
+
+async def _poll_engines(state: GatewayState) -> None:
+    while True:
+        await asyncio.sleep(state.config.engines_refresh)
+        await _refresh_engines(state)
+
+
+async def _drain(app: web.Application) -> None:
+    """On SIGTERM (after the listener closed): let open generations finish for up to the
+    grace period, then end the rest with an error (streams get an error event + [DONE])."""
+    state = app.get(STATE)
+    if state is None:
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + state.config.shutdown_grace
+    if state.generations:
+        logger.info(
+            "draining open=%d grace_s=%.1f", len(state.generations), state.config.shutdown_grace
+        )
+    while state.generations and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    for gen in list(state.generations):
+        gen.abort(OpenAIError("the server is shutting down", status=503))
+
+
+# -- small routes ---------------------------------------------------------------------------
+
+
+async def _list_models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if not await _refresh_engines(state):
+        raise OpenAIError("the router is unavailable", status=503)
+    data = [
+        {
+            "id": m.name,
+            "object": "model",
+            "created": m.created,
+            "owned_by": "pagoda",
+            "root": m.name,
+            "parent": None,
+            "max_model_len": m.max_model_len,
+        }
+        for m in state.models.live()
+    ]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def _ready(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if not await _refresh_engines(state):
+        raise OpenAIError("the router is unavailable", status=503)
+    return web.json_response(
+        {"status": "ready", "live_models": [m.name for m in state.models.live()]}
+    )
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body, content_type = request.app[_METRICS].render()
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+async def _openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document())
+
+
+@web.middleware
+async def _metrics_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    status = "cancelled"  # the client went away before a response
+    try:
+        resp = await handler(request)
+        status = str(resp.status)
+        return resp
+    except web.HTTPException as exc:
+        status = str(exc.status)
+        raise
+    except Exception:
+        status = "500"
+        raise
+    finally:
+        resource = request.match_info.route.resource
+        endpoint = resource.canonical if resource is not None else "unmatched"
+        model = request.get(MODEL_LABEL, OTHER_MODEL)
+        request.app[_METRICS].requests.labels(endpoint, model, status).inc()

@@ -1,0 +1,74 @@
+"""Model fixtures shared by the whole suite: the real default model and tiny random models."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TinyModelFactory = Callable[..., Path]
+
+# Small enough to build and run in milliseconds, big enough to exercise GQA (4 query heads
+# over 2 KV heads) and a head_dim (32) that differs from hidden / heads (16).
+TINY_DIMS: dict[str, Any] = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+}
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    """The converted SmolLM2-135M-Instruct directory (converted once, then cached on disk)."""
+    from services.engine.models.default import default_model_path as convert_if_needed
+
+    return convert_if_needed()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> TinyModelFactory:
+    """Factory: ``tiny_model_dir(architecture, seed=0, **config_overrides) -> Path``.
+
+    Writes a randomly initialised HF model (safetensors) and returns its directory; the same
+    arguments return the same directory. Weights are drawn wider than HF's default init and
+    norm weights are perturbed away from 1, so a mistake in any layer shows in the logits.
+    """
+    made: dict[str, Path] = {}
+
+    def make(architecture: str, seed: int = 0, **overrides: Any) -> Path:
+        key = json.dumps([architecture, seed, overrides], sort_keys=True)
+        if key not in made:
+            out = tmp_path_factory.mktemp(architecture)
+            _write_tiny_model(out, architecture, seed, overrides)
+            made[key] = out
+        return made[key]
+
+    return make
+
+
+def _write_tiny_model(out: Path, architecture: str, seed: int, overrides: dict[str, Any]) -> None:
+    # Imported here: suites that never build a model (router, gateway) skip torch's import.
+    import torch
+    import transformers
+
+    config_class = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
+    config = config_class(**{**TINY_DIMS, **overrides})
+    config.architectures = [architecture]
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, 0.1)
+    model.save_pretrained(out)

@@ -1,0 +1,387 @@
+"""Triton kernels against their torch references, on the CPU with ``TRITON_INTERPRET=1``.
+
+Triton decides between compiling and interpreting when a ``@triton.jit`` function is defined,
+i.e. when a kernel module is first imported (triton 3.9 reads ``TRITON_INTERPRET`` in its
+``jit`` decorator, through ``triton.knobs``). In an ordinary pytest process some other test may
+already have imported the kernel modules compiled, and flipping the variable afterwards changes
+nothing. So the kernel tests run wherever the kernels really are interpreted (or on a CUDA
+device if there is one), and otherwise ``test_kernels_under_the_interpreter`` re-runs this file
+in a child pytest with the variable set from the start and asserts that it passed.
+
+Input validation, the selector and the backend's plumbing run in the parent: they never launch
+a kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from services.engine.attention.base import AttentionMetadata
+from services.engine.attention.metadata import build_attention_metadata
+from services.engine.attention.selector import BACKEND_NAMES, get_attention_backend
+from services.engine.attention.torch_backend import TorchAttentionBackend
+from services.engine.attention.triton_backend import TritonAttentionBackend
+from services.engine.kernels import kv_store, paged_attention, rmsnorm
+from tests.engine.test_attention_torch import Batch, make_batch
+
+_CHILD_ENV = "PAGODA_TRITON_INTERPRETER_CHILD"
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _kernels_interpreted() -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    kernels = (
+        kv_store._store_kv_kernel,
+        paged_attention._decode_kernel,
+        paged_attention._merge_splits_kernel,
+        paged_attention._prefill_kernel,
+        rmsnorm._rms_norm_kernel,
+    )
+    return all(isinstance(k, InterpretedFunction) for k in kernels)
+
+
+INTERPRETED = _kernels_interpreted()
+if os.environ.get(_CHILD_ENV) and not INTERPRETED:
+    # Never recurse into another child: the interpreter must be on here.
+    raise RuntimeError("TRITON_INTERPRET=1 did not take effect in the interpreter child")
+if INTERPRETED:
+    DEVICE: str | None = "cpu"
+elif torch.cuda.is_available():
+    DEVICE = "cuda"
+else:
+    DEVICE = None
+
+needs_kernels = pytest.mark.skipif(
+    DEVICE is None,
+    reason="kernels are compiled in this process and there is no GPU; "
+    "test_kernels_under_the_interpreter runs them in a child process",
+)
+
+# Per dtype: tolerance vs a float32 reference. The interpreter rounds fp32 -> bf16 by
+# truncation (a GPU rounds to nearest), so bf16 allows a couple of its 2**-8 ulps.
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+DTYPES = list(TOLERANCE)
+
+
+# ---------------------------------------------------------------------- the child run
+
+
+@pytest.mark.skipif(INTERPRETED, reason="already running under the interpreter")
+def test_kernels_under_the_interpreter() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1", **{_CHILD_ENV: "1"})
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    cmd += ["-k", "not test_kernels_under_the_interpreter"]
+    proc = subprocess.run(
+        cmd, cwd=_REPO_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    tail = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, f"interpreter run failed:\n{tail}"
+    summary = proc.stdout.strip().splitlines()[-1]
+    # A skip here would mean the kernels silently did not run.
+    assert " passed" in summary and "skipped" not in summary, tail
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def meta_to(meta: AttentionMetadata, device: str | torch.device) -> AttentionMetadata:
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping.to(device),
+        cu_seqlens_q=meta.cu_seqlens_q.to(device),
+        cu_seqlens_k=meta.cu_seqlens_k.to(device),
+        context_lens=meta.context_lens.to(device),
+        block_tables=meta.block_tables.to(device),
+        max_seqlen_q=meta.max_seqlen_q,
+        max_seqlen_k=meta.max_seqlen_k,
+        query_lens=meta.query_lens,
+        seq_lens=meta.seq_lens,
+        block_size=meta.block_size,
+    )
+
+
+def to_device(batch: Batch, dtype: torch.dtype) -> Batch:
+    """The batch on the kernels' device, its tensors rounded to ``dtype``."""
+    dev = DEVICE or "cpu"
+    return Batch(
+        meta_to(batch.meta, dev),
+        batch.query.to(dev, dtype),
+        batch.k_cache.to(dev, dtype),
+        batch.v_cache.to(dev, dtype),
+        batch.keys,
+        batch.values,
+    )
+
+
+def reference_attention(batch: Batch, scale: float) -> torch.Tensor:
+    """The torch backend on float32 CPU copies of the (already rounded) inputs."""
+    return TorchAttentionBackend().forward(
+        batch.query.cpu().float(),
+        batch.k_cache.cpu().float(),
+        batch.v_cache.cpu().float(),
+        meta_to(batch.meta, "cpu"),
+        scale,
+    )
+
+
+def run_decode(batch: Batch, scale: float, num_splits: int | None) -> torch.Tensor:
+    m = batch.meta
+    return paged_attention.paged_decode_attention(
+        batch.query,
+        batch.k_cache,
+        batch.v_cache,
+        m.block_tables,
+        m.context_lens,
+        scale,
+        max_context_len=m.max_seqlen_k,
+        num_splits=num_splits,
+    )
+
+
+def run_prefill(
+    batch: Batch, scale: float, context_lens: torch.Tensor | None = None
+) -> torch.Tensor:
+    m = batch.meta
+    return paged_attention.paged_prefill_attention(
+        batch.query,
+        batch.k_cache,
+        batch.v_cache,
+        m.block_tables,
+        m.context_lens if context_lens is None else context_lens,
+        m.cu_seqlens_q,
+        m.max_seqlen_q,
+        scale,
+    )
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(actual.cpu().float(), expected.float(), atol=tol, rtol=tol)
+
+
+# ---------------------------------------------------------------------- KV store
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_matches_torch(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    num_kv_heads, head_dim = 3, 24  # neither a power of two: the kernel pads and masks
+    k_cache = torch.randn(5, 8, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(5, 8, num_kv_heads, head_dim, generator=gen).to(dtype)
+    # Strided views of one fused tensor, as the model passes them.
+    fused = torch.randn(6, 2 * num_kv_heads + 1, head_dim, generator=gen).to(dtype)
+    key, value = fused[:, 1 : 1 + num_kv_heads], fused[:, 1 + num_kv_heads :]
+    slots = torch.tensor([39, -1, 0, 17, 8, -1], dtype=torch.int32)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    TorchAttentionBackend().store_kv(key, value, expected_k, expected_v, slots)
+    dev = DEVICE
+    k_dev, v_dev = k_cache.to(dev), v_cache.to(dev)
+    kv_store.store_kv(key.to(dev), value.to(dev), k_dev, v_dev, slots.to(dev))
+    assert torch.equal(k_dev.cpu(), expected_k)
+    assert torch.equal(v_dev.cpu(), expected_v)
+
+
+# ---------------------------------------------------------------------- paged attention
+
+
+DECODE_CASES = {
+    "gqa-bs16": {"block_size": 16, "num_heads": 6, "num_kv_heads": 2},
+    "gqa3-bs8": {"block_size": 8, "num_heads": 9, "num_kv_heads": 3},
+    "mha-bs8": {"block_size": 8, "num_heads": 4, "num_kv_heads": 4},
+}
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_decode_matches_torch(case: str, dtype: torch.dtype) -> None:
+    seq_lens = [1, 7, 16, 17, 150]  # one token, block boundary, just past it, several tiles
+    batch = to_device(make_batch(seq_lens, [1] * 5, **DECODE_CASES[case], seed=1), dtype)
+    expected = reference_attention(batch, 0.3)
+    assert_close(run_decode(batch, 0.3, num_splits=1), expected, dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_decode_split_context_matches_torch(num_splits: int) -> None:
+    # Lengths leave some splits empty for the short sequences: they must weigh nothing.
+    batch = to_device(make_batch([3, 70, 129], [1, 1, 1], block_size=8, seed=2), torch.float32)
+    out = run_decode(batch, 0.2, num_splits=num_splits)
+    assert_close(out, reference_attention(batch, 0.2), torch.float32)
+
+
+PREFILL_CASES = {
+    "no-prefix": ([5, 19, 32], [5, 19, 32], 16),
+    "cached-prefix": ([29, 32, 45], [10, 16, 3], 8),
+    "mixed-with-decodes": ([20, 37, 9, 12, 3], [1, 12, 1, 12, 3], 8),
+    "several-row-tiles": ([90], [70], 16),  # 70 rows: two BLOCK_M tiles, a prefix of 20
+}
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(PREFILL_CASES))
+def test_prefill_matches_torch(case: str, dtype: torch.dtype) -> None:
+    seq_lens, query_lens, block_size = PREFILL_CASES[case]
+    batch = make_batch(seq_lens, query_lens, block_size=block_size, num_heads=6, seed=3)
+    batch = to_device(batch, dtype)
+    assert_close(run_prefill(batch, 0.25), reference_attention(batch, 0.25), dtype)
+
+
+@needs_kernels
+def test_comparison_catches_a_wrong_causal_offset() -> None:
+    """The harness is sensitive: shifting every context by one (a mask off by one) fails."""
+    batch = to_device(make_batch([29, 32], [10, 16], block_size=8, seed=4), torch.float32)
+    out = run_prefill(batch, 0.25, context_lens=batch.meta.context_lens - 1)
+    with pytest.raises(AssertionError):
+        assert_close(out, reference_attention(batch, 0.25), torch.float32)
+
+
+@needs_kernels
+def test_triton_backend_over_steps_matches_torch() -> None:
+    """store_kv + forward through real metadata: prefill, mixed chunk + decode, decode only."""
+    gen = torch.Generator().manual_seed(5)
+    block_size, num_heads, num_kv_heads, head_dim = 8, 6, 2, 16
+    shape = (12, block_size, num_kv_heads, head_dim)
+    caches = {name: (torch.zeros(shape), torch.zeros(shape)) for name in ("torch", "triton")}
+    caches["triton"] = tuple(c.to(DEVICE) for c in caches["triton"])
+    backends = {"torch": TorchAttentionBackend(), "triton": TritonAttentionBackend()}
+    tables = [[3, 9, 0, 5], [11, 1, 7]]
+    done = [0, 0]
+    for q_lens in ([13, 1], [9, 1], [1, 1], [1, 1]):
+        seq_lens = [d + q for d, q in zip(done, q_lens, strict=True)]
+        meta, _ = build_attention_metadata(tables, seq_lens, q_lens, block_size)
+        n = sum(q_lens)
+        q = torch.randn(n, num_heads, head_dim, generator=gen)
+        k = torch.randn(n, num_kv_heads, head_dim, generator=gen)
+        v = torch.randn(n, num_kv_heads, head_dim, generator=gen)
+        outs = {}
+        for name, backend in backends.items():
+            k_cache, v_cache = caches[name]
+            dev = k_cache.device
+            step_meta = meta_to(meta, dev)
+            backend.store_kv(k.to(dev), v.to(dev), k_cache, v_cache, step_meta.slot_mapping)
+            outs[name] = backend.forward(q.to(dev), k_cache, v_cache, step_meta, 0.25).cpu()
+        assert_close(outs["triton"], outs["torch"], torch.float32)
+        done = seq_lens
+
+
+# ---------------------------------------------------------------------- RMSNorm
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_matches_torch(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(6)
+    wide = torch.randn(4, 3, 100, generator=gen).to(dtype)
+    x = wide[..., :72]  # strided rows, hidden size not a power of two
+    weight = torch.randn(72, generator=gen).to(dtype)
+    out = rmsnorm.rms_norm(x.to(DEVICE), weight.to(DEVICE), 1e-5)
+    assert out.shape == x.shape and out.dtype == dtype
+    assert_close(out, rmsnorm.rms_norm_reference(x, weight, 1e-5), dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm_matches_torch(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 48, generator=gen).to(dtype)
+    residual = torch.randn(5, 48, generator=gen).to(dtype)
+    weight = torch.randn(48, generator=gen).to(dtype)
+    expected_res = residual.clone()
+    expected, _ = rmsnorm.fused_add_rms_norm_reference(x, expected_res, weight, 1e-6)
+    res_dev = residual.to(DEVICE)
+    out, returned = rmsnorm.fused_add_rms_norm(x.to(DEVICE), res_dev, weight.to(DEVICE), 1e-6)
+    assert returned is res_dev  # updated in place, handed back for the next layer
+    assert_close(res_dev, expected_res, dtype)
+    assert_close(out, expected, dtype)
+
+
+# ---------------------------------------------------------------------- no kernel launched
+
+
+def test_kernel_wrappers_reject_bad_input() -> None:
+    q = torch.zeros(3, 6, 16)
+    kc = torch.zeros(4, 8, 2, 16)
+    tables = torch.zeros(3, 2, dtype=torch.int32)
+    lens = torch.ones(3, dtype=torch.int32)
+    cu = torch.arange(4, dtype=torch.int32)
+    decode = paged_attention.paged_decode_attention
+    prefill = paged_attention.paged_prefill_attention
+    bad_calls = {
+        "decode: head_dim": lambda: decode(q[..., :8], kc, kc, tables, lens, 1.0),
+        "decode: heads": lambda: decode(q[:, :5], kc, kc, tables, lens, 1.0),
+        "decode: one query per sequence": lambda: decode(q[:2], kc, kc, tables, lens, 1.0),
+        "decode: dtype": lambda: decode(q.half(), kc, kc, tables, lens, 1.0),
+        "decode: cache layout": lambda: decode(q, kc[:, :, :1], kc, tables, lens, 1.0),
+        "decode: table dtype": lambda: decode(q, kc, kc, tables.float(), lens, 1.0),
+        "decode: context_lens": lambda: decode(q, kc, kc, tables, lens[:2], 1.0),
+        "decode: num_splits": lambda: decode(q, kc, kc, tables, lens, 1.0, num_splits=0),
+        "prefill: cu_seqlens": lambda: prefill(q, kc, kc, tables, lens, cu[:3], 1, 1.0),
+        "prefill: non-contiguous cache": lambda: prefill(
+            q, kc.transpose(1, 2), kc.transpose(1, 2), tables, lens, cu, 1, 1.0
+        ),
+        "store: key heads": lambda: kv_store.store_kv(
+            torch.zeros(3, 4, 16), torch.zeros(3, 4, 16), kc, kc, torch.zeros(3).long()
+        ),
+        "store: slot count": lambda: kv_store.store_kv(
+            torch.zeros(3, 2, 16), torch.zeros(3, 2, 16), kc, kc, torch.zeros(2).long()
+        ),
+        "store: head_dim stride": lambda: kv_store.store_kv(
+            torch.zeros(3, 16, 2).transpose(1, 2),
+            torch.zeros(3, 2, 16),
+            kc,
+            kc,
+            torch.zeros(3).long(),
+        ),
+        "rms_norm: weight": lambda: rmsnorm.rms_norm(torch.zeros(2, 8), torch.zeros(7), 1e-6),
+        "rms_norm: eps": lambda: rmsnorm.rms_norm(torch.zeros(2, 8), torch.zeros(8), 0.0),
+        "fused: residual": lambda: rmsnorm.fused_add_rms_norm(
+            torch.zeros(2, 8), torch.zeros(3, 8), torch.zeros(8), 1e-6
+        ),
+    }
+    for name, call in bad_calls.items():
+        with pytest.raises(ValueError):
+            call()
+            pytest.fail(f"no ValueError for {name}")
+
+
+def test_selector_picks_torch_off_cuda() -> None:
+    assert get_attention_backend("cpu").name == "torch"
+    assert get_attention_backend(torch.device("cpu"), "torch").name == "torch"
+
+
+def test_selector_picks_triton_on_cuda() -> None:
+    # Constructing a backend touches no device, so this runs without a GPU.
+    assert get_attention_backend("cuda").name == "triton"
+    assert get_attention_backend("cuda:0", "Torch").name == "torch"
+
+
+def test_selector_falls_back_without_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.engine.attention import selector
+
+    monkeypatch.setattr(selector, "triton_available", lambda: False)
+    assert get_attention_backend("cuda").name == "torch"
+    with pytest.raises(ValueError, match="triton package"):
+        get_attention_backend("cuda", "triton")
+
+
+def test_selector_rejects_unknown_and_unusable_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError) as err:
+        get_attention_backend("cpu", "flash")
+    for name in BACKEND_NAMES:
+        assert name in str(err.value)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="CUDA"):
+        get_attention_backend("cpu", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert get_attention_backend("cpu", "triton").name == "triton"
