@@ -8,9 +8,13 @@ ENGINES ?= 1
 MODEL ?=
 PYTEST_ARGS ?=
 
-.PHONY: install model test serve bench clean
+.PHONY: install model redis test serve bench clean
 
-install: $(STAMP) model
+install: $(STAMP) model redis
+
+# The tests and `make serve` start a real redis-server on loopback.
+redis:
+	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 
 # Re-install only when the project's requirements change.
 $(STAMP): pyproject.toml

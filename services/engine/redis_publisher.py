@@ -48,6 +48,7 @@ class EnginePublisher:
             free_blocks=s.num_free_blocks,
             total_blocks=s.num_total_blocks,
             timestamp=time.time(),
+            max_model_len=engine.max_model_len,
         )
         try:
             if self._pending:

@@ -171,6 +171,7 @@ class EngineHeartbeat(Message):
     free_blocks: int
     total_blocks: int
     timestamp: float  # engine wall clock, unix seconds (informational; TTLs use Redis time)
+    max_model_len: int | None = None  # longest prompt + output the engine accepts, if known
 
     def __post_init__(self) -> None:
         _check_non_empty("EngineHeartbeat.engine_id", self.engine_id)
@@ -181,6 +182,10 @@ class EngineHeartbeat(Message):
             raise ValueError(f"EngineHeartbeat.block_size must be > 0, got {self.block_size!r}")
         for name in ("running", "waiting", "free_blocks", "total_blocks", "timestamp"):
             _check_non_negative(f"EngineHeartbeat.{name}", getattr(self, name))
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(
+                f"EngineHeartbeat.max_model_len must be > 0, got {self.max_model_len!r}"
+            )
         if not (0.0 <= self.kv_usage <= 1.0):
             raise ValueError(f"EngineHeartbeat.kv_usage must be in [0, 1], got {self.kv_usage!r}")
         if self.free_blocks > self.total_blocks:

@@ -39,6 +39,7 @@ class EngineStatus:
     free_blocks: int
     total_blocks: int
     block_size: int
+    max_model_len: int | None
     discovered: bool
 
 
@@ -155,6 +156,7 @@ def _status(model: str, view: EngineView, discovered: bool) -> EngineStatus:
         free_blocks=hb.free_blocks,
         total_blocks=hb.total_blocks,
         block_size=hb.block_size,
+        max_model_len=hb.max_model_len,
         discovered=discovered,
     )
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from services.engine.attention import torch_backend
 from services.engine.attention.base import AttentionMetadata
 from services.engine.attention.metadata import build_attention_metadata
 from services.engine.attention.torch_backend import TorchAttentionBackend
@@ -90,9 +91,19 @@ def run_and_compare(batch: Batch, atol: float = 1e-5) -> None:
 # ---------------------------------------------------------------------- forward
 
 
+@pytest.fixture(params=["bags", "sdpa"])
+def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test through each of the two batched-decode implementations."""
+    threshold = 1 if request.param == "bags" else 10**9
+    monkeypatch.setattr(torch_backend, "BAG_PATH_MIN_SEQS", threshold)
+    return request.param
+
+
 @pytest.mark.parametrize("block_size", [16, 8])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(6, 2), (4, 4), (9, 3)])
-def test_decode_only_varied_lengths(block_size: int, num_heads: int, num_kv_heads: int) -> None:
+def test_decode_only_varied_lengths(
+    block_size: int, num_heads: int, num_kv_heads: int, decode_path: str
+) -> None:
     seq_lens = [1, 7, 16, 17, 40, 33]  # single token, block boundary, just past it
     batch = make_batch(
         seq_lens,
@@ -104,11 +115,11 @@ def test_decode_only_varied_lengths(block_size: int, num_heads: int, num_kv_head
     run_and_compare(batch)
 
 
-def test_decode_only_equal_lengths_needs_no_mask() -> None:
+def test_decode_only_equal_lengths_needs_no_mask(decode_path: str) -> None:
     run_and_compare(make_batch([24, 24, 24], [1, 1, 1], block_size=8))
 
 
-def test_decode_single_request() -> None:
+def test_decode_single_request(decode_path: str) -> None:
     run_and_compare(make_batch([50], [1]))
 
 
@@ -124,7 +135,7 @@ def test_prefill_chunk_over_cached_prefix(block_size: int) -> None:
 
 
 @pytest.mark.parametrize("block_size", [16, 8])
-def test_mixed_batch(block_size: int) -> None:
+def test_mixed_batch(block_size: int, decode_path: str) -> None:
     # Decodes before, between and after prefills, so outputs must be scattered back in place.
     seq_lens = [20, 37, 9, 12, 50, 3]
     query_lens = [1, 12, 1, 12, 1, 3]
@@ -136,9 +147,9 @@ def test_bfloat16_matches_within_rounding() -> None:
     run_and_compare(batch, atol=2e-2)
 
 
-def test_non_contiguous_query_view() -> None:
+def test_non_contiguous_query_view(decode_path: str) -> None:
     """The model passes q as a strided view of a fused qk tensor."""
-    batch = make_batch([9, 21], [1, 5])
+    batch = make_batch([9, 21, 4], [1, 5, 1])
     num_tokens, num_heads, head_dim = batch.query.shape
     fused = torch.randn(num_tokens, num_heads + 2, head_dim)
     fused[:, :num_heads] = batch.query
@@ -147,7 +158,7 @@ def test_non_contiguous_query_view() -> None:
     run_and_compare(batch)
 
 
-def test_new_metadata_is_not_served_from_the_previous_plan() -> None:
+def test_new_metadata_is_not_served_from_the_previous_plan(decode_path: str) -> None:
     backend = TorchAttentionBackend()
     first = make_batch([20, 30], [1, 1], seed=1)
     second = make_batch([20, 30], [1, 1], seed=2)  # same shapes, other block tables
@@ -155,6 +166,18 @@ def test_new_metadata_is_not_served_from_the_previous_plan() -> None:
     for batch in (first, second, first):
         out = backend.forward(batch.query, batch.k_cache, batch.v_cache, batch.meta, scale)
         torch.testing.assert_close(out, naive_attention(batch, scale), atol=1e-5, rtol=1e-5)
+
+
+def test_one_step_with_two_head_layouts(decode_path: str) -> None:
+    """Per-step state built for one head count must not leak into another on the same step."""
+    batch = make_batch([20, 30, 7, 12], [1, 1, 1, 1], num_heads=6, num_kv_heads=2)
+    backend = TorchAttentionBackend()
+    run = lambda q: backend.forward(q, batch.k_cache, batch.v_cache, batch.meta, 0.2)
+    narrow = Batch(
+        batch.meta, batch.query[:, :2], batch.k_cache, batch.v_cache, batch.keys, batch.values
+    )
+    for b in (batch, narrow, batch):
+        torch.testing.assert_close(run(b.query), naive_attention(b, 0.2), atol=1e-5, rtol=1e-5)
 
 
 def test_store_then_attend_over_steps() -> None:

@@ -24,6 +24,12 @@ def test_defaults_and_unknown_fields() -> None:
     assert req.exclude == [] and req.request_id is None
 
 
+def test_heartbeat_optional_max_model_len() -> None:
+    d = heartbeat("e1").to_dict()
+    assert EngineHeartbeat.from_dict(d).max_model_len is None
+    assert EngineHeartbeat.from_dict(d | {"max_model_len": 8192}).max_model_len == 8192
+
+
 def test_ints_accepted_as_floats() -> None:
     d = heartbeat("e1").to_dict() | {"kv_usage": 1, "timestamp": 5}
     assert EngineHeartbeat.from_dict(d).kv_usage == 1.0
@@ -59,6 +65,7 @@ def test_route_request_rejects_bad_fields(data: dict, message: str) -> None:
         {"free_blocks": 2000},
         {"timestamp": float("nan")},
         {"engine_id": 7},
+        {"max_model_len": 0},
     ],
 )
 def test_heartbeat_rejects_bad_values(change: dict) -> None:

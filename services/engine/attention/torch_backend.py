@@ -1,11 +1,21 @@
 """The torch attention backend: the CPU hot path and the reference for the Triton kernels.
 
-Decode requests (one new token each) are batched: their K/V are gathered through the block
-tables into one padded ``[B, max_len, num_kv_heads, head_dim]`` tensor with a single
-``index_select`` per cache, and one ``scaled_dot_product_attention`` call covers them all.
-GQA costs no copy: a request's ``num_heads`` queries are viewed as ``[num_kv_heads, group, D]``,
-so each KV head meets its ``group`` queries as a short query "sequence" (no causal mask is
-needed between them: they all sit at the same position).
+Decode requests (one new token each) are batched. On the CPU, attention over a decode batch
+is bound by memory traffic, not arithmetic, so the batched path is built to touch the cache as
+few times as possible:
+
+* keys: gathered through the block tables into one padded ``[B, max_len, H_kv * D]`` tensor
+  with a single ``index_select``; one ``bmm`` against block-diagonal queries (query head h
+  holds its D values in the column block of its KV head, zeros elsewhere) yields every head's
+  scores at once, GQA included, without copying or repeating KV heads;
+* values: never gathered. ``embedding_bag`` reads each value row straight from the cache and
+  sums it weighted by its probability, one bag per (request, head), ragged lengths and all.
+
+That reads K twice and V once instead of gather-K, gather-V, then read both again. It needs
+float32 scores (bf16 scores before the softmax would be too coarse) and pays off from a few
+requests on; small or non-fp32 batches take one masked ``scaled_dot_product_attention`` over
+gathered K/V, where a request's ``num_heads`` queries are viewed as ``[num_kv_heads, group,
+D]`` so each KV head meets its group as a short query "sequence" (no copy for GQA).
 
 Requests with several new tokens (prefill, chunked prefill over a cached prefix) run one SDPA
 call each; their queries are the LAST ``q_len`` tokens of the context, so unless there is no
@@ -16,9 +26,10 @@ to the bottom-right corner::
     query j=0     1  1  1  1  .        position 3 sees keys 0..3
     query j=1     1  1  1  1  1        position 4 sees keys 0..4
 
-The per-step bookkeeping (which requests decode, gather indices, masks) depends only on the
-metadata, which is shared by every layer of a step, so it is built once and reused until a
-different metadata object arrives.
+The per-step bookkeeping (which requests decode, gather indices, masks, bag rows) depends only
+on the metadata, which every layer of a step shares, so it is built once and reused until a
+different metadata object arrives. Padding keys are masked, never skipped, so the cache must
+hold finite values everywhere (the runner allocates it zeroed).
 """
 
 from __future__ import annotations
@@ -30,16 +41,36 @@ import torch.nn.functional as F
 
 from services.engine.attention.base import AttentionMetadata
 
+# Decode batches at least this large (and float32) use the bag path; see the module docstring.
+BAG_PATH_MIN_SEQS = 4
+
+
+@dataclass(slots=True)
+class _BagLayout:
+    """Value rows read by ``embedding_bag``, for one head layout (the same for every layer)."""
+
+    num_heads: int
+    num_kv_heads: int
+    rows: torch.Tensor  # value row (slot * H_kv + kv_head) per (request, head, key < seq_len)
+    offsets: torch.Tensor  # [B * H] where each (request, head) bag starts in `rows`
+    weight_index: torch.Tensor | None  # those keys' places in the padded [B, H, max_len] scores
+
 
 @dataclass(slots=True)
 class _DecodeGroup:
-    """All single-token requests of a step, attended to in one batched SDPA call."""
+    """All single-token requests of a step, attended to in one batched call."""
 
     token_index: torch.Tensor | None  # [B] rows of `query` (None: the batch is all decode)
     block_ids: torch.Tensor  # [B * num_blocks] physical blocks, row-major per request
     num_blocks: int  # blocks gathered per request (enough for the longest)
+    seq_lens: torch.Tensor  # [B] int64
     max_len: int  # keys per request after padding is trimmed
-    mask: torch.Tensor | None  # [B, 1, 1, max_len] key < seq_len; None when all equal
+    mask: torch.Tensor | None  # [B, 1, 1, max_len] key < seq_len; None when all lengths equal
+    bags: _BagLayout | None = None  # built on first use by the bag path
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
 
 
 @dataclass(slots=True)
@@ -281,17 +312,46 @@ def _decode_group(
         row_index = torch.tensor(rows, dtype=torch.int64, device=device)
         token_index = torch.tensor([starts[i] for i in rows], dtype=torch.int64, device=device)
         sub = tables.index_select(0, row_index)[:, :num_blocks]
+    lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
     mask = None
     if min(lens) != max_len:
-        lens_t = torch.tensor(lens, device=device)
         mask = torch.arange(max_len, device=device) < lens_t[:, None]
         mask = mask.view(len(rows), 1, 1, max_len)
     return _DecodeGroup(
         token_index=token_index,
         block_ids=sub.reshape(-1).to(torch.int64),
         num_blocks=num_blocks,
+        seq_lens=lens_t,
         max_len=max_len,
         mask=mask,
+    )
+
+
+def _bag_layout(
+    group: _DecodeGroup, num_heads: int, num_kv_heads: int, block_size: int
+) -> _BagLayout:
+    num_seqs, max_len = group.num_seqs, group.max_len
+    device = group.block_ids.device
+    offsets_in_block = torch.arange(block_size, device=device)
+    slots = group.block_ids.view(num_seqs, group.num_blocks, 1) * block_size + offsets_in_block
+    slots = slots.view(num_seqs, -1)[:, :max_len]
+    kv_head = torch.arange(num_heads, device=device) // (num_heads // num_kv_heads)
+    rows = slots[:, None, :] * num_kv_heads + kv_head[None, :, None]  # [B, H, max_len]
+    bag_sizes = group.seq_lens.repeat_interleave(num_heads)
+    weight_index = None
+    if group.mask is None:
+        rows = rows.reshape(-1)
+    else:
+        # Ragged: drop padding keys, so padding value rows are never read.
+        keep = group.mask.view(num_seqs, 1, max_len).expand(num_seqs, num_heads, max_len)
+        weight_index = torch.arange(keep.numel(), device=device).view(keep.shape)[keep]
+        rows = rows[keep]
+    return _BagLayout(
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        rows=rows,
+        offsets=torch.cumsum(bag_sizes, 0) - bag_sizes,
+        weight_index=weight_index,
     )
 
 
@@ -322,6 +382,51 @@ def _prefill_item(
 
 def _decode_attention(
     query: torch.Tensor,  # [B, H, D], one token per request
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: _DecodeGroup,
+    scale: float,
+) -> torch.Tensor:
+    if query.dtype == torch.float32 and group.num_seqs >= BAG_PATH_MIN_SEQS:
+        return _decode_attention_bags(query, k_cache, v_cache, group, scale)
+    return _decode_attention_sdpa(query, k_cache, v_cache, group, scale)
+
+
+def _decode_attention_bags(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: _DecodeGroup,
+    scale: float,
+) -> torch.Tensor:
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group_size = num_heads // num_kv_heads
+    bags = group.bags
+    if bags is None or (bags.num_heads, bags.num_kv_heads) != (num_heads, num_kv_heads):
+        bags = group.bags = _bag_layout(group, num_heads, num_kv_heads, block_size)
+    keys = k_cache.index_select(0, group.block_ids).view(num_seqs, -1, num_kv_heads * head_dim)
+    keys = keys[:, : group.max_len]
+    # [B, H_kv, g, H_kv, D], non-zero only where the two H_kv indices agree.
+    q_bd = query.new_zeros(num_seqs, num_kv_heads, group_size, num_kv_heads, head_dim)
+    q_bd.diagonal(dim1=1, dim2=3).copy_(
+        query.reshape(num_seqs, num_kv_heads, group_size, head_dim).permute(0, 2, 3, 1)
+    )
+    q_bd = q_bd.view(num_seqs, num_heads, num_kv_heads * head_dim)
+    scores = torch.bmm(q_bd, keys.transpose(1, 2)).mul_(scale)  # [B, H, max_len]
+    if group.mask is not None:
+        scores.masked_fill_(~group.mask.view(num_seqs, 1, group.max_len), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(-1)
+    if bags.weight_index is not None:
+        probs = probs.index_select(0, bags.weight_index)
+    out = F.embedding_bag(
+        bags.rows, v_cache.view(-1, head_dim), bags.offsets, mode="sum", per_sample_weights=probs
+    )
+    return out.view(num_seqs, num_heads, head_dim)
+
+
+def _decode_attention_sdpa(
+    query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     group: _DecodeGroup,
