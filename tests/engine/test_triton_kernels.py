@@ -260,10 +260,9 @@ def test_triton_backend_over_steps_matches_torch() -> None:
     for q_lens in ([13, 1], [9, 1], [1, 1], [1, 1]):
         seq_lens = [d + q for d, q in zip(done, q_lens, strict=True)]
         meta, _ = build_attention_metadata(tables, seq_lens, q_lens, block_size)
-        n = sum(q_lens)
-        q = torch.randn(n, num_heads, head_dim, generator=gen)
-        k = torch.randn(n, num_kv_heads, head_dim, generator=gen)
-        v = torch.randn(n, num_kv_heads, head_dim, generator=gen)
+        # Strided views of one fused projection, as the model passes them.
+        qkv = torch.randn(sum(q_lens), num_heads + 2 * num_kv_heads, head_dim, generator=gen)
+        q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
         outs = {}
         for name, backend in backends.items():
             k_cache, v_cache = caches[name]

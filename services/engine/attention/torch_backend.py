@@ -54,6 +54,7 @@ class _BagLayout:
     rows: torch.Tensor  # value row (slot * H_kv + kv_head) per (request, head, key < seq_len)
     offsets: torch.Tensor  # [B * H] where each (request, head) bag starts in `rows`
     weight_index: torch.Tensor | None  # those keys' places in the padded [B, H, max_len] scores
+    padding: torch.Tensor | None  # [B, 1, max_len] True at padding keys; None when none
 
 
 @dataclass(slots=True)
@@ -338,10 +339,11 @@ def _bag_layout(
     kv_head = torch.arange(num_heads, device=device) // (num_heads // num_kv_heads)
     rows = slots[:, None, :] * num_kv_heads + kv_head[None, :, None]  # [B, H, max_len]
     bag_sizes = group.seq_lens.repeat_interleave(num_heads)
-    weight_index = None
+    weight_index = padding = None
     if group.mask is None:
         rows = rows.reshape(-1)
     else:
+        padding = ~group.mask.view(num_seqs, 1, max_len)
         # Ragged: drop padding keys, so padding value rows are never read.
         keep = group.mask.view(num_seqs, 1, max_len).expand(num_seqs, num_heads, max_len)
         weight_index = torch.arange(keep.numel(), device=device).view(keep.shape)[keep]
@@ -352,6 +354,7 @@ def _bag_layout(
         rows=rows,
         offsets=torch.cumsum(bag_sizes, 0) - bag_sizes,
         weight_index=weight_index,
+        padding=padding,
     )
 
 
@@ -409,13 +412,13 @@ def _decode_attention_bags(
     keys = keys[:, : group.max_len]
     # [B, H_kv, g, H_kv, D], non-zero only where the two H_kv indices agree.
     q_bd = query.new_zeros(num_seqs, num_kv_heads, group_size, num_kv_heads, head_dim)
-    q_bd.diagonal(dim1=1, dim2=3).copy_(
-        query.reshape(num_seqs, num_kv_heads, group_size, head_dim).permute(0, 2, 3, 1)
-    )
+    # The scale goes on the queries: B*H*D multiplies instead of B*H*max_len.
+    q = query.reshape(num_seqs, num_kv_heads, group_size, head_dim) * scale
+    q_bd.diagonal(dim1=1, dim2=3).copy_(q.permute(0, 2, 3, 1))
     q_bd = q_bd.view(num_seqs, num_heads, num_kv_heads * head_dim)
-    scores = torch.bmm(q_bd, keys.transpose(1, 2)).mul_(scale)  # [B, H, max_len]
-    if group.mask is not None:
-        scores.masked_fill_(~group.mask.view(num_seqs, 1, group.max_len), float("-inf"))
+    scores = torch.bmm(q_bd, keys.transpose(1, 2))  # [B, H, max_len]
+    if bags.padding is not None:
+        scores.masked_fill_(bags.padding, float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(-1)
     if bags.weight_index is not None:
         probs = probs.index_select(0, bags.weight_index)
