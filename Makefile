@@ -30,7 +30,7 @@ model: $(STAMP)
 	$(PY) -m services.engine.models.default
 
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
 serve: install
 	$(PY) -m services.serve --port $(PORT) --engines $(ENGINES) $(if $(MODEL),--model $(MODEL),)

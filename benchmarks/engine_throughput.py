@@ -133,7 +133,8 @@ from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 if __name__ == "__main__":
     cfg = json.load(open(sys.argv[1]))
-    llm = LLM(model=cfg["model"], dtype=cfg["dtype"], enable_prefix_caching=cfg["prefix"])
+    llm = LLM(model=cfg["model"], dtype=cfg["dtype"], enable_prefix_caching=cfg["prefix"],
+              gpu_memory_utilization=0.3)  # on the CPU: the share of RAM for weights + KV
     prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in cfg["work"]]
     params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in cfg["work"]]
     t = time.perf_counter()
@@ -168,18 +169,21 @@ def main() -> None:
                     help="transformers is slow: it runs this many of the requests (a rate)")
     ap.add_argument("--peer", choices=["vllm"], default=None)
     ap.add_argument("--vllm-python", default="vllm-venv/bin/python")
-    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--sections", default="pagoda,hf,prefix,kv,batch1",
+                    help="comma list of: pagoda, hf, prefix, kv, batch1 (vllm runs with --peer)")
     args = ap.parse_args()
+    sections = set(args.sections.split(","))
     model = args.model or str(default_model_path())
     vocab = json.loads(Path(model, "config.json").read_text())["vocab_size"]
     work = make_workload(args.requests, 0, vocab)
     res: dict[str, dict] = {}
 
-    res["pagoda_fp32"] = run_pagoda(model, work, "float32")
-    print("pagoda fp32", res["pagoda_fp32"], flush=True)
-    res["pagoda_bf16"] = run_pagoda(model, work, "bfloat16")
-    print("pagoda bf16", res["pagoda_bf16"], flush=True)
-    if not args.skip_hf:
+    if "pagoda" in sections:
+        res["pagoda_fp32"] = run_pagoda(model, work, "float32")
+        print("pagoda fp32", res["pagoda_fp32"], flush=True)
+        res["pagoda_bf16"] = run_pagoda(model, work, "bfloat16")
+        print("pagoda bf16", res["pagoda_bf16"], flush=True)
+    if "hf" in sections:
         for b in (8, 16):
             res[f"hf_b{b}"] = run_transformers(model, work[: args.hf_requests], b)
             print(f"transformers batch {b}", res[f"hf_b{b}"], flush=True)
@@ -188,48 +192,67 @@ def main() -> None:
             res[f"vllm_{dt}"] = run_vllm(args.vllm_python, model, work, dt)
             print(f"vllm {dt}", res[f"vllm_{dt}"], flush=True)
 
-    rng = random.Random(7)
-    prefix = [rng.randrange(100, vocab - 100) for _ in range(256)]
-    shared = [(prefix + [rng.randrange(100, vocab - 100) for _ in range(rng.randint(16, 64))],
-               32) for _ in range(args.requests)]
-    res["prefix_on"] = run_pagoda(model, shared, "float32")
-    res["prefix_off"] = run_pagoda(model, shared, "float32", enable_prefix_caching=False)
-    print("shared prefix on", res["prefix_on"], "off", res["prefix_off"], flush=True)
-    if args.peer == "vllm":
-        res["vllm_prefix_on"] = run_vllm(args.vllm_python, model, shared, "float32", True)
-        res["vllm_prefix_off"] = run_vllm(args.vllm_python, model, shared, "float32", False)
-
-    res["kv"] = kv_efficiency(model, work)
-    print("kv efficiency", res["kv"], flush=True)
-    res["batch1_fp32"] = batch1(model, "float32", vocab)
-    res["batch1_bf16"] = batch1(model, "bfloat16", vocab)
-    print("batch-1", res["batch1_fp32"], res["batch1_bf16"], flush=True)
+    if "prefix" in sections:
+        shared = shared_prefix_workload(args.requests, vocab)
+        res["prefix_on"] = run_pagoda(model, shared, "float32")
+        res["prefix_off"] = run_pagoda(model, shared, "float32", enable_prefix_caching=False)
+        print("shared prefix on", res["prefix_on"], "off", res["prefix_off"], flush=True)
+        if args.peer == "vllm":
+            res["vllm_prefix_on"] = run_vllm(args.vllm_python, model, shared, "float32", True)
+            res["vllm_prefix_off"] = run_vllm(args.vllm_python, model, shared, "float32", False)
+            print("vllm prefix on", res["vllm_prefix_on"], "off", res["vllm_prefix_off"])
+    if "kv" in sections:
+        res["kv"] = kv_efficiency(model, work)
+        print("kv efficiency", res["kv"], flush=True)
+    if "batch1" in sections:
+        res["batch1_fp32"] = batch1(model, "float32", vocab)
+        res["batch1_bf16"] = batch1(model, "bfloat16", vocab)
+        print("batch-1", res["batch1_fp32"], res["batch1_bf16"], flush=True)
     report(res)
 
 
+def shared_prefix_workload(n: int, vocab: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(7)
+    prefix = [rng.randrange(100, vocab - 100) for _ in range(256)]
+    return [(prefix + [rng.randrange(100, vocab - 100) for _ in range(rng.randint(16, 64))], 32)
+            for _ in range(n)]
+
+
 def report(res: dict) -> None:
-    fp32, bf16 = res["pagoda_fp32"]["tok_s"], res["pagoda_bf16"]["tok_s"]
     print("\n| run | generated tok/s |\n| --- | --- |")
     for k, v in res.items():
         if "tok_s" in v:
             print(f"| {k} | {v['tok_s']:.1f} |")
     hf_best = max((v["tok_s"] for k, v in res.items() if k.startswith("hf_")), default=None)
+    fp32 = res.get("pagoda_fp32", {}).get("tok_s")
+    bf16 = res.get("pagoda_bf16", {}).get("tok_s")
     print("\nratios:")
-    if hf_best:
+    if hf_best and fp32:
         print(f"  pagoda fp32 / transformers best static batch = {fp32 / hf_best:.2f}x (target 5x)")
-    if "vllm_float32" in res:
+    if "vllm_float32" in res and fp32:
         print(f"  pagoda fp32 / vLLM-CPU fp32 = {fp32 / res['vllm_float32']['tok_s']:.2f}x")
+    if "vllm_bfloat16" in res and bf16:
         print(f"  pagoda bf16 / vLLM-CPU bf16 = {bf16 / res['vllm_bfloat16']['tok_s']:.2f}x")
+    if "prefix_on" in res:
+        _report_prefix(res)
+    if "kv" in res:
+        _report_kv(res["kv"])
+    if "batch1_fp32" in res:
+        print(f"  batch-1 decode: fp32 {res['batch1_fp32']['decode_tok_s']:.1f} tok/s (target 40),"
+              f" bf16 {res['batch1_bf16']['decode_tok_s']:.1f} tok/s")
+
+
+def _report_prefix(res: dict) -> None:
     on, off = res["prefix_on"], res["prefix_off"]
     print(f"  prefix caching: throughput {off['tok_s']:.1f} -> {on['tok_s']:.1f} tok/s "
           f"({on['tok_s'] / off['tok_s']:.2f}x); mean TTFT {off['mean_ttft_s']:.2f}s -> "
           f"{on['mean_ttft_s']:.2f}s ({off['mean_ttft_s'] / on['mean_ttft_s']:.2f}x, target 4x)")
-    kv = res["kv"]
+
+
+def _report_kv(kv: dict) -> None:
     print(f"  KV slots live: {kv['live_fraction'] * 100:.1f}% (target 90%); a "
           f"{kv['kv_budget_tokens']}-token budget fits {kv['fit_paged']} requests paged vs "
           f"{kv['fit_reserved']} reserving max_model_len={kv['max_model_len']}")
-    print(f"  batch-1 decode: fp32 {res['batch1_fp32']['decode_tok_s']:.1f} tok/s (target 40), "
-          f"bf16 {res['batch1_bf16']['decode_tok_s']:.1f} tok/s")
 
 
 if __name__ == "__main__":

@@ -114,11 +114,12 @@ def main(argv: list[str] | None = None) -> int:
                                       "--redis-url", redis_url])
             wait_http(f"{url}/health", 600, p)
         router_port = free_port()
-        p = start("router", [_PY, "-m", "services.router", "--port", str(router_port),
+        p = start("router", [_PY, "-m", "services.router", "--host", "127.0.0.1",
+                             "--port", str(router_port),
                              "--redis-url", redis_url, "--engines", ",".join(engine_urls),
                              "--policy", args.policy])
         wait_http(f"http://127.0.0.1:{router_port}/health", 60, p)
-        gw_cmd = [_PY, "-m", "services.gateway", "--port", str(args.port),
+        gw_cmd = [_PY, "-m", "services.gateway", "--host", "127.0.0.1", "--port", str(args.port),
                   "--router-url", f"http://127.0.0.1:{router_port}",
                   "--model", f"{model_name}={model_dir}"]
         for key in args.api_key:

@@ -36,6 +36,7 @@ class RequestUpdate:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     arrival_time: float = 0.0  # monotonic seconds
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
 
@@ -227,6 +228,7 @@ class LLMEngine:
             num_cached_tokens=max(req.num_cached_tokens, 0),
             num_output_tokens=req.num_output_tokens,
             arrival_time=req.arrival_time,
+            first_scheduled_time=req.first_scheduled_time,
             first_token_time=req.first_token_time,
             num_preemptions=req.num_preemptions,
         )

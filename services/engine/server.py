@@ -1,6 +1,6 @@
 """The engine's HTTP server: the internal streaming API, /health, /metrics, Redis heartbeats.
 
-    python -m services.engine.server --port 8100 [--model PATH] [--redis-url redis://...]
+    python -m services.engine.server --port 8200 [--model PATH] [--redis-url redis://...]
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, fields
 
 from aiohttp import web
+from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.engine.config import EngineConfig
@@ -25,7 +26,7 @@ from services.engine.core_loop import EngineCore
 from services.engine.engine import RequestUpdate
 from services.engine.metrics import EngineMetrics
 from services.engine.sampler import TokenLogprobs
-from services.protocol import engine_api
+from services.protocol import engine_api, tracing
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class ServerConfig:
     host: str = "127.0.0.1"
-    port: int = 8100
+    port: int = 8200
     engine_id: str | None = None  # default: hostname-port
     advertise_url: str | None = None  # how gateways reach this engine; default http://host:port
     redis_url: str | None = None
@@ -54,8 +55,12 @@ SERVER_CONFIG = web.AppKey("server_config", ServerConfig)
 
 
 def create_app(engine_config: EngineConfig, server_config: ServerConfig) -> web.Application:
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app = web.Application(
+        client_max_size=64 * 1024 * 1024,
+        middlewares=[tracing.server_span_middleware([engine_api.GENERATE_PATH])],
+    )
     app[SERVER_CONFIG] = server_config
+    app.cleanup_ctx.append(tracing.tracing_ctx(tracing.ENGINE_SERVICE))  # first: torn down last
     app.cleanup_ctx.append(_engine_ctx(engine_config))
     app.router.add_post(engine_api.GENERATE_PATH, handle_generate)
     app.router.add_post(engine_api.ABORT_PATH, handle_abort)
@@ -136,6 +141,14 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     except ValueError as exc:
         return _json_error(400, str(exc))
     rid = f"{req.request_id}-{uuid.uuid4().hex[:8]}"  # unique even if a client reuses ids
+    span = trace.get_current_span()  # the server span of tracing.server_span_middleware
+    if span.is_recording():
+        span.set_attributes({
+            "pagoda.engine.id": request.app[SERVER_CONFIG].resolved_engine_id(),
+            "pagoda.request_id": rid,
+            "gen_ai.request.model": request.app[METRICS].model_name,
+            "gen_ai.usage.input_tokens": len(req.prompt_token_ids),
+        })
     updates: asyncio.Queue = asyncio.Queue()
     core.submit(rid, req.prompt_token_ids, req.params, req.cache_salt, updates.put_nowait)
     first = await updates.get()
@@ -160,10 +173,15 @@ async def _stream(
     first_frame = True
     item = first
     model = metrics.model_name
+    span = trace.get_current_span()
+    spans = _SpanEvents(span) if span.is_recording() else None
     while True:
         if isinstance(item, Exception):
+            span.set_status(trace.StatusCode.ERROR, str(item))
             await resp.write(engine_api.error_frame(str(item)))
             return True
+        if spans is not None:
+            spans.on_update(item)
         now = time.monotonic()
         if item.new_token_ids:
             if last is None:
@@ -184,6 +202,59 @@ async def _stream(
             await resp.write_eof()
             return True
         item = await updates.get()
+
+
+class _SpanEvents:
+    """Turns one request's updates into events and attributes of its engine span.
+
+    Updates come with output tokens, so ``queued`` and ``scheduled`` are added with the first
+    one, at the times the engine recorded; a preemption shows as the count grows, stamped when
+    it is seen (the request's next token).
+    """
+
+    __slots__ = ("first_token", "preemptions", "queued", "span")
+
+    def __init__(self, span: trace.Span) -> None:
+        self.span = span
+        self.queued = False
+        self.first_token = False
+        self.preemptions = 0
+
+    def on_update(self, u: RequestUpdate) -> None:
+        span = self.span
+        if not self.queued:
+            self.queued = True
+            span.add_event("queued", timestamp=_epoch_ns(u.arrival_time))
+            if u.first_scheduled_time is not None:
+                span.add_event("scheduled", {"cached_tokens": u.num_cached_tokens},
+                               timestamp=_epoch_ns(u.first_scheduled_time))
+                span.set_attribute("gen_ai.latency.time_in_queue",
+                                   u.first_scheduled_time - u.arrival_time)
+        if not self.first_token and u.first_token_time is not None:
+            self.first_token = True
+            span.add_event("first_token", timestamp=_epoch_ns(u.first_token_time))
+            span.set_attribute("gen_ai.latency.time_to_first_token",
+                               u.first_token_time - u.arrival_time)
+            if u.first_scheduled_time is not None:
+                span.set_attribute("gen_ai.latency.time_in_model_prefill",
+                                   u.first_token_time - u.first_scheduled_time)
+        if u.num_preemptions > self.preemptions:
+            span.add_event("preempted", {"num_preemptions": u.num_preemptions})
+            self.preemptions = u.num_preemptions
+        if u.finished:
+            span.add_event("finished", {"finish_reason": u.finish_reason or "",
+                                        "output_tokens": u.num_output_tokens})
+            span.set_attributes({
+                "gen_ai.response.finish_reasons": [u.finish_reason or ""],
+                "gen_ai.usage.output_tokens": u.num_output_tokens,
+                "gen_ai.usage.cache_read.input_tokens": u.num_cached_tokens,
+                "gen_ai.latency.e2e": time.monotonic() - u.arrival_time,
+                "pagoda.engine.num_preemptions": u.num_preemptions,
+            })
+
+
+def _epoch_ns(monotonic_s: float) -> int:
+    return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)
 
 
 def _finished(u: RequestUpdate) -> bytes:

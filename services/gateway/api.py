@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from opentelemetry import trace
 
 from services.engine.sampling_params import SamplingParams
 from services.gateway.auth import TENANT_KEY, cache_salt_for
@@ -27,6 +28,7 @@ from services.gateway.responses import ResponseBuilder
 from services.gateway.sse import SSEWriter
 from services.gateway.state import MODEL_LABEL, STATE, GatewayState
 from services.protocol import openai as oa
+from services.protocol import tracing
 from services.protocol.block_hash import BlockHasher
 
 logger = logging.getLogger(__name__)
@@ -58,6 +60,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     state = request.app[STATE]
     started = time.monotonic()
+    span = trace.get_current_span()  # the server span of tracing.server_span_middleware
     body = await read_json_body(request, state.config.max_body_bytes)
     parse = oa.parse_chat_request if kind == "chat" else oa.parse_completion_request
     req = parse(body)
@@ -66,6 +69,8 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     if req.echo and req.params.logprobs is not None:
         raise oa.OpenAIError("echo together with logprobs is not supported", param="echo")
     plan = await _plan(request, state, req, model, body)
+    if span.is_recording():
+        _trace_request(span, plan)
     endpoint = request.path
     loop = asyncio.get_running_loop()
     deadline = loop.time() + state.config.request_timeout
@@ -90,6 +95,8 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
         state.generations.discard(gen)
         await gen.aclose()
         state.metrics.in_flight.labels(endpoint, model.name).dec()
+        if span.is_recording():
+            _trace_usage(span, plan, gen)
 
 
 async def _plan(
@@ -181,7 +188,7 @@ async def _collect(
         async for delta in gen.deltas():
             if first:
                 first = False
-                state.metrics.ttft.labels(plan.model.name).observe(time.monotonic() - started)
+                _observe_ttft(state, plan, time.monotonic() - started)
             builder.add(delta)
     except GenerationFailed as exc:
         state.metrics.stream_errors.labels(plan.model.name).inc()
@@ -201,7 +208,7 @@ async def _stream(
     outcome = "ok"
     try:
         await sse.open()
-        state.metrics.ttft.labels(model).observe(time.monotonic() - started)
+        _observe_ttft(state, plan, time.monotonic() - started)
         for chunk in builder.opening_chunks():
             await sse.send(chunk)
         try:
@@ -236,7 +243,47 @@ def _stream_error(exc: Exception) -> oa.OpenAIError:
     return oa.OpenAIError(f"generation failed: {exc}", status=502)
 
 
+def _observe_ttft(state: GatewayState, plan: _Plan, ttft_s: float) -> None:
+    state.metrics.ttft.labels(plan.model.name).observe(ttft_s)
+    trace.get_current_span().set_attribute("gen_ai.latency.time_to_first_token", ttft_s)
+
+
+def _trace_request(span: trace.Span, plan: _Plan) -> None:
+    """What the gateway span says about the request; prompt text only when
+    PAGODA_TRACE_PROMPTS is on."""
+    req = plan.req
+    attrs: dict[str, Any] = {
+        "gen_ai.operation.name": "chat" if req.kind == "chat" else "text_completion",
+        "gen_ai.request.model": plan.model.name,
+        "gen_ai.response.id": plan.rid,
+        "gen_ai.usage.input_tokens": sum(len(p.token_ids) for p in plan.prompts),
+        "pagoda.stream": req.stream,
+        "pagoda.choices": len(plan.jobs),
+    }
+    if req.params.max_tokens is not None:
+        attrs["gen_ai.request.max_tokens"] = req.params.max_tokens
+    if tracing.trace_prompts():
+        tok = plan.model.tokenizer
+        attrs["pagoda.prompt.text"] = [
+            p.text if p.text is not None else tok.decode(p.token_ids) for p in plan.prompts
+        ]
+    span.set_attributes(attrs)
+
+
+def _trace_usage(span: trace.Span, plan: _Plan, gen: Generation) -> None:
+    use = _usage(plan, gen)
+    span.set_attributes({
+        "gen_ai.usage.output_tokens": use["completion_tokens"],
+        "gen_ai.usage.cache_read.input_tokens": use["prompt_tokens_details"]["cached_tokens"],
+        "pagoda.engine.ids": gen.engine_ids,
+    })
+
+
 def _log_done(plan: _Plan, gen: Generation, outcome: str) -> None:
+    span = trace.get_current_span()
+    span.set_attribute("pagoda.outcome", outcome)
+    if outcome == "error":
+        tracing.set_error(span, "generation failed after the response started")
     logger.info(
         "request done id=%s model=%s kind=%s prompts=%d choices=%d engines=%s outcome=%s",
         plan.rid,

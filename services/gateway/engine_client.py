@@ -5,17 +5,24 @@ that can go wrong *before the first token* surfaces there, where another engine 
 over. After that, ``EngineStream.frames()`` yields frames until the ``finished`` one; a failure
 then is an ``EngineStreamError``. ``close()`` drops the connection, which makes the engine abort
 the request and free its KV blocks.
+
+Each stream is one CLIENT span (``POST /internal/generate``), from the request until the
+``finished`` frame, a failure or ``close()``; its context goes to the engine in ``traceparent``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, StatusCode
 
+from services.protocol import tracing
 from services.protocol.engine_api import CONTENT_TYPE, GENERATE_PATH, FrameDecoder, GenerateRequest
 from services.protocol.openai import OpenAIError
 
@@ -39,40 +46,67 @@ class EngineStream:
         resp: aiohttp.ClientResponse,
         decoder: FrameDecoder,
         pending: list[dict[str, Any]],
+        span: trace.Span = trace.INVALID_SPAN,
     ) -> None:
         self.engine_id = engine_id
         self._resp = resp
         self._decoder = decoder
         self._pending = pending
         self._done = False
+        self._span = span
 
     async def frames(self) -> AsyncIterator[dict[str, Any]]:
         """Frames up to and including the ``finished`` one. Raises EngineStreamError."""
-        while True:
-            while self._pending:
-                frame = self._pending.pop(0)
-                _check_frame(frame)
-                if frame["type"] == "error":
-                    raise EngineStreamError(f"engine error: {str(frame.get('message'))[:200]}")
-                if frame["type"] == "finished":
-                    self._done = True
-                    self._resp.release()
+        try:
+            while True:
+                while self._pending:
+                    frame = self._pending.pop(0)
+                    _check_frame(frame)
+                    if frame["type"] == "error":
+                        message = str(frame.get("message"))[:200]
+                        raise EngineStreamError(f"engine error: {message}")
+                    if frame["type"] == "finished":
+                        self._done = True
+                        self._resp.release()
+                        self._end_span(frame)
+                        yield frame
+                        return
                     yield frame
-                    return
-                yield frame
-            try:
-                chunk = await self._resp.content.readany()
-            except (TimeoutError, aiohttp.ClientError) as exc:
-                raise EngineStreamError(f"engine connection lost: {type(exc).__name__}") from None
-            if not chunk:
-                raise EngineStreamError("engine stream ended before the request finished")
-            self._pending.extend(_decode(self._decoder, chunk, EngineStreamError))
+                try:
+                    chunk = await self._resp.content.readany()
+                except (TimeoutError, aiohttp.ClientError) as exc:
+                    raise EngineStreamError(
+                        f"engine connection lost: {type(exc).__name__}"
+                    ) from None
+                if not chunk:
+                    raise EngineStreamError("engine stream ended before the request finished")
+                self._pending.extend(_decode(self._decoder, chunk, EngineStreamError))
+        except EngineStreamError as exc:
+            self._span.set_status(StatusCode.ERROR, str(exc))
+            raise
 
     def close(self) -> None:
         """Ends the stream; unless it finished, the engine sees the disconnect and aborts."""
         if not self._done:
             self._done = True
             self._resp.close()
+        self._end_span(None)
+
+    def _end_span(self, finished: dict[str, Any] | None) -> None:
+        """Ends the span once: at the ``finished`` frame, or closed before it."""
+        span, self._span = self._span, trace.INVALID_SPAN
+        if not span.is_recording():
+            return
+        if finished is None:
+            span.set_attribute("pagoda.outcome", "closed")  # a stop string, a failure, a cancel
+        else:
+            usage = finished.get("usage") if isinstance(finished.get("usage"), dict) else {}
+            span.set_attributes({
+                "pagoda.outcome": "finished",
+                "gen_ai.response.finish_reasons": [str(finished.get("finish_reason"))],
+                "gen_ai.usage.output_tokens": int(usage.get("completion_tokens") or 0),
+            })
+        span.end()
 
 
 async def open_stream(
@@ -81,22 +115,51 @@ async def open_stream(
     url: str,
     req: GenerateRequest,
     connect_timeout: float,
+    tracer: trace.Tracer | None = None,
 ) -> EngineStream:
     """Starts ``req`` on the engine at ``url`` and returns once its first frame arrived.
 
     Raises EngineUnavailable (connection refused, 5xx, 429, stream closed or failed before any
     frame) or OpenAIError (the engine refused the request itself: a 4xx, passed on as is).
     """
+    full_url = url.rstrip("/") + GENERATE_PATH
+    tracer = tracer or tracing.get_tracer()
+    if not tracing.is_enabled(tracer):
+        return await _open(session, engine_id, full_url, req, connect_timeout, trace.INVALID_SPAN)
+    span = tracer.start_span(
+        "POST " + GENERATE_PATH,
+        kind=SpanKind.CLIENT,
+        attributes={"http.request.method": "POST", "url.full": full_url},
+    )
+    try:
+        stream = await _open(session, engine_id, full_url, req, connect_timeout, span)
+    except BaseException as exc:
+        if not isinstance(exc, asyncio.CancelledError):
+            span.set_status(StatusCode.ERROR, str(exc)[:200])
+        span.end()
+        raise
+    return stream
+
+
+async def _open(
+    session: aiohttp.ClientSession,
+    engine_id: str,
+    url: str,
+    req: GenerateRequest,
+    connect_timeout: float,
+    span: trace.Span,
+) -> EngineStream:
+    if span.is_recording():
+        span.set_attributes({"pagoda.engine.id": engine_id, "pagoda.request_id": req.request_id})
+    headers = {"Content-Type": CONTENT_TYPE, "Accept": CONTENT_TYPE}
+    if span.get_span_context().is_valid:  # sampled out still propagates (sampled=0)
+        tracing.inject_headers(headers, trace.set_span_in_context(span))
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout)
     try:
-        resp = await session.post(
-            url.rstrip("/") + GENERATE_PATH,
-            data=req.to_msgpack(),
-            headers={"Content-Type": CONTENT_TYPE, "Accept": CONTENT_TYPE},
-            timeout=timeout,
-        )
+        resp = await session.post(url, data=req.to_msgpack(), headers=headers, timeout=timeout)
     except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         raise EngineUnavailable(f"cannot reach engine: {type(exc).__name__}") from None
+    span.set_attribute("http.response.status_code", resp.status)
     try:
         if resp.status != 200:
             await _raise_for_status(resp)
@@ -114,7 +177,7 @@ async def open_stream(
         _check_frame(first, EngineUnavailable)
         if first["type"] == "error":
             raise EngineUnavailable(f"engine error: {str(first.get('message'))[:200]}")
-        return EngineStream(engine_id, resp, decoder, pending)
+        return EngineStream(engine_id, resp, decoder, pending, span)
     except BaseException:
         resp.close()
         raise

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import aiohttp
+from opentelemetry import trace
 
 from services.engine.sampling_params import SamplingParams
 from services.gateway.choice import ChoiceDecoder, ChoiceDelta
@@ -60,6 +61,7 @@ class Upstreams:
     metrics: GatewayMetrics
     max_retries: int
     connect_timeout: float
+    tracer: trace.Tracer | None = None  # None: the global one (no-op unless tracing is set up)
 
 
 class GenerationFailed(Exception):
@@ -203,7 +205,7 @@ class Generation:
             req = GenerateRequest(rid, job.prompt_ids, job.engine_params, self._salt)
             try:
                 return await open_stream(
-                    up.session, route.engine_id, route.url, req, up.connect_timeout
+                    up.session, route.engine_id, route.url, req, up.connect_timeout, up.tracer
                 )
             except EngineUnavailable as exc:
                 logger.warning(

@@ -17,7 +17,10 @@ from typing import Any
 
 import aiohttp
 import msgpack
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
 
+from services.protocol import tracing
 from services.protocol.messages import RouteRequest, RouteResponse
 from services.protocol.openai import OpenAIError
 
@@ -56,26 +59,53 @@ class RouterUnavailable(Exception):
 
 
 class RouterClient:
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, timeout: float) -> None:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        base_url: str,
+        timeout: float,
+        tracer: trace.Tracer | None = None,
+    ) -> None:
         self._session = session
         self._base = base_url.rstrip("/")
         self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._tracer = tracer or tracing.get_tracer()
+        self._traced = tracing.is_enabled(self._tracer)
 
     async def route(self, req: RouteRequest) -> RouteResponse:
         """The engine for ``req``. Raises OpenAIError 503 when none is left or the router is
         down (the request cannot be served either way)."""
+        url = self._base + ROUTE_PATH
+        if not self._traced:
+            return await self._route(url, req, trace.INVALID_SPAN)
+        with self._tracer.start_as_current_span(
+            "POST " + ROUTE_PATH,
+            kind=SpanKind.CLIENT,
+            attributes={"http.request.method": "POST", "url.full": url},
+        ) as span:
+            answer = await self._route(url, req, span)
+            if span.is_recording():
+                span.set_attributes({
+                    "pagoda.engine.id": answer.engine_id,
+                    "pagoda.router.matched_blocks": answer.matched_blocks,
+                    "pagoda.router.reason": answer.reason,
+                })
+            return answer
+
+    async def _route(self, url: str, req: RouteRequest, span: trace.Span) -> RouteResponse:
+        headers = {"Content-Type": MSGPACK, "Accept": MSGPACK}
+        if self._traced:
+            tracing.inject_headers(headers)
         try:
             async with self._session.post(
-                self._base + ROUTE_PATH,
-                data=req.to_msgpack(),
-                headers={"Content-Type": MSGPACK, "Accept": MSGPACK},
-                timeout=self._timeout,
+                url, data=req.to_msgpack(), headers=headers, timeout=self._timeout
             ) as resp:
                 body = await resp.read()
                 status = resp.status
         except (TimeoutError, aiohttp.ClientError) as exc:
             logger.warning("router unreachable: %s", type(exc).__name__)
             raise OpenAIError("the router is unavailable", status=503) from None
+        span.set_attribute("http.response.status_code", status)
         if status in (404, 409, 503):
             raise OpenAIError(
                 f"no engine available for model {req.model!r}",

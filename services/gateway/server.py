@@ -32,6 +32,7 @@ from services.gateway.models import ModelRegistry, load_tokenizers
 from services.gateway.openapi import openapi_document
 from services.gateway.router_client import RouterClient, RouterUnavailable
 from services.gateway.state import MODEL_LABEL, STATE, GatewayState
+from services.protocol import tracing
 from services.protocol.openai import OpenAIError
 from services.text.tokenizer import Tokenizer
 
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 _METRICS = web.AppKey("metrics", GatewayMetrics)
 _CONNECT_TIMEOUT_S = 5.0
+_TRACED_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
 def create_app(
@@ -56,6 +58,7 @@ def create_app(
     app = web.Application(
         client_max_size=config.max_body_bytes,
         middlewares=[
+            tracing.server_span_middleware(_TRACED_PATHS),  # outermost: sees the final status
             _metrics_middleware,
             error_middleware,
             auth_middleware(ApiKeyAuth(config.api_keys)),
@@ -67,6 +70,7 @@ def create_app(
         async with _resources(app, config, metrics, tokenizers):
             yield
 
+    app.cleanup_ctx.append(tracing.tracing_ctx(tracing.GATEWAY_SERVICE))  # first: ends last
     app.cleanup_ctx.append(resources)
     app.on_shutdown.append(_drain)
     app.router.add_post("/v1/completions", api.completions)
@@ -100,8 +104,11 @@ async def _resources(
         models = ModelRegistry.build(config.models, toks, config.block_size, int(time.time()))
         # No pool cap: every streaming generation holds one engine connection.
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        router = RouterClient(session, config.router_url, config.router_timeout)
-        upstreams = Upstreams(session, router, metrics, config.max_retries, _CONNECT_TIMEOUT_S)
+        tracer = app[tracing.TRACER]
+        router = RouterClient(session, config.router_url, config.router_timeout, tracer)
+        upstreams = Upstreams(
+            session, router, metrics, config.max_retries, _CONNECT_TIMEOUT_S, tracer
+        )
         state = GatewayState(config, models, router, upstreams, metrics, pool)
         app[STATE] = state
         await _refresh_engines(state)

@@ -44,6 +44,7 @@ almost nothing. The script only reads. Requires Redis >= 6.2 (ZMSCORE, ZADD GT).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -295,8 +296,12 @@ def connect(
     credentials in the URL (``redis://:password@host:6379/0``, ``rediss://user:pw@host``).
 
     Failures surface within about ``timeout_s x (retries + 1)``: redis-py's default retry
-    policy (10 retries with backoff) would stall every request while Redis is down."""
-    scheme = urlsplit(url).scheme
+    policy (10 retries with backoff) would stall every request while Redis is down.
+
+    A URL without a password takes it from ``REDIS_PASSWORD`` (and ``REDIS_USERNAME``) when
+    set, so Kubernetes can pass it from a Secret without putting it in process arguments."""
+    parts = urlsplit(url)
+    scheme = parts.scheme
     if scheme not in ("redis", "rediss", "unix"):
         raise ValueError(f"Redis URL must start with redis://, rediss:// or unix://: {url!r}")
     kwargs: dict[str, Any] = {
@@ -307,6 +312,10 @@ def connect(
     }
     if max_connections is not None:
         kwargs["max_connections"] = max_connections
+    if parts.password is None and os.environ.get("REDIS_PASSWORD"):
+        kwargs["password"] = os.environ["REDIS_PASSWORD"]
+        if os.environ.get("REDIS_USERNAME"):
+            kwargs["username"] = os.environ["REDIS_USERNAME"]
     return aioredis.from_url(url, **kwargs)
 
 

@@ -4,16 +4,22 @@ write the choice back."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
+from opentelemetry import trace
+
+from services.protocol import tracing
 from services.protocol.messages import RouteRequest, RouteResponse
 from services.router.discovery import Discovery, normalize_url
 from services.router.index import EngineView, IndexSnapshot, RouterIndex
 from services.router.metrics import RouterMetrics
-from services.router.policies import Candidate, PolicyContext, RoutingPolicy
+from services.router.policies import Candidate, Decision, PolicyContext, RoutingPolicy
 
 logger = logging.getLogger(__name__)
+
+_MAX_TRACED_CANDIDATES = 32  # per-candidate lists in the decision span stop here
 
 
 class NoEngineError(Exception):
@@ -50,25 +56,38 @@ class Router:
         discovery: Discovery,
         policy: RoutingPolicy,
         metrics: RouterMetrics,
+        tracer: trace.Tracer | None = None,
     ) -> None:
         self.index = index
         self.discovery = discovery
         self.policy = policy
         self.metrics = metrics
+        self.tracer = tracer or tracing.get_tracer()
+        self._traced = tracing.is_enabled(self.tracer)
         self._gauged: set[str] = set()  # models with a live-engines gauge (bounded cardinality)
 
     async def route(self, req: RouteRequest) -> RouteResponse:
+        """One decision, in a ``router.decision`` span. Raises NoEngineError."""
+        if not self._traced:
+            return await self._route(req, trace.INVALID_SPAN)
+        with self.tracer.start_as_current_span("router.decision") as span:
+            return await self._route(req, span)
+
+    async def _route(self, req: RouteRequest, span: trace.Span) -> RouteResponse:
+        start = time.perf_counter()
         snapshot = await self.index.lookup(req.model, req.block_hashes)
+        lookup_s = time.perf_counter() - start
         eligible = self._eligible(req.model, snapshot)
-        if eligible or req.model in self._gauged:  # never a label per unknown model name
-            self._gauged.add(req.model)
-            self.metrics.live_engines.labels(model=req.model).set(len(eligible))
+        self._gauge_live(req.model, len(eligible))
         excluded = set(req.exclude) | {normalize_url(x) for x in req.exclude}
         candidates = [
             c
             for c in eligible
             if c.engine_id not in excluded and normalize_url(c.url) not in excluded
         ]
+        if span.is_recording():
+            _trace_lookup(span, req, self.policy.name.value, snapshot.degraded, lookup_s,
+                          len(eligible), candidates)
         if not candidates:
             status = 409 if eligible else 503
             self.metrics.no_engine.labels(status=str(status)).inc()
@@ -88,6 +107,8 @@ class Router:
         self.metrics.decisions.labels(policy=policy, reason=reason).inc()
         if req.block_hashes:
             self.metrics.matched_ratio.observe(chosen.matched_blocks / len(req.block_hashes))
+        if span.is_recording():
+            _trace_choice(span, req, decision, reason)
         logger.debug(
             "routed request_id=%s engine=%s matched=%d reason=%s",
             req.request_id,
@@ -110,7 +131,14 @@ class Router:
             degraded = degraded or snapshot.degraded
             for view in snapshot.engines:
                 rows.append(_status(name, view, allowed.admits(view.heartbeat)))
+            # The gateways poll this, so the gauge stays fresh for models without traffic.
+            self._gauge_live(name, len(self._eligible(name, snapshot)))
         return rows, degraded
+
+    def _gauge_live(self, model: str, live: int) -> None:
+        if live or model in self._gauged:  # never a label per unknown model name
+            self._gauged.add(model)
+            self.metrics.live_engines.labels(model=model).set(live)
 
     def _eligible(self, model: str, snapshot: IndexSnapshot) -> list[Candidate]:
         allowed = self.discovery.current()
@@ -128,6 +156,44 @@ class Router:
                 continue
             out.append(Candidate(engine_id, e.url, 0, 0, 0, pending.get(engine_id, 0), 0.0))
         return out
+
+
+def _trace_lookup(
+    span: trace.Span,
+    req: RouteRequest,
+    policy: str,
+    degraded: bool,
+    lookup_s: float,
+    num_eligible: int,
+    candidates: list[Candidate],
+) -> None:
+    shown = candidates[:_MAX_TRACED_CANDIDATES]
+    span.set_attributes({
+        "gen_ai.request.model": req.model,
+        "pagoda.router.policy": policy,
+        "pagoda.request_id": req.request_id or "",
+        "pagoda.router.prompt_blocks": len(req.block_hashes),
+        "pagoda.router.lookup_time_s": lookup_s,
+        "pagoda.router.degraded": degraded,
+        "pagoda.router.eligible": num_eligible,
+        "pagoda.router.excluded": len(req.exclude),
+        "pagoda.router.candidates": len(candidates),
+        "pagoda.router.candidate_ids": [c.engine_id for c in shown],
+        "pagoda.router.candidate_matched_blocks": [c.matched_blocks for c in shown],
+        "pagoda.router.candidate_loads": [c.load for c in shown],
+    })
+
+
+def _trace_choice(span: trace.Span, req: RouteRequest, decision: Decision, reason: str) -> None:
+    chosen = decision.candidate
+    blocks = len(req.block_hashes)
+    span.set_attributes({
+        "pagoda.router.reason": reason,
+        "pagoda.router.matched_blocks": chosen.matched_blocks,
+        "pagoda.router.matched_block_ratio": chosen.matched_blocks / blocks if blocks else 0.0,
+        "pagoda.engine.id": chosen.engine_id,
+        "pagoda.engine.url": chosen.url,
+    })
 
 
 def _candidate(view: EngineView) -> Candidate:

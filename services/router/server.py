@@ -19,6 +19,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from services.protocol import tracing
 from services.protocol.messages import RouteRequest
 from services.protocol.redis_schema import KVIndexReader, RedisKeys, connect, redact_url
 from services.router.config import RouterConfig
@@ -45,9 +46,13 @@ ROUTER_KEY = web.AppKey("router", Router)
 
 
 def create_app(config: RouterConfig) -> web.Application:
-    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app = web.Application(
+        client_max_size=MAX_BODY_BYTES,
+        middlewares=[tracing.server_span_middleware(["/route"])],
+    )
     app[CONFIG_KEY] = config
     app[METRICS_KEY] = RouterMetrics()
+    app.cleanup_ctx.append(tracing.tracing_ctx(tracing.ROUTER_SERVICE))  # first: torn down last
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post("/route", handle_route)
     app.router.add_get("/engines", handle_engines)
@@ -93,7 +98,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         fallback_max_age_s=config.fallback_max_age_s,
     )
     discovery = build_discovery(config, metrics)
-    app[ROUTER_KEY] = Router(index, discovery, make_policy(config.policy, config), metrics)
+    app[ROUTER_KEY] = Router(
+        index, discovery, make_policy(config.policy, config), metrics, app[tracing.TRACER]
+    )
     await discovery.start()
     logger.info(
         "router started policy=%s redis=%s discovery=%s",

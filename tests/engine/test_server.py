@@ -136,7 +136,7 @@ def test_heartbeat_and_kv_events_reach_redis(engine, redis_server) -> None:
             hashes = BlockHasher("SmolLM2-135M-Instruct", 16).chain(list(range(400, 448)))
             for _ in range(50):
                 result = await reader.lookup("SmolLM2-135M-Instruct", hashes)
-                matches = {m.engine_id: m for m in result.engines}
+                matches = {m.heartbeat.engine_id: m for m in result.engines}
                 if "e-test" in matches and matches["e-test"].matched_blocks == 3:
                     break
                 await asyncio.sleep(0.1)

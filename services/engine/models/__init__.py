@@ -12,10 +12,25 @@ The default model lives in ``services.engine.models.default`` (not imported here
 
 from __future__ import annotations
 
-from services.engine.models.config import ModelConfig, RopeConfig
-from services.engine.models.layers import CausalLM
-from services.engine.models.loader import load_model
-from services.engine.models.registry import supported_architectures
+import importlib
+from typing import Any
+
+# Lazy, so `services.engine.models.default` (which the torch-free gateway uses to find the
+# default model's directory) does not import torch through this package.
+_EXPORTS = {
+    "CausalLM": "services.engine.models.layers",
+    "ModelConfig": "services.engine.models.config",
+    "RopeConfig": "services.engine.models.config",
+    "load_model": "services.engine.models.loader",
+    "supported_architectures": "services.engine.models.registry",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(name)
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+
 
 __all__ = [
     "CausalLM",

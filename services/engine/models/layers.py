@@ -6,7 +6,9 @@ bookkeeping would only slow the CPU hot path down if a caller forgot ``inference
 
 from __future__ import annotations
 
+import functools
 import math
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -135,7 +137,35 @@ class Linear(nn.Module):
         self.bias = empty_param(sum(shard_sizes), dtype=dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
+
+
+# CPUs without native bf16 dot products (AVX2, AVX-512 without BF16) run bf16 GEMMs an order of
+# magnitude slower than fp32 ones. There, a bf16 model keeps bf16 weights (half the memory and
+# half the bytes a memory-bound matrix-vector product reads) but multiplies batches of rows in
+# fp32: the per-call upcast of the weights is cheap next to the GEMM once rows >= this.
+_BF16_UPCAST_MIN_ROWS = 8
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if (
+        weight.dtype == torch.bfloat16
+        and not weight.is_cuda
+        and x.shape[0] >= _BF16_UPCAST_MIN_ROWS
+        and not cpu_has_native_bf16()
+    ):
+        b = None if bias is None else bias.float()
+        return F.linear(x.float(), weight.float(), b).to(torch.bfloat16)
+    return F.linear(x, weight, bias)
 
 
 class Embedding(nn.Module):

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from services.engine.attention.base import AttentionBackend, AttentionMetadata
@@ -24,6 +23,7 @@ from services.engine.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
+    linear,
     silu_and_mul,
 )
 
@@ -191,7 +191,7 @@ class LlamaForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden``: ``[N, hidden]`` (only the rows that need logits); returns float32."""
-        return F.linear(hidden, self.lm_head.weight).float()
+        return linear(hidden, self.lm_head.weight, None).float()
 
     def stacked_params(self) -> dict[str, tuple[str, ...]]:
         return {

@@ -1,0 +1,371 @@
+{{/* ------------------------------------------------------------------------------------
+Names
+------------------------------------------------------------------------------------- */}}
+
+{{- define "pagoda.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Release-scoped base name; component names append "-gateway", "-engine-<model>", ... */}}
+{{- define "pagoda.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pagoda.gateway.fullname" -}}{{ include "pagoda.fullname" . }}-gateway{{- end -}}
+{{- define "pagoda.router.fullname" -}}{{ include "pagoda.fullname" . }}-router{{- end -}}
+{{- define "pagoda.redis.fullname" -}}{{ include "pagoda.fullname" . }}-redis{{- end -}}
+{{/* The headless Service over every engine pod: the router watches its EndpointSlices. */}}
+{{- define "pagoda.engines.fullname" -}}{{ include "pagoda.fullname" . }}-engines{{- end -}}
+{{/* Pods that need no Kubernetes API token. */}}
+{{- define "pagoda.workload.serviceAccountName" -}}{{ include "pagoda.fullname" . }}{{- end -}}
+
+{{/* One model's engine Deployment/Service name. Call with (dict "root" $ "model" $m). */}}
+{{- define "pagoda.engine.fullname" -}}
+{{- $name := printf "%s-engine-%s" (include "pagoda.fullname" .root) .model.name -}}
+{{- if gt (len $name) 63 -}}
+{{- fail (printf "engine name %q is longer than 63 characters: shorten the release name, fullnameOverride or models[].name %q" $name .model.name) -}}
+{{- end -}}
+{{- $name -}}
+{{- end -}}
+
+{{/* ------------------------------------------------------------------------------------
+Labels
+------------------------------------------------------------------------------------- */}}
+
+{{- define "pagoda.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "pagoda.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "pagoda.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "pagoda.labels" -}}
+helm.sh/chart: {{ include "pagoda.chart" . }}
+{{ include "pagoda.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: pagoda
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Call with (dict "root" $ "component" "gateway"). */}}
+{{- define "pagoda.componentSelectorLabels" -}}
+{{ include "pagoda.selectorLabels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "pagoda.componentLabels" -}}
+{{ include "pagoda.labels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* One model's engine pods. Call with (dict "root" $ "model" $m). */}}
+{{- define "pagoda.engine.selectorLabels" -}}
+{{ include "pagoda.componentSelectorLabels" (dict "root" .root "component" "engine") }}
+pagoda.io/model: {{ .model.name }}
+{{- end -}}
+
+{{- define "pagoda.engine.labels" -}}
+{{ include "pagoda.componentLabels" (dict "root" .root "component" "engine") }}
+pagoda.io/model: {{ .model.name }}
+{{- end -}}
+
+{{/* ------------------------------------------------------------------------------------
+Images
+------------------------------------------------------------------------------------- */}}
+
+{{- define "pagoda.image" -}}
+{{- printf "%s:%s" .image.repository (default .root.Chart.AppVersion .image.tag | toString) -}}
+{{- end -}}
+
+{{- define "pagoda.imagePullSecrets" -}}
+{{- with .Values.images.pullSecrets }}
+imagePullSecrets:
+{{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* ------------------------------------------------------------------------------------
+Pod pieces shared by every component
+------------------------------------------------------------------------------------- */}}
+
+{{- define "pagoda.podSecurityContext" -}}
+securityContext:
+{{- toYaml .Values.podSecurityContext | nindent 2 }}
+{{- end -}}
+
+{{- define "pagoda.containerSecurityContext" -}}
+securityContext:
+{{- toYaml .Values.containerSecurityContext | nindent 2 }}
+{{- end -}}
+
+{{/* preStop: keep serving while the endpoint removal reaches the router and kube-proxy. */}}
+{{- define "pagoda.preStop" -}}
+{{- if gt (int .) 0 }}
+lifecycle:
+  preStop:
+    exec:
+      command: ["sleep", "{{ int . }}"]
+{{- end }}
+{{- end -}}
+
+{{/* Downward API: the pod's own name, IP and namespace. */}}
+{{- define "pagoda.podEnv" -}}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: POD_NAMESPACE
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.namespace
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+{{- end -}}
+
+{{/* OTEL_* for one component. Call with (dict "root" $ "component" "gateway" "model" "x"). */}}
+{{- define "pagoda.otelEnv" -}}
+{{- $otel := .root.Values.otel -}}
+{{- if $otel.endpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ $otel.endpoint | quote }}
+- name: OTEL_EXPORTER_OTLP_PROTOCOL
+  value: {{ $otel.protocol | quote }}
+- name: OTEL_SERVICE_NAME
+  value: {{ printf "%s-%s" $otel.serviceNamePrefix .component | quote }}
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: {{ printf "service.namespace=%s,k8s.namespace.name=$(POD_NAMESPACE),k8s.pod.name=$(POD_NAME),service.instance.id=$(POD_NAME)" .root.Release.Namespace }}{{ with .model }},pagoda.model={{ . }}{{ end }}
+{{- with $otel.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* Writable scratch for a read-only root filesystem. */}}
+{{- define "pagoda.scratchVolumeMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: cache
+  mountPath: /cache
+{{- end -}}
+
+{{- define "pagoda.scratchVolumes" -}}
+- name: tmp
+  emptyDir:
+    sizeLimit: 1Gi
+- name: cache
+  emptyDir:
+    sizeLimit: {{ default "1Gi" .cacheSize }}
+{{- end -}}
+
+{{/* ------------------------------------------------------------------------------------
+Redis
+------------------------------------------------------------------------------------- */}}
+
+{{- define "pagoda.redis.bundled" -}}
+{{- if not .Values.redis.url }}true{{ end -}}
+{{- end -}}
+
+{{- define "pagoda.redis.secretName" -}}
+{{- if .Values.redis.auth.existingSecret -}}
+{{- .Values.redis.auth.existingSecret -}}
+{{- else if include "pagoda.redis.bundled" . -}}
+{{- include "pagoda.redis.fullname" . -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pagoda.redis.secretKey" -}}
+{{- if .Values.redis.auth.existingSecret -}}
+{{- .Values.redis.auth.existingSecretKey -}}
+{{- else -}}
+redis-password
+{{- end -}}
+{{- end -}}
+
+{{- define "pagoda.redis.tlsMountPath" -}}/etc/pagoda/redis-tls{{- end -}}
+
+{{/* The Redis URL the router and engines are started with. The password never appears in
+the manifest: Kubernetes substitutes $(REDIS_PASSWORD) from the Secret when it starts the
+container, so the password must be URL-safe (the generated one is alphanumeric). */}}
+{{- define "pagoda.redis.url" -}}
+{{- $secret := include "pagoda.redis.secretName" . -}}
+{{- if include "pagoda.redis.bundled" . -}}
+{{- printf "redis://:$(REDIS_PASSWORD)@%s:%d/0" (include "pagoda.redis.fullname" .) (int .Values.redis.bundled.port) -}}
+{{- else -}}
+{{- $u := urlParse .Values.redis.url -}}
+{{- if $u.userinfo -}}
+{{- fail "redis.url must not hold credentials: put the password in a Secret and name it in redis.auth.existingSecret" -}}
+{{- end -}}
+{{- $auth := "" -}}
+{{- if $secret -}}
+{{- $auth = printf "%s:$(REDIS_PASSWORD)@" .Values.redis.auth.username -}}
+{{- end -}}
+{{- $query := $u.query -}}
+{{- if .Values.redis.tls.caSecret -}}
+{{- if ne $u.scheme "rediss" -}}
+{{- fail "redis.tls.caSecret is set but redis.url is not rediss://" -}}
+{{- end -}}
+{{- $ca := printf "ssl_ca_certs=%s/%s" (include "pagoda.redis.tlsMountPath" .) .Values.redis.tls.caKey -}}
+{{- $query = ternary $ca (printf "%s&%s" $query $ca) (eq $query "") -}}
+{{- end -}}
+{{- printf "%s://%s%s%s" $u.scheme $auth $u.host $u.path -}}
+{{- if $query }}?{{ $query }}{{ end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Env, volume mounts and volumes of a Redis client (router, engines). */}}
+{{- define "pagoda.redis.clientEnv" -}}
+{{- $secret := include "pagoda.redis.secretName" . -}}
+{{- if $secret }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $secret }}
+      key: {{ include "pagoda.redis.secretKey" . }}
+{{- end }}
+{{- end -}}
+
+{{- define "pagoda.redis.clientVolumeMounts" -}}
+{{- if and (not (include "pagoda.redis.bundled" .)) .Values.redis.tls.caSecret }}
+- name: redis-tls
+  mountPath: {{ include "pagoda.redis.tlsMountPath" . }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "pagoda.redis.clientVolumes" -}}
+{{- if and (not (include "pagoda.redis.bundled" .)) .Values.redis.tls.caSecret }}
+- name: redis-tls
+  secret:
+    secretName: {{ .Values.redis.tls.caSecret }}
+    items:
+      - key: {{ .Values.redis.tls.caKey }}
+        path: {{ .Values.redis.tls.caKey }}
+{{- end }}
+{{- end -}}
+
+{{/* ------------------------------------------------------------------------------------
+Models
+------------------------------------------------------------------------------------- */}}
+
+{{- define "pagoda.builtinModelDir" -}}/opt/pagoda/models/SmolLM2-135M-Instruct{{- end -}}
+
+{{/* Where a pod finds the model directory. Call with (dict "model" $m "source" $src). */}}
+{{- define "pagoda.model.dir" -}}
+{{- if eq .source.type "builtin" -}}
+{{- include "pagoda.builtinModelDir" . -}}
+{{- else -}}
+/models/{{ .model.name }}
+{{- end -}}
+{{- end -}}
+
+{{- define "pagoda.model.servedName" -}}
+{{- default .name .servedModelName -}}
+{{- end -}}
+
+{{- define "pagoda.model.claimName" -}}
+{{- if .model.source.pvc.claimName -}}
+{{- .model.source.pvc.claimName -}}
+{{- else -}}
+{{- printf "%s-model-%s" (include "pagoda.fullname" .root) .model.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The model volume of a pod (none for builtin). Call with
+(dict "root" $ "model" $m "source" $src "volume" "model" ["sizeLimit" "1Gi"]); sizeLimit
+overrides the image copy's emptyDir limit. A created claim is named after the model. */}}
+{{- define "pagoda.model.volume" -}}
+{{- $src := .source -}}
+{{- if eq $src.type "pvc" }}
+- name: {{ .volume }}
+  persistentVolumeClaim:
+    claimName: {{ $src.pvc.claimName | default (printf "%s-model-%s" (include "pagoda.fullname" .root) .model.name) }}
+    readOnly: true
+{{- else if eq $src.type "hostPath" }}
+- name: {{ .volume }}
+  hostPath:
+    path: {{ $src.hostPath.path }}
+    type: {{ $src.hostPath.type | default "Directory" }}
+{{- else if eq $src.type "image" }}
+- name: {{ .volume }}
+  {{- $limit := .sizeLimit | default $src.image.sizeLimit }}
+  {{- if $limit }}
+  emptyDir:
+    sizeLimit: {{ $limit }}
+  {{- else }}
+  emptyDir: {}
+  {{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "pagoda.model.volumeMount" -}}
+{{- $src := .source -}}
+{{- if ne $src.type "builtin" }}
+- name: {{ .volume }}
+  mountPath: /models/{{ .model.name }}
+  readOnly: true
+  {{- if and (eq $src.type "pvc") $src.pvc.subPath }}
+  subPath: {{ $src.pvc.subPath }}
+  {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* Files the gateway needs from a model directory: tokenizer, chat template, config. */}}
+{{- define "pagoda.tokenizerFiles" -}}
+config.json generation_config.json tokenizer.json tokenizer_config.json special_tokens_map.json added_tokens.json tokenizer.model vocab.json vocab.txt merges.txt chat_template.jinja chat_template.json
+{{- end -}}
+
+{{/* Init container copying an image-held model into the pod's emptyDir. Call with
+(dict "root" $ "model" $m "source" $src "volume" "model" "tokenizerOnly" bool). */}}
+{{- define "pagoda.model.initContainer" -}}
+{{- $img := .source.image -}}
+{{- $dest := printf "/models/%s" .model.name -}}
+- name: {{ .volume }}-copy
+  image: {{ printf "%s:%s" $img.repository ($img.tag | default "latest" | toString) }}
+  imagePullPolicy: {{ $img.pullPolicy | default "IfNotPresent" }}
+  {{- if .tokenizerOnly }}
+  command:
+    - sh
+    - -c
+    - |
+      set -eu
+      for f in {{ include "pagoda.tokenizerFiles" . }}; do
+        if [ -e "{{ $img.path }}/$f" ]; then cp "{{ $img.path }}/$f" "{{ $dest }}/"; fi
+      done
+      if [ ! -e "{{ $dest }}/tokenizer_config.json" ] && [ ! -e "{{ $dest }}/tokenizer.json" ]; then
+        echo "no tokenizer files in {{ $img.path }} of {{ $img.repository }}" >&2
+        exit 1
+      fi
+  {{- else }}
+  command: ["cp", "-R", "{{ $img.path }}/.", "{{ $dest }}/"]
+  {{- end }}
+  {{- include "pagoda.containerSecurityContext" .root | nindent 2 }}
+  resources:
+    requests: {cpu: 100m, memory: 128Mi}
+    limits: {memory: 512Mi}
+  volumeMounts:
+    - name: {{ .volume }}
+      mountPath: {{ $dest }}
+{{- end -}}
+
+{{/* A block indented like nindent, or nothing when it is blank (no stray blank lines).
+Call with (list INDENT TEXT). */}}
+{{- define "pagoda.block" -}}
+{{- $text := trim (index . 1) -}}
+{{- if $text }}{{ nindent (index . 0) $text }}{{ end -}}
+{{- end -}}

@@ -1,0 +1,139 @@
+"""Fixtures for the deployment tests: the loaded chart and the value sets rendered."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from tests.deploy.helpers import CHART, Render, render
+
+# Two models with different GPU counts, each from another kind of source.
+TWO_MODELS: dict[str, Any] = {
+    "models": [
+        {
+            "name": "llama-8b",
+            "servedModelName": "meta-llama/Llama-3.1-8B-Instruct",
+            "source": {
+                "type": "pvc",
+                "pvc": {"claimName": "model-weights", "subPath": "Llama-3.1-8B-Instruct"},
+            },
+            # The claim is ReadWriteOnce: the gateway reads the tokenizer from a small image.
+            "tokenizerSource": {
+                "type": "image",
+                "image": {
+                    "repository": "registry.example.com/tokenizers/llama-3.1-8b",
+                    "tag": "1",
+                    "path": "/model",
+                },
+            },
+            "replicas": 2,
+            "gpus": 1,
+            "blockSize": 32,
+            "kvCacheMemory": 21474836480,  # 20 GiB: must not render as 2.147483648e+10
+            "maxModelLen": 8192,
+            "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-L4"},
+        },
+        {
+            "name": "qwen-72b",
+            "servedModelName": "Qwen/Qwen2.5-72B-Instruct",
+            "source": {
+                "type": "image",
+                "image": {
+                    "repository": "registry.example.com/models/qwen2.5-72b",
+                    "tag": "1",
+                    "path": "/model",
+                    "sizeLimit": "200Gi",
+                },
+            },
+            "replicas": 1,
+            "gpus": 4,
+            "maxModelLen": 32768,
+            "shmSize": "16Gi",
+            "tolerations": [{"key": "dedicated", "value": "llm", "effect": "NoSchedule"}],
+        },
+    ]
+}
+
+EXTERNAL_REDIS_TLS: dict[str, Any] = {
+    "redis": {
+        "url": "rediss://redis.example.com:6380/0",
+        "auth": {"existingSecret": "pagoda-redis", "existingSecretKey": "password"},
+        "tls": {"caSecret": "redis-ca", "caKey": "ca.crt"},
+    }
+}
+
+EVERYTHING_ON: dict[str, Any] = {
+    **TWO_MODELS,
+    "gateway": {
+        "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 6},
+        "apiKeys": {"existingSecret": "pagoda-api-keys"},
+    },
+    "keda": {"enabled": True, "threshold": 3},
+    "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+    "networkPolicy": {
+        "enabled": True,
+        "metricsFrom": [
+            {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+        ],
+    },
+    "otel": {"endpoint": "http://otel-collector.observability:4317", "protocol": "grpc"},
+}
+
+THREE_ROUTERS: dict[str, Any] = {"router": {"replicas": 3}}
+
+# The other sources: a node directory, a claim the chart creates, and a CPU-only engine.
+OTHER_SOURCES: dict[str, Any] = {
+    "models": [
+        {
+            "name": "local",
+            "source": {"type": "hostPath", "hostPath": {"path": "/mnt/models/tiny"}},
+            "gpus": 0,
+        },
+        {
+            "name": "shared",
+            "source": {
+                "type": "pvc",
+                "pvc": {"create": {"size": "100Gi", "storageClassName": "nfs"}, "subPath": "m"},
+            },
+        },
+    ],
+    "gateway": {"apiKeys": {"keys": ["sk-one", "sk-two"]}},
+    "grafanaDashboards": {"enabled": True},
+}
+
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "two-models": TWO_MODELS,
+    "external-redis-tls": EXTERNAL_REDIS_TLS,
+    "everything-on": EVERYTHING_ON,
+    "three-routers": THREE_ROUTERS,
+    "other-sources": OTHER_SOURCES,
+}
+
+
+@pytest.fixture(scope="session")
+def chart() -> Any:
+    helm = pytest.importorskip("helm_python", reason="pip install helm-python-sdk")
+    loaded = helm.Chart.load(str(CHART))
+    yield loaded
+    loaded.close()
+
+
+@pytest.fixture(scope="session")
+def rendered(chart: Any) -> Callable[[str], Render]:
+    """rendered(scenario name) -> Render, each scenario rendered once per session."""
+    cache: dict[str, Render] = {}
+
+    def get(name: str) -> Render:
+        if name not in cache:
+            cache[name] = render(chart, SCENARIOS[name])
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(params=sorted(SCENARIOS))
+def scenario(request: pytest.FixtureRequest, rendered: Callable[[str], Render]) -> Render:
+    return rendered(request.param)
