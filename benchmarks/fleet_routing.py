@@ -43,12 +43,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.fleet_sim.engine import CostModel, EngineSpec  # noqa: E402
-from benchmarks.fleet_sim.report import kind_table, markdown_table, plot  # noqa: E402
-from benchmarks.fleet_sim.routing import ORACLE, OracleRouting, RedisRouting  # noqa: E402
-from benchmarks.fleet_sim.simulator import RunResult, SimConfig, Simulation  # noqa: E402
-from benchmarks.fleet_sim.trace import TraceConfig, make_trace  # noqa: E402
-from services.router.config import RouterConfig  # noqa: E402
+from benchmarks.fleet_sim.engine import CostModel, EngineSpec
+from benchmarks.fleet_sim.report import kind_table, markdown_table, plot
+from benchmarks.fleet_sim.routing import ORACLE, OracleRouting, RedisRouting
+from benchmarks.fleet_sim.simulator import RunResult, SimConfig, Simulation
+from benchmarks.fleet_sim.trace import TraceConfig, make_trace
+from services.router.config import RouterConfig
 
 POLICIES = ("prefix", "least-loaded", "round-robin")
 _ROUTER = RouterConfig()  # the router's defaults
@@ -78,10 +78,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-overhead-ms", type=float, default=6.0)
     p.add_argument("--prefill-us-per-token", type=float, default=80.0)
     p.add_argument("--decode-us-per-seq", type=float, default=250.0)
-    p.add_argument("--publish-interval", type=float, default=1.0,
-                   help="seconds between an engine's heartbeat/KV-event publishes")
-    p.add_argument("--load-weight", type=float, default=_ROUTER.load_weight,
-                   help="prefix policy knob (router --load-weight)")
+    p.add_argument(
+        "--publish-interval",
+        type=float,
+        default=1.0,
+        help="seconds between an engine's heartbeat/KV-event publishes",
+    )
+    p.add_argument(
+        "--load-weight",
+        type=float,
+        default=_ROUTER.load_weight,
+        help="prefix policy knob (router --load-weight)",
+    )
     p.add_argument("--hot-spot-ratio", type=float, default=_ROUTER.hot_spot_ratio)
     p.add_argument("--hot-spot-min-load", type=int, default=_ROUTER.hot_spot_min_load)
     p.add_argument("--out", type=Path, default=RESULTS, help="where PNGs and JSON go")
@@ -225,8 +233,12 @@ def main(argv: list[str] | None = None) -> int:
     mode = "real" if args.real else f"sim-{args.trace}"
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"fleet_routing_{mode}.json"
-    out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                               "results": _summary(results)}, indent=1))
+    out.write_text(
+        json.dumps(
+            {"args": {k: str(v) for k, v in vars(args).items()}, "results": _summary(results)},
+            indent=1,
+        )
+    )
     print(f"\nfigures: {out}")
     if not args.real:
         print()

@@ -43,10 +43,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import aiohttp  # noqa: E402
+import aiohttp
 
-from services.protocol import engine_api  # noqa: E402
-from services.protocol.block_hash import BlockHasher  # noqa: E402
+from services.protocol import engine_api
+from services.protocol.block_hash import BlockHasher
 
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK_SIZE = 16
@@ -88,7 +88,7 @@ def fake_engine_main(port: int, redis_url: str, engine_id: str) -> None:
     async def ok(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
-    async def heartbeats(app: web.Application):  # noqa: ANN202 -- cleanup_ctx generator
+    async def heartbeats(app: web.Application):
         publisher = KVIndexPublisher.from_url(redis_url)
 
         async def loop() -> None:
@@ -100,8 +100,9 @@ def fake_engine_main(port: int, redis_url: str, engine_id: str) -> None:
                         await publisher.apply_events(
                             engine_id, MODEL, [KVEvent(KVEventKind.STORED, tuple(batch))]
                         )
-                hb = EngineHeartbeat(engine_id, url, MODEL, BLOCK_SIZE, 0, 0, 0.0, 1000, 1000,
-                                     time.time(), 8192)
+                hb = EngineHeartbeat(
+                    engine_id, url, MODEL, BLOCK_SIZE, 0, 0, 0.0, 1000, 1000, time.time(), 8192
+                )
                 with contextlib.suppress(Exception):
                     await publisher.publish_heartbeat(hb, ttl_s=5.0)
                 await asyncio.sleep(1.0)
@@ -131,7 +132,10 @@ class Proc:
         self.name = name
         self.health_url = health_url
         self.p = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            cmd,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
 
@@ -217,15 +221,16 @@ async def overhead(args: argparse.Namespace) -> dict[str, list[float]]:
             async with aiohttp.ClientSession(connector=connector) as http:
                 for p in procs:
                     await p.wait_healthy(http)
-                results = await _measure(args, http, engine_url, router_url, gateway_url,
-                                         RouteRequest)
+                results = await _measure(
+                    args, http, engine_url, router_url, gateway_url, RouteRequest
+                )
         finally:
             for p in reversed(procs):
                 p.stop()
     return results
 
 
-async def _measure(args, http, engine_url, router_url, gateway_url, RouteRequest):  # noqa: ANN001,ANN202,N803
+async def _measure(args, http, engine_url, router_url, gateway_url, RouteRequest):
     n = args.requests
     ps = prompts(n + 64)
     hasher = BlockHasher(MODEL, BLOCK_SIZE)
@@ -234,8 +239,9 @@ async def _measure(args, http, engine_url, router_url, gateway_url, RouteRequest
 
     async def direct(i: int) -> None:
         req = engine_api.GenerateRequest(f"direct-{i}", ps[i], _params())
-        async with http.post(engine_url + engine_api.GENERATE_PATH, data=req.to_msgpack(),
-                             headers=gen_headers) as r:
+        async with http.post(
+            engine_url + engine_api.GENERATE_PATH, data=req.to_msgpack(), headers=gen_headers
+        ) as r:
             dec = engine_api.FrameDecoder()
             async for chunk in r.content.iter_any():
                 if any(f["type"] == "finished" for f in dec.feed(chunk)):
@@ -243,8 +249,9 @@ async def _measure(args, http, engine_url, router_url, gateway_url, RouteRequest
 
     async def route(i: int) -> None:
         body = RouteRequest(MODEL, hasher.chain(ps[i]), len(ps[i])).to_msgpack()
-        async with http.post(router_url + "/route", data=body,
-                             headers={"Content-Type": "application/msgpack"}) as r:
+        async with http.post(
+            router_url + "/route", data=body, headers={"Content-Type": "application/msgpack"}
+        ) as r:
             await r.read()
             if r.status != 200:
                 raise RuntimeError(f"/route answered {r.status}")
@@ -295,7 +302,7 @@ async def _measure(args, http, engine_url, router_url, gateway_url, RouteRequest
     return results
 
 
-def _params():  # noqa: ANN202
+def _params():
     from services.engine.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=1, temperature=0.0)
@@ -310,7 +317,10 @@ async def lookup_latency(args: argparse.Namespace) -> list:
         for per_engine in (128, 1024, 8192):
             out.append(
                 await measure_lookup_latency(
-                    redis.url, engines=128, blocks_per_engine=per_engine, prompt_blocks=128,
+                    redis.url,
+                    engines=128,
+                    blocks_per_engine=per_engine,
+                    prompt_blocks=128,
                     lookups=args.lookups,
                 )
             )
@@ -337,36 +347,49 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_overhead:
         res = asyncio.run(overhead(args))
         base50, base99 = pct(res["direct"], 0.5), pct(res["direct"], 0.99)
-        print(f"\n## Per-request latency, {args.requests} sequential requests each "
-              f"({PROMPT_TOKENS}-token prompts, 1 output token)\n")
+        print(
+            f"\n## Per-request latency, {args.requests} sequential requests each "
+            f"({PROMPT_TOKENS}-token prompts, 1 output token)\n"
+        )
         print("| path | p50 ms | p99 ms | mean ms | added p50 ms | added p99 ms |")
         print("|---|---|---|---|---|---|")
         for name, xs in res.items():
             if name.startswith("_"):
                 continue
             add = name.startswith("gateway")
-            print(f"| {name} | {pct(xs, 0.5):.2f} | {pct(xs, 0.99):.2f} | "
-                  f"{statistics.fmean(xs):.2f} | "
-                  f"{pct(xs, 0.5) - base50:.2f} | {pct(xs, 0.99) - base99:.2f} |" if add else
-                  f"| {name} | {pct(xs, 0.5):.2f} | {pct(xs, 0.99):.2f} | "
-                  f"{statistics.fmean(xs):.2f} | | |")
+            print(
+                f"| {name} | {pct(xs, 0.5):.2f} | {pct(xs, 0.99):.2f} | "
+                f"{statistics.fmean(xs):.2f} | "
+                f"{pct(xs, 0.5) - base50:.2f} | {pct(xs, 0.99) - base99:.2f} |"
+                if add
+                else f"| {name} | {pct(xs, 0.5):.2f} | {pct(xs, 0.99):.2f} | "
+                f"{statistics.fmean(xs):.2f} | | |"
+            )
         rps = res["_throughput"][0]
-        print(f"\nthroughput through the gateway: {rps:.0f} requests/s "
-              f"({args.concurrency} concurrent clients, {args.throughput_s:.0f} s)")
+        print(
+            f"\nthroughput through the gateway: {rps:.0f} requests/s "
+            f"({args.concurrency} concurrent clients, {args.throughput_s:.0f} s)"
+        )
         added = pct(res["gateway"], 0.5) - base50
-        targets.append(f"[{'PASS' if added < 5 else 'FAIL'}] gateway + router add "
-                       f"{added:.2f} ms at p50 (< 5 ms)")
+        targets.append(
+            f"[{'PASS' if added < 5 else 'FAIL'}] gateway + router add "
+            f"{added:.2f} ms at p50 (< 5 ms)"
+        )
     if not args.skip_lookup:
         rows = asyncio.run(lookup_latency(args))
         print("\n## Router lookup latency (one EVALSHA), 128 engines, 128-block prompts\n")
         print("| indexed blocks | p50 ms | p99 ms | mean ms | Redis CPU ms/lookup |")
         print("|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r.indexed_blocks:,} | {r.p50_ms:.3f} | {r.p99_ms:.3f} | {r.mean_ms:.3f} "
-                  f"| {r.server_cpu_ms:.3f} |")
+            print(
+                f"| {r.indexed_blocks:,} | {r.p50_ms:.3f} | {r.p99_ms:.3f} | {r.mean_ms:.3f} "
+                f"| {r.server_cpu_ms:.3f} |"
+            )
         big = rows[-1]
-        targets.append(f"[{'PASS' if big.p99_ms < 2 else 'FAIL'}] lookup p99 "
-                       f"{big.p99_ms:.2f} ms at {big.indexed_blocks:,} blocks (< 2 ms)")
+        targets.append(
+            f"[{'PASS' if big.p99_ms < 2 else 'FAIL'}] lookup p99 "
+            f"{big.p99_ms:.2f} ms at {big.indexed_blocks:,} blocks (< 2 ms)"
+        )
     print("\n" + "\n".join(targets))
     return 0
 

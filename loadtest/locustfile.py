@@ -33,7 +33,7 @@ from locust import HttpUser, between, events, task
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from scenarios import (  # noqa: E402
+from scenarios import (
     CHAT_PATH,
     COMPLETIONS_PATH,
     AgentSession,

@@ -185,8 +185,9 @@ def plot_report(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     ax.plot(centers, [d / window for d in done], "o-", label="requests/s")
     ax.set_ylabel("requests/s")
     ax2 = ax.twinx()
-    ax2.plot(centers, [k / window for k in tokens], "s--", color="tab:orange",
-             label="output tokens/s")
+    ax2.plot(
+        centers, [k / window for k in tokens], "s--", color="tab:orange", label="output tokens/s"
+    )
     ax2.set_ylabel("output tokens/s")
     ax.set_title("throughput (by completion time)")
     ax.legend(loc="upper left")
@@ -205,8 +206,7 @@ def plot_report(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     for s in [*scenarios, "all"]:
         cached, prompt = hit[s]
         ys = [100 * c / p if p else math.nan for c, p in zip(cached, prompt)]
-        ax.plot(centers, ys, "o-" if s == "all" else ".--", lw=2.5 if s == "all" else 1,
-                label=s)
+        ax.plot(centers, ys, "o-" if s == "all" else ".--", lw=2.5 if s == "all" else 1, label=s)
     ax.set_ylim(-2, 102)
     ax.set_ylabel("cached / prompt tokens (%)")
     ax.set_xlabel(f"seconds since start ({window:.0f} s windows)")

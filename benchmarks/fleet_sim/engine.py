@@ -20,10 +20,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from benchmarks.fleet_sim.trace import Session
 from services.engine.block_manager import BlockManager, KVEvent, KVEventKind
 from services.protocol.block_hash import BlockHash
-
-from benchmarks.fleet_sim.trace import Session
 
 
 @dataclass(frozen=True, slots=True)

@@ -137,7 +137,8 @@ def _result(label: str, records: list[RealRecord], wall_s: float) -> RunResult:
         policy=label,
         engines=len(served),
         requests=len(records),
-        hit_rate=sum(r.cached_tokens for r in records) / max(1, sum(r.prompt_tokens for r in records)),
+        hit_rate=sum(r.cached_tokens for r in records)
+        / max(1, sum(r.prompt_tokens for r in records)),
         ttft_mean_s=statistics.fmean(ttfts) if ttfts else math.nan,
         ttft_p50_s=pct(ttfts, 0.5),
         ttft_p99_s=pct(ttfts, 0.99),

@@ -87,10 +87,22 @@ def plot(results: Sequence[RunResult], path: Path, title: str) -> Path:
 
     ax = axes[0][1]
     w = 0.38
-    ax.bar([i - w / 2 for i in x], [r.ttft_mean_s * 1000 for r in results], w, color=colors,
-           label="mean")
-    ax.bar([i + w / 2 for i in x], [r.ttft_p99_s * 1000 for r in results], w, color=colors,
-           alpha=0.45, hatch="//", label="p99")
+    ax.bar(
+        [i - w / 2 for i in x],
+        [r.ttft_mean_s * 1000 for r in results],
+        w,
+        color=colors,
+        label="mean",
+    )
+    ax.bar(
+        [i + w / 2 for i in x],
+        [r.ttft_p99_s * 1000 for r in results],
+        w,
+        color=colors,
+        alpha=0.45,
+        hatch="//",
+        label="p99",
+    )
     ax.set_xticks(x, names)
     ax.set_ylabel("time to first token (ms)")
     ax.set_title("TTFT: mean (solid) and p99 (hatched)")
@@ -98,8 +110,9 @@ def plot(results: Sequence[RunResult], path: Path, title: str) -> Path:
     ax = axes[1][0]
     for r, c in zip(results, colors):
         n = len(r.ttfts)
-        ax.plot([t * 1000 for t in r.ttfts], [(i + 1) / n for i in range(n)], color=c,
-                label=r.policy)
+        ax.plot(
+            [t * 1000 for t in r.ttfts], [(i + 1) / n for i in range(n)], color=c, label=r.policy
+        )
     ax.set_xscale("log")
     ax.set_xlabel("time to first token (ms, log)")
     ax.set_ylabel("fraction of requests")
@@ -112,8 +125,12 @@ def plot(results: Sequence[RunResult], path: Path, title: str) -> Path:
         loads = sorted(r.loads, reverse=True)
         mean = sum(loads) / len(loads) if loads else 0.0
         if mean > 0:
-            ax.plot(range(len(loads)), [v / mean for v in loads], color=c,
-                    label=f"{r.policy} (max/mean {max(loads) / mean:.2f})")
+            ax.plot(
+                range(len(loads)),
+                [v / mean for v in loads],
+                color=c,
+                label=f"{r.policy} (max/mean {max(loads) / mean:.2f})",
+            )
     ax.axhline(1.5, color="red", lw=0.8, ls="--")
     ax.set_xlabel("engine (sorted by load)")
     ax.set_ylabel("load / fleet mean")

@@ -23,6 +23,8 @@ import dataclasses
 from collections import Counter
 from typing import Protocol
 
+from benchmarks.fleet_sim.engine import SimEngine, SimRequest
+from benchmarks.fleet_sim.trace import MODEL
 from services.protocol.messages import EngineHeartbeat, RouteRequest
 from services.protocol.redis_schema import KVIndexPublisher, KVIndexReader, RedisKeys, connect
 from services.router.config import PolicyName, RouterConfig
@@ -31,9 +33,6 @@ from services.router.index import RouterIndex
 from services.router.metrics import RouterMetrics
 from services.router.policies import Candidate, PolicyContext, make_policy
 from services.router.routing import Router
-
-from benchmarks.fleet_sim.engine import SimEngine, SimRequest
-from benchmarks.fleet_sim.trace import MODEL
 
 ORACLE = "oracle"
 # Simulated time runs faster or slower than Redis's clock; TTLs (Redis time) are set far past

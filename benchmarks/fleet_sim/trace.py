@@ -105,7 +105,6 @@ class _Gen:
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
         self.hasher = BlockHasher(MODEL, cfg.block_size)
-        r = self.rng
         self.agent_sys = [self.prefix(self.n(1000, 2000)) for _ in range(cfg.agent_tenants)]
         self.chat_sys = [self.prefix(self.n(800, 2000)) for _ in range(cfg.chat_prompts)]
         rag_head = self.words(self.n(100, 100))

@@ -40,8 +40,8 @@ def redis_url() -> Iterator[str]:
         yield server.url
 
 
-def _run(trace, routing, config=SMALL):  # noqa: ANN001, ANN202
-    async def go():  # noqa: ANN202
+def _run(trace, routing, config=SMALL):
+    async def go():
         try:
             return await Simulation(trace, ENGINES, routing, config).run()
         finally:
@@ -85,7 +85,7 @@ def test_engine_model_reuses_the_prefix_cache() -> None:
     cost = CostModel(step_overhead_s=0.01, prefill_s_per_token=0.001, decode_s_per_seq=0.0)
     config = SimConfig(spec=EngineSpec(num_blocks=256), cost=cost)
 
-    async def go():  # noqa: ANN202
+    async def go():
         sim = Simulation(trace, 1, OracleRouting(), config)
         await sim.run()
         return sim.requests

@@ -66,8 +66,11 @@ def test_agent_turns_extend_the_previous_context() -> None:
 
 
 def test_consume_sse_times_tokens_and_reads_usage() -> None:
-    usage = {"prompt_tokens": 100, "completion_tokens": 3, "prompt_tokens_details": {
-        "cached_tokens": 80}}
+    usage = {
+        "prompt_tokens": 100,
+        "completion_tokens": 3,
+        "prompt_tokens_details": {"cached_tokens": 80},
+    }
     events = [
         {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
         {"choices": [{"index": 0, "delta": {"content": "Hel"}}]},
@@ -75,7 +78,9 @@ def test_consume_sse_times_tokens_and_reads_usage() -> None:
         {"choices": [{"index": 0, "delta": {"content": "!"}, "finish_reason": "length"}]},
         {"choices": [], "usage": usage},
     ]
-    raw = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+    raw = (
+        b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+    )
     chunks = [raw[i : i + 7] for i in range(0, len(raw), 7)]  # split mid-line on purpose
     ticks = iter(float(t) for t in range(1, 100))
     res = consume_sse(chunks, start=0.0, clock=lambda: next(ticks))
@@ -91,9 +96,16 @@ def test_consume_sse_times_tokens_and_reads_usage() -> None:
 
 def test_report_from_request_log(tmp_path: Path) -> None:
     rows = [
-        {"t": 1000.0 + i, "scenario": s, "ttft_s": 0.05 + i / 100, "itl_s": [0.01, 0.02],
-         "e2e_s": 0.5, "prompt_tokens": 200, "cached_tokens": 150 if s == "agent" else 0,
-         "completion_tokens": 8}
+        {
+            "t": 1000.0 + i,
+            "scenario": s,
+            "ttft_s": 0.05 + i / 100,
+            "itl_s": [0.01, 0.02],
+            "e2e_s": 0.5,
+            "prompt_tokens": 200,
+            "cached_tokens": 150 if s == "agent" else 0,
+            "completion_tokens": 8,
+        }
         for i, s in enumerate(["agent", "chat", "rag", "completion"] * 5)
     ]
     table = loadtest_run.summary_table(rows, run_s=20.0)
@@ -114,15 +126,27 @@ classes = [locustfile.ChatUser, locustfile.AgentUser, locustfile.RAGUser, locust
 env = Environment(user_classes=classes, host="http://127.0.0.1:9")
 out = {}
 for cls in classes:
+    cls.host = env.host  # what the runner does with --host
     user = cls(env)
     user.on_start()
     out[cls.__name__] = [user.body(), user.body()]
 print(json.dumps(out))
 """
-    env = {"PAGODA_MODEL": "test-model", "PAGODA_MAX_TOKENS": "5", "PAGODA_PROMPT_SCALE": "0.1",
-           "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=60)
+    env = {
+        "PAGODA_MODEL": "test-model",
+        "PAGODA_MAX_TOKENS": "5",
+        "PAGODA_PROMPT_SCALE": "0.1",
+        "PATH": "/usr/bin:/bin",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     bodies = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(bodies) == {"ChatUser", "AgentUser", "RAGUser", "CompletionUser"}
