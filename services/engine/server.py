@@ -49,7 +49,16 @@ class ServerConfig:
         return self.advertise_url or f"http://{self.host}:{self.port}"
 
 
+@dataclass(slots=True)
+class Lifecycle:
+    """Shutdown state: SIGTERM makes the engine leave the routing set first, then drain."""
+
+    draining: bool = False
+    publisher: asyncio.Task | None = None
+
+
 CORE = web.AppKey("core", EngineCore)
+LIFECYCLE = web.AppKey("lifecycle", Lifecycle)
 METRICS = web.AppKey("metrics", EngineMetrics)
 SERVER_CONFIG = web.AppKey("server_config", ServerConfig)
 
@@ -60,6 +69,8 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig) -> web.
         middlewares=[tracing.server_span_middleware([engine_api.GENERATE_PATH])],
     )
     app[SERVER_CONFIG] = server_config
+    app[LIFECYCLE] = Lifecycle()
+    app.on_shutdown.append(_drain)
     app.cleanup_ctx.append(tracing.tracing_ctx(tracing.ENGINE_SERVICE))  # first: torn down last
     app.cleanup_ctx.append(_engine_ctx(engine_config))
     app.router.add_post(engine_api.GENERATE_PATH, handle_generate)
@@ -78,16 +89,36 @@ def _engine_ctx(engine_config: EngineConfig):
         )
         app[METRICS] = EngineMetrics(name, lambda: core.stats)
         core.start(asyncio.get_running_loop())
-        publisher = asyncio.create_task(_publish_loop(app))
+        app[LIFECYCLE].publisher = asyncio.create_task(_publish_loop(app))
         try:
             yield
         finally:
-            publisher.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await publisher
+            await _stop_publishing(app)
             await asyncio.to_thread(core.stop)
 
     return ctx
+
+
+async def _stop_publishing(app: web.Application) -> None:
+    """Cancels the heartbeat loop; its cleanup removes this engine from Redis at once."""
+    task, app[LIFECYCLE].publisher = app[LIFECYCLE].publisher, None
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+
+
+async def _drain(app: web.Application) -> None:
+    """SIGTERM: stop being routable (health 503, heartbeat removed), then let the requests in
+    flight finish, bounded by ``drain_timeout_s``; aiohttp then closes what remains."""
+    app[LIFECYCLE].draining = True
+    await _stop_publishing(app)
+    core = app[CORE]
+    deadline = time.monotonic() + app[SERVER_CONFIG].drain_timeout_s
+    logger.info("draining: in_flight=%d", core.num_in_flight)
+    while core.num_in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    logger.info("drained: in_flight=%d", core.num_in_flight)
 
 
 # -- handlers ---------------------------------------------------------------------------------
@@ -101,6 +132,8 @@ def _json_error(status: int, message: str) -> web.Response:
 
 async def handle_health(request: web.Request) -> web.Response:
     core = request.app[CORE]
+    if request.app[LIFECYCLE].draining:
+        return web.json_response({"status": "draining"}, status=503)
     if core.load_error is not None:
         return web.json_response({"status": "error", "error": str(core.load_error)}, status=503)
     if not core.is_ready:
@@ -133,8 +166,8 @@ async def handle_abort(request: web.Request) -> web.Response:
 
 async def handle_generate(request: web.Request) -> web.StreamResponse:
     core = request.app[CORE]
-    if not core.is_ready:
-        return _json_error(503, "engine is not ready")
+    if not core.is_ready or request.app[LIFECYCLE].draining:
+        return _json_error(503, "engine is not ready (loading or draining)")
     try:
         req = engine_api.GenerateRequest.from_msgpack(await request.read())
         core.engine.check_request(req.prompt_token_ids, req.params)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import signal
 
 import aiohttp
 import msgpack
@@ -146,3 +147,50 @@ def test_heartbeat_and_kv_events_reach_redis(engine, redis_server) -> None:
             await reader._redis.aclose()
 
     asyncio.run(run())
+
+
+def test_sigterm_leaves_routing_first_then_drains(default_model_path, redis_server) -> None:
+    """SIGTERM mid-stream: the heartbeat disappears from Redis at once, the running request
+    still finishes completely, and the process exits cleanly."""
+    proc = ServiceProcess(
+        "services.engine.server",
+        ["--model", str(default_model_path), "--engine-id", "e-drain",
+         "--redis-url", redis_server.url, "--heartbeat-interval-s", "0.2",
+         "--num-blocks", "128", "--drain-timeout-s", "60"],
+    ).start()
+
+    async def live_ids(reader: KVIndexReader) -> set[str]:
+        result = await reader.lookup("SmolLM2-135M-Instruct", [])
+        return {m.heartbeat.engine_id for m in result.engines}
+
+    async def run() -> list[dict]:
+        reader = KVIndexReader(connect(redis_server.url))
+        try:
+            for _ in range(50):
+                if "e-drain" in await live_ids(reader):
+                    break
+                await asyncio.sleep(0.1)
+            assert "e-drain" in await live_ids(reader)
+            frames: list[dict] = []
+            dec = engine_api.FrameDecoder()
+            body = gen_body("drain", list(range(500, 540)), max_tokens=48, ignore_eos=True)
+            async with aiohttp.ClientSession() as s:
+                async with s.post(proc.url + engine_api.GENERATE_PATH, data=body) as r:
+                    frames.extend(dec.feed(await r.content.readany()))
+                    proc.proc.send_signal(signal.SIGTERM)
+                    left = False
+                    async for chunk in r.content.iter_any():
+                        frames.extend(dec.feed(chunk))
+                        left = left or "e-drain" not in await live_ids(reader)
+            assert left or "e-drain" not in await live_ids(reader)
+            return frames
+        finally:
+            await reader._redis.aclose()
+
+    try:
+        frames = asyncio.run(run())
+        tokens = [t for f in frames if f["type"] == "tokens" for t in f["token_ids"]]
+        assert frames[-1]["type"] == "finished" and len(tokens) == 48
+        assert proc.proc.wait(30) == 0
+    finally:
+        proc.kill()
