@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", type=_csv(str), default=list(POLICIES), help="router policies")
     p.add_argument("--no-oracle", action="store_true", help="skip the oracle run")
     p.add_argument("--trace", choices=sorted(TRACE_MIX), default="mixed", help="traffic mix")
-    p.add_argument("--duration", type=float, default=30.0, help="seconds of session arrivals")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds of session arrivals")
     p.add_argument("--rate", type=float, default=2.5, help="requests/s per engine offered")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-blocks", type=int, default=4096, help="KV capacity per engine (blocks)")
@@ -157,7 +157,8 @@ async def simulate(args: argparse.Namespace) -> list[RunResult]:
                 print(
                     f"  {name:13s} hit {result.hit_rate:6.1%}  TTFT mean "
                     f"{result.ttft_mean_s * 1e3:5.0f} ms  p99 {result.ttft_p99_s * 1e3:5.0f} ms"
-                    f"  load max/mean {result.imbalance_load:.2f}  ({result.wall_s:.0f} s)",
+                    f"  load max/mean {result.imbalance_load:.2f}  ({result.wall_s:.0f} s)"
+                    f"  {dict(sorted(result.reasons.items()))}",
                     flush=True,
                 )
                 results.append(result)

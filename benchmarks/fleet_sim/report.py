@@ -23,15 +23,16 @@ def _ms(seconds: float) -> str:
 
 def markdown_table(results: Sequence[RunResult]) -> str:
     """One row per policy; ``vs oracle`` is the hit rate over the oracle's (same fleet)."""
-    oracle = next((r for r in results if r.policy == ORACLE), None)
-    rr = next((r for r in results if r.policy == "round-robin"), None)
     head = (
         "| engines | policy | requests | hit rate | vs oracle | TTFT mean ms | TTFT p99 ms "
         "| agent TTFT mean ms | vs RR (agent) | load max/mean | requests max/mean "
         "| utilization | wall s |"
     )
     lines = [head, "|" + "|".join("---" for _ in range(head.count("|") - 1)) + "|"]
+    peers = {(r.engines, r.policy): r for r in results}  # compare within one fleet size
     for r in results:
+        oracle = peers.get((r.engines, ORACLE))
+        rr = peers.get((r.engines, "round-robin"))
         vs_oracle = f"{r.hit_rate / oracle.hit_rate:.1%}" if oracle and oracle.hit_rate else "n/a"
         agent = r.by_kind.get("agent")
         rr_agent = rr.by_kind.get("agent") if rr else None
