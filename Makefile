@@ -8,7 +8,7 @@ ENGINES ?= 1
 MODEL ?=
 PYTEST_ARGS ?=
 
-.PHONY: install model redis test serve bench clean
+.PHONY: install model redis test serve bench loadtest clean
 
 install: $(STAMP) model redis
 
@@ -37,6 +37,11 @@ serve: install
 
 bench: install
 	$(PY) benchmarks/engine_throughput.py
+
+# Against a running `make serve`: headless locust, CSVs + PNG report in loadtest/results/.
+LOADTEST_ARGS ?= --run-time 60s --users 8
+loadtest: install
+	$(PY) loadtest/run.py $(LOADTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

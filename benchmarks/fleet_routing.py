@@ -1,8 +1,9 @@
 """Fleet routing benchmark: one multi-tenant trace routed by `prefix`, `least-loaded` and
 `round-robin` (plus an oracle), over simulated fleets of 8, 32 and 128 engines.
 
-    .venv/bin/python benchmarks/fleet_routing.py                  # 8, 32, 128 engines (~4 min)
-    .venv/bin/python benchmarks/fleet_routing.py --engines 8 --duration 20     # a quick look
+    .venv/bin/python benchmarks/fleet_routing.py                  # 8, 32, 128 engines (~3 min)
+    .venv/bin/python benchmarks/fleet_routing.py --engines 8      # a quick look (~10 s)
+    .venv/bin/python benchmarks/fleet_routing.py --engines 128 --duration 60  # steady state
     .venv/bin/python benchmarks/fleet_routing.py --trace agent    # agent sessions only
     .venv/bin/python benchmarks/fleet_routing.py --real --url http://127.0.0.1:8000 --label prefix
 
@@ -22,6 +23,11 @@ benchmarks/results/.
 
 Targets (checked at the end): at 128 engines `prefix` reaches >= 90% of the oracle's hit rate
 with load max/mean < 1.5, and its mean agent-session TTFT is >= 3x lower than round-robin's.
+
+Run length: first turns arrive for `--duration` seconds (default 20) and every session then
+runs to its end. An agent session lives about 30 simulated seconds, so the default run is
+mostly ramp-up and drain (lower load); `--duration 60` reaches steady state and is the fairer
+test of the targets (about 5 minutes for 128 engines and the four routings on 2 idle cores).
 
 Real mode (`--real`) sends a scaled-down trace (token-id prompts, /v1/completions, streamed)
 through a running stack's gateway, e.g. `python -m services.serve --engines 2 --policy prefix`,

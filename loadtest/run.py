@@ -150,7 +150,8 @@ def summary_table(rows: list[dict[str, Any]], run_s: float) -> str:
 
 
 def plot_report(rows: list[dict[str, Any]], path: Path, title: str) -> None:
-    """Three panels over time: throughput, TTFT percentiles, cache-hit ratio."""
+    """Three panels over time: throughput, TTFT percentiles, cache-hit ratio, each over a
+    sliding window (a tenth of the run, at least 5 s) sampled every quarter window."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -158,59 +159,62 @@ def plot_report(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
     t0 = min(r["t"] for r in rows)
     end = max(r["t"] + r["e2e_s"] for r in rows) - t0
-    window = max(2.0, end / 20)
-    bins = max(1, math.ceil(end / window))
-    centers = [(i + 0.5) * window for i in range(bins)]
-
-    def bin_of(t: float) -> int:
-        return min(bins - 1, max(0, int(t / window)))
-
-    done = [0] * bins
-    tokens = [0] * bins
-    ttfts: list[list[float]] = [[] for _ in range(bins)]
+    window = max(5.0, end / 10)
+    step = window / 4
+    times = [
+        min(end, window) + i * step for i in range(max(1, math.ceil((end - window) / step)) + 1)
+    ]
+    done_at = [(r["t"] + r["e2e_s"] - t0, r) for r in rows]
+    first_at = [(r["t"] + r["ttft_s"] - t0, r["ttft_s"] * 1000) for r in rows if r["ttft_s"]]
     scenarios = sorted({r["scenario"] for r in rows})
-    hit = {s: ([0] * bins, [0] * bins) for s in [*scenarios, "all"]}
-    for r in rows:
-        b = bin_of(r["t"] + r["e2e_s"] - t0)
-        done[b] += 1
-        tokens[b] += r["completion_tokens"]
-        if r["ttft_s"] is not None:
-            ttfts[bin_of(r["t"] + r["ttft_s"] - t0)].append(r["ttft_s"] * 1000)
-        for key in (r["scenario"], "all"):
-            hit[key][0][b] += r["cached_tokens"]
-            hit[key][1][b] += r["prompt_tokens"]
+
+    def within(t: float, at: float) -> bool:
+        return t - window < at <= t
+
+    reqs, toks = [], []
+    ttft: dict[float, list[float]] = {0.5: [], 0.9: [], 0.99: []}
+    hit: dict[str, list[float]] = {s: [] for s in [*scenarios, "all"]}
+    for t in times:
+        finished = [r for at, r in done_at if within(t, at)]
+        reqs.append(len(finished) / window)
+        toks.append(sum(r["completion_tokens"] for r in finished) / window)
+        firsts = [v for at, v in first_at if within(t, at)]
+        for q, ys in ttft.items():
+            ys.append(_pct(firsts, q))
+        for s, ys in hit.items():
+            mine = [r for r in finished if s in ("all", r["scenario"])]
+            prompt = sum(r["prompt_tokens"] for r in mine)
+            ys.append(100 * sum(r["cached_tokens"] for r in mine) / prompt if prompt else math.nan)
 
     fig, axes = plt.subplots(3, 1, figsize=(11, 11), sharex=True)
     ax = axes[0]
-    ax.plot(centers, [d / window for d in done], "o-", label="requests/s")
+    ax.plot(times, reqs, "o-", label="requests/s")
     ax.set_ylabel("requests/s")
+    ax.set_ylim(bottom=0)
     ax2 = ax.twinx()
-    ax2.plot(
-        centers, [k / window for k in tokens], "s--", color="tab:orange", label="output tokens/s"
-    )
+    ax2.plot(times, toks, "s--", color="tab:orange", label="output tokens/s")
     ax2.set_ylabel("output tokens/s")
-    ax.set_title("throughput (by completion time)")
+    ax2.set_ylim(bottom=0)
+    ax.set_title("throughput (finished requests)")
     ax.legend(loc="upper left")
     ax2.legend(loc="upper right")
 
     ax = axes[1]
-    for q, style in ((0.5, "o-"), (0.9, "s-"), (0.99, "^-")):
-        ys = [_pct(v, q) for v in ttfts]
-        ax.plot(centers, ys, style, label=f"p{round(q * 100)}")
+    for (q, ys), style in zip(ttft.items(), ("o-", "s-", "^-")):
+        ax.plot(times, ys, style, label=f"p{round(q * 100)}")
     ax.set_ylabel("time to first token (ms)")
+    ax.set_ylim(bottom=0)
     ax.set_title("TTFT percentiles (by first-token time)")
     ax.legend()
     ax.grid(alpha=0.3)
 
     ax = axes[2]
-    for s in [*scenarios, "all"]:
-        cached, prompt = hit[s]
-        ys = [100 * c / p if p else math.nan for c, p in zip(cached, prompt)]
-        ax.plot(centers, ys, "o-" if s == "all" else ".--", lw=2.5 if s == "all" else 1, label=s)
+    for s, ys in hit.items():
+        ax.plot(times, ys, "o-" if s == "all" else ".--", lw=2.5 if s == "all" else 1, label=s)
     ax.set_ylim(-2, 102)
     ax.set_ylabel("cached / prompt tokens (%)")
-    ax.set_xlabel(f"seconds since start ({window:.0f} s windows)")
-    ax.set_title("prefix-cache hit ratio")
+    ax.set_xlabel(f"seconds since start (each point: the {window:.0f} s before it)")
+    ax.set_title("prefix-cache hit ratio (token-weighted)")
     ax.legend()
     ax.grid(alpha=0.3)
 

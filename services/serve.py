@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--api-key", action="append", default=[], help="require this API key")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    # Started in the background by a shell, SIGINT arrives ignored; Ctrl-C must still stop us.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.engines < 1:
         raise SystemExit("--engines must be >= 1")
 

@@ -33,6 +33,10 @@ class CostModel:
     prefill_s_per_token: float = 0.00008  # 12.5k prompt tokens/s
     decode_s_per_seq: float = 0.00025
 
+    def __post_init__(self) -> None:
+        if self.step_overhead_s <= 0 or self.prefill_s_per_token < 0 or self.decode_s_per_seq < 0:
+            raise ValueError("step_overhead_s must be > 0 and the per-token costs >= 0")
+
     def step_s(self, prefill_tokens: int, decodes: int) -> float:
         return (
             self.step_overhead_s

@@ -21,6 +21,10 @@ def _ms(seconds: float) -> str:
     return "n/a" if math.isnan(seconds) else f"{seconds * 1000:.0f}"
 
 
+def _num(value: float, fmt: str) -> str:
+    return "n/a" if math.isnan(value) else format(value, fmt)
+
+
 def markdown_table(results: Sequence[RunResult]) -> str:
     """One row per policy; ``vs oracle`` is the hit rate over the oracle's (same fleet)."""
     head = (
@@ -45,8 +49,8 @@ def markdown_table(results: Sequence[RunResult]) -> str:
             f"| {r.engines} | {r.policy} | {r.requests} | {r.hit_rate:.1%} | {vs_oracle} "
             f"| {_ms(r.ttft_mean_s)} | {_ms(r.ttft_p99_s)} "
             f"| {_ms(agent.ttft_mean_s) if agent else 'n/a'} | {speedup} "
-            f"| {r.imbalance_load:.2f} | {r.imbalance_requests:.2f} "
-            f"| {r.utilization:.0%} | {r.wall_s:.0f} |"
+            f"| {_num(r.imbalance_load, '.2f')} | {r.imbalance_requests:.2f} "
+            f"| {_num(r.utilization, '.0%')} | {r.wall_s:.0f} |"
         )
     return "\n".join(lines)
 

@@ -79,6 +79,16 @@ class Simulation:
     def __init__(self, trace: Trace, engines: int, routing: Routing, config: SimConfig) -> None:
         if config.spec.block_size != trace.config.block_size:
             raise ValueError("the engines' block size must equal the trace's")
+        bs = config.spec.block_size
+        need = max(
+            (-(-(t.prompt_len + t.output_len) // bs) for s in trace.sessions for t in s.turns),
+            default=0,
+        )
+        if need > config.spec.num_blocks:
+            raise ValueError(
+                f"a request of the trace needs {need} KV blocks but an engine has only "
+                f"{config.spec.num_blocks}: raise the KV capacity or lower max_context"
+            )
         self.trace = trace
         self.routing = routing
         self.config = config

@@ -191,7 +191,7 @@ class RouterIndex:
 
 
 # ---------------------------------------------------------------------------------------------
-# Lookup latency at scale, for benchmarks (benchmarks/routing_lookup.py may call this).
+# Lookup latency at scale, for benchmarks (benchmarks/routing_overhead.py may call this).
 
 
 @dataclass(frozen=True, slots=True)
