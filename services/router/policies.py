@@ -97,7 +97,7 @@ class PrefixPolicy:
 
     load_weight: float = 0.5
     hot_spot_ratio: float = 2.0
-    hot_spot_min_load: int = 4
+    hot_spot_min_load: int = 6
     name: ClassVar[PolicyName] = PolicyName.PREFIX
 
     async def choose(self, candidates: Sequence[Candidate], ctx: PolicyContext) -> Decision:
