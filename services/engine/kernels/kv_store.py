@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from services.engine.attention.torch_backend import check_store_kv_args
 from services.engine.kernels import require_triton
 
 try:
@@ -94,18 +95,9 @@ def _check_store_args(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
-            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous")
-    if key.dim() != 3 or key.shape != value.shape or key.shape[1:] != k_cache.shape[2:]:
-        raise ValueError(
-            f"key and value must be [num_tokens, {k_cache.shape[2]}, {k_cache.shape[3]}], "
-            f"got {tuple(key.shape)} and {tuple(value.shape)}"
-        )
+    # The shapes are the attention contract's (shared with the torch backend); what follows
+    # is what the kernel itself needs: unit strides, one dtype, one device.
+    check_store_kv_args(key, value, k_cache, v_cache, slot_mapping)
     if key.stride(2) != 1 or value.stride(2) != 1:
         raise ValueError("key and value need a unit stride over head_dim")
     if key.dtype != k_cache.dtype or value.dtype != v_cache.dtype:
@@ -113,12 +105,6 @@ def _check_store_args(
             f"key/value dtype ({key.dtype}, {value.dtype}) must match the cache's "
             f"({k_cache.dtype}, {v_cache.dtype})"
         )
-    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
-        raise ValueError(
-            f"slot_mapping must be [num_tokens={key.shape[0]}], got {tuple(slot_mapping.shape)}"
-        )
-    if slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
     devices = {t.device for t in (key, value, k_cache, v_cache, slot_mapping)}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
