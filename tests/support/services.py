@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -36,6 +37,9 @@ class ServiceProcess:
         self.health_path = health_path
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
+        # stderr goes to a file, not a pipe: nobody drains a pipe during a long test, and a
+        # full pipe would block the service on its next log line.
+        self._log = tempfile.NamedTemporaryFile(prefix=f"pagoda-{module}-", suffix=".log")
 
     @property
     def url(self) -> str:
@@ -47,7 +51,7 @@ class ServiceProcess:
             cwd=REPO,
             env=self.env,
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            stderr=self._log,
         )
         self.wait_healthy()
         return self
@@ -56,7 +60,7 @@ class ServiceProcess:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode(errors="replace")[-4000:]
+                err = self.log_tail()
                 raise RuntimeError(f"{self.module} exited ({self.proc.returncode}):\n{err}")
             try:
                 with urllib.request.urlopen(self.url + self.health_path, timeout=2) as r:
@@ -67,6 +71,15 @@ class ServiceProcess:
             time.sleep(0.3)
         self.stop()
         raise RuntimeError(f"{self.module} not healthy after {self.startup_timeout_s}s")
+
+    def log_tail(self, chars: int = 4000) -> str:
+        """The last ``chars`` characters the service wrote to stderr (its log)."""
+        self._log.flush()
+        return Path(self._log.name).read_text(errors="replace")[-chars:]
+
+    def log_text(self) -> str:
+        """Everything the service has logged so far."""
+        return Path(self._log.name).read_text(errors="replace")
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
