@@ -72,3 +72,12 @@ def _write_tiny_model(out: Path, architecture: str, seed: int, overrides: dict[s
             else:
                 param.normal_(0.0, 0.1)
     model.save_pretrained(out)
+
+
+@pytest.fixture(scope="session")
+def fast_model_dir(tiny_model_dir: TinyModelFactory, default_model_path: Path) -> Path:
+    """A random 2-layer Llama with SmolLM2's vocabulary and tokenizer, named ``pagoda-tiny``:
+    real engines and gateways serve it in milliseconds per step (``tests/support/stack.py``)."""
+    from tests.support.stack import write_fast_model
+
+    return write_fast_model(tiny_model_dir, default_model_path)

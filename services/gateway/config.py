@@ -39,7 +39,7 @@ class ModelSpec:
 class GatewayConfig:
     host: str = "0.0.0.0"
     port: int = 8000
-    router_url: str = "http://127.0.0.1:8100"
+    router_url: str = "http://127.0.0.1:8100"  # comma-separated: replicas, tried in turn
     api_keys: tuple[str, ...] = ()  # none = open
     models: tuple[ModelSpec, ...] = ()  # none = the default model (resolved by __main__)
     block_size: int = 16  # used for a model until the router's /engines reports its own
@@ -51,13 +51,22 @@ class GatewayConfig:
     shutdown_grace: float = 30.0  # seconds open generations get to finish on SIGTERM
     log_level: str = "INFO"
 
+    @property
+    def router_urls(self) -> tuple[str, ...]:
+        """Every router replica's base URL (``router_url`` split on commas)."""
+        return tuple(self.router_url.split(","))
+
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        parts = urlsplit(self.router_url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"router_url must be http(s)://host:port, got {self.router_url!r}")
-        object.__setattr__(self, "router_url", self.router_url.rstrip("/"))
+        urls = [u.strip().rstrip("/") for u in self.router_url.split(",") if u.strip()]
+        if not urls:
+            raise ValueError("router_url must name at least one router")
+        for url in urls:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"router_url must be http(s)://host:port, got {url!r}")
+        object.__setattr__(self, "router_url", ",".join(urls))
         keys = tuple(k.strip() for k in self.api_keys if k.strip())
         object.__setattr__(self, "api_keys", tuple(dict.fromkeys(keys)))
         names = [m.name for m in self.models]
@@ -113,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default=d.host, help="address to listen on")
     p.add_argument("--port", type=int, default=d.port, help="port to listen on")
-    p.add_argument("--router-url", default=d.router_url, help="base URL of the router")
+    p.add_argument("--router-url", default=d.router_url, help="base URL of the router; comma-separate several replicas (a replica that fails is "
+        "skipped for a while and the request goes to the next)")
     p.add_argument(
         "--api-key",
         action="append",

@@ -3,6 +3,8 @@
 ``/route`` takes a ``RouteRequest`` and answers a ``RouteResponse`` (``services.protocol.messages``);
 a 503 (no live engine of the model) or 409 (all of them excluded) means no engine is left.
 
+Several replicas may be given; see ``RouterClient``.
+
 ``/engines`` lists the live engines, as JSON or msgpack: either a list or ``{"engines": [...]}``
 of maps with at least ``engine_id``, ``url``, ``model`` and ``block_size`` (an
 ``EngineHeartbeat``), optionally ``max_model_len``. Entries that lack those are skipped.
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import json
 import logging
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,24 +62,63 @@ class RouterUnavailable(Exception):
     """The router could not be reached or answered garbage."""
 
 
+class _RouterDown(Exception):
+    """One replica failed (unreachable, timed out, a 5xx that is not 'no engine')."""
+
+
 class RouterClient:
+    """Talks to one or more router replicas. Replicas agree (their state is in Redis), so any
+    one can answer: calls start at the next replica in turn, and a replica that fails is
+    skipped for ``down_for_s`` while the call moves on to the next one. A replica dying
+    therefore costs no request, only one failed connection attempt."""
+
     def __init__(
         self,
         session: aiohttp.ClientSession,
-        base_url: str,
+        base_url: str | Sequence[str],
         timeout: float,
         tracer: trace.Tracer | None = None,
+        down_for_s: float = 5.0,
     ) -> None:
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        self._bases = [u.rstrip("/") for part in urls for u in part.split(",") if u.strip()]
+        if not self._bases:
+            raise ValueError("RouterClient needs at least one router URL")
+        self._down_until = [0.0] * len(self._bases)
+        self._next = 0
+        self._down_for_s = down_for_s
         self._session = session
-        self._base = base_url.rstrip("/")
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._tracer = tracer or tracing.get_tracer()
         self._traced = tracing.is_enabled(self._tracer)
 
+    def _order(self) -> list[int]:
+        """Replica indexes to try: the healthy ones from the next in turn, then the ones
+        marked down (in case all of them are, or one came back early)."""
+        n = len(self._bases)
+        start, self._next = self._next, (self._next + 1) % n
+        order = [(start + i) % n for i in range(n)]
+        now = time.monotonic()
+        return [i for i in order if self._down_until[i] <= now] + [
+            i for i in order if self._down_until[i] > now
+        ]
+
+    def _mark_down(self, i: int, why: str) -> None:
+        if self._down_until[i] <= time.monotonic():
+            logger.warning("router %s failed (%s); trying the next replica", self._bases[i], why)
+        self._down_until[i] = time.monotonic() + self._down_for_s
+
     async def route(self, req: RouteRequest) -> RouteResponse:
-        """The engine for ``req``. Raises OpenAIError 503 when none is left or the router is
-        down (the request cannot be served either way)."""
-        url = self._base + ROUTE_PATH
+        """The engine for ``req``. Raises OpenAIError 503 when none is left or every router
+        replica is down (the request cannot be served either way)."""
+        for i in self._order():
+            try:
+                return await self._route_traced(self._bases[i] + ROUTE_PATH, req)
+            except _RouterDown as exc:
+                self._mark_down(i, str(exc))
+        raise OpenAIError("the router is unavailable", status=503)
+
+    async def _route_traced(self, url: str, req: RouteRequest) -> RouteResponse:
         if not self._traced:
             return await self._route(url, req, trace.INVALID_SPAN)
         with self._tracer.start_as_current_span(
@@ -103,29 +146,36 @@ class RouterClient:
                 body = await resp.read()
                 status = resp.status
         except (TimeoutError, aiohttp.ClientError) as exc:
-            logger.warning("router unreachable: %s", type(exc).__name__)
-            raise OpenAIError("the router is unavailable", status=503) from None
+            raise _RouterDown(type(exc).__name__) from None
         span.set_attribute("http.response.status_code", status)
-        if status in (404, 409, 503):
+        if status in (404, 409, 503) and _says_no_engine(body):
             raise OpenAIError(
                 f"no engine available for model {req.model!r}",
                 status=503,
                 code="no_engine_available",
             )
         if status != 200:
-            logger.warning("router answered status=%d to /route", status)
-            raise OpenAIError("the router failed to pick an engine", status=503)
+            raise _RouterDown(f"status {status}")
         try:
             return RouteResponse.from_msgpack(body)
         except ValueError as exc:
-            logger.warning("router sent a malformed RouteResponse: %s", exc)
-            raise OpenAIError("the router failed to pick an engine", status=503) from None
+            raise _RouterDown(f"malformed RouteResponse: {exc}") from None
 
     async def engines(self) -> list[EngineInfo]:
-        """The live engines. Raises RouterUnavailable."""
+        """The live engines, from the first replica that answers. Raises RouterUnavailable."""
+        why = "no router"
+        for i in self._order():
+            try:
+                return await self._engines(self._bases[i])
+            except RouterUnavailable as exc:
+                why = str(exc)
+                self._mark_down(i, why)
+        raise RouterUnavailable(why)
+
+    async def _engines(self, base: str) -> list[EngineInfo]:
         try:
             async with self._session.get(
-                self._base + ENGINES_PATH,
+                base + ENGINES_PATH,
                 headers={"Accept": f"application/json, {MSGPACK}"},
                 timeout=self._timeout,
             ) as resp:
@@ -144,3 +194,14 @@ class RouterClient:
         if not isinstance(data, list):
             raise RouterUnavailable("/engines must be a list or {'engines': [...]}")
         return [e for e in (EngineInfo.from_dict(d) for d in data) if e is not None]
+
+
+def _says_no_engine(body: bytes) -> bool:
+    """Whether a 404/409/503 from /route is the router's own "no engine" answer (a JSON
+    ``{"error": ...}``), not a proxy's or a dying replica's error page: only the latter is
+    worth asking another replica."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(data, dict) and isinstance(data.get("error"), dict)

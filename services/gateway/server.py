@@ -105,7 +105,7 @@ async def _resources(
         # No pool cap: every streaming generation holds one engine connection.
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         tracer = app[tracing.TRACER]
-        router = RouterClient(session, config.router_url, config.router_timeout, tracer)
+        router = RouterClient(session, config.router_urls, config.router_timeout, tracer)
         upstreams = Upstreams(
             session, router, metrics, config.max_retries, _CONNECT_TIMEOUT_S, tracer
         )
