@@ -94,6 +94,17 @@ class BlockManager:
         events, self._events = self._events, []
         return events
 
+    def snapshot_events(self) -> list[KVEvent]:
+        """The whole prefix cache as events: "cleared", then every cached hash "stored". For
+        re-announcing the cache to an index that lost it (Redis restarted, or this engine
+        restarted under the same id and its old entries are stale). Does not touch the
+        pending events: queue these after them."""
+        bs = self.block_size
+        events = [KVEvent(KVEventKind.CLEARED, (), bs)]
+        if self._cached:
+            events.append(KVEvent(KVEventKind.STORED, tuple(self._cached), bs))
+        return events
+
     # ------------------------------------------------------------------------ prefix cache
 
     def get_computed_blocks(

@@ -39,9 +39,18 @@ class _Abort:
     request_id: str
 
 
+@dataclass(slots=True)
+class _Resync:
+    """Re-announce the whole prefix cache through ``kv_events``."""
+
+
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, step_delay_s: float = 0.0) -> None:
+        if not step_delay_s >= 0:
+            raise ValueError(f"step_delay_s must be >= 0, got {step_delay_s!r}")
         self.config = config
+        # Fault injection (tests, drills): a sleep before every step makes a slow engine.
+        self.step_delay_s = step_delay_s
         self.engine: LLMEngine | None = None
         self.load_error: BaseException | None = None
         self.stats: EngineStats | None = None
@@ -88,6 +97,12 @@ class EngineCore:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
+    def request_kv_resync(self) -> None:
+        """Asks the engine thread to queue its whole prefix cache on ``kv_events`` ("cleared",
+        then every cached hash), after the events already queued: for an index that lost
+        this engine's entries."""
+        self._commands.put(_Resync())
+
     # -- the engine thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -118,8 +133,12 @@ class EngineCore:
             except queue.Empty:
                 return
 
-    def _apply(self, cmd: _Add | _Abort) -> None:
+    def _apply(self, cmd: _Add | _Abort | _Resync) -> None:
         engine = self.engine
+        if isinstance(cmd, _Resync):
+            self.kv_events.extend(engine.take_kv_events())
+            self.kv_events.extend(engine.block_manager.snapshot_events())
+            return
         if isinstance(cmd, _Abort):
             if cmd.request_id in self._sinks:
                 update = engine.abort_request(cmd.request_id)
@@ -133,6 +152,8 @@ class EngineCore:
         self._sinks[cmd.request_id] = cmd.sink
 
     def _step(self) -> None:
+        if self.step_delay_s:
+            self._stop.wait(self.step_delay_s)
         try:
             updates = self.engine.step()
         except Exception as exc:  # a model failure must not kill the loop silently

@@ -110,6 +110,7 @@ class FreeBlockQueue:
 class KVEventKind(str, Enum):
     STORED = "stored"  # blocks entered the prefix cache
     REMOVED = "removed"  # blocks left it (evicted, or the cache was reset)
+    CLEARED = "cleared"  # a re-announcement starts: forget everything published before
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from services.engine.engine import EngineStats
+from services.protocol.process_metrics import register_process_metrics
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -31,6 +32,7 @@ class _StatsCollector(Collector):
             ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
             ("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", s.kv_usage),
             ("pagoda:kv_free_blocks", "Free KV blocks (cached ones included).", s.num_free_blocks),
+            ("pagoda:kv_total_blocks", "KV blocks in the cache.", s.num_total_blocks),
         ):
             g = GaugeMetricFamily(name, doc, labels=labels)
             g.add_metric([self._model], value)
@@ -53,6 +55,7 @@ class EngineMetrics:
         self.model_name = model_name
         labels = ["model_name"]
         r = self.registry
+        register_process_metrics(r)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
                               labels, buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens.",

@@ -1,8 +1,12 @@
 """Engine -> Redis: a heartbeat (liveness + load) and the block manager's KV events.
 
 Redis being down never affects serving: a failed publish is logged and retried on the next
-tick; events that could not be sent are kept (bounded) and sent later in order. When events
-were lost (the queue overflowed) the engine re-announces nothing and relies on the index TTL.
+tick; events that could not be sent are kept (bounded) and sent later in order.
+
+Whenever Redis does not know this engine (its first heartbeat, a Redis restart that lost the
+index, a heartbeat that lapsed) the engine re-announces its whole prefix cache: "cleared"
+(dropping entries a previous run under the same id left behind) and then every cached hash.
+So the routers' index is rebuilt within two heartbeats of Redis coming back.
 """
 
 from __future__ import annotations
@@ -54,7 +58,11 @@ class EnginePublisher:
             if self._pending:
                 await self.publisher.apply_events(self.engine_id, engine.model_name, self._pending)
                 self._pending = []
-            await self.publisher.publish_heartbeat(hb, self.cfg.heartbeat_ttl_s)
+            known = await self.publisher.publish_heartbeat(hb, self.cfg.heartbeat_ttl_s)
+            if not known:
+                logger.info("redis does not know engine %s; re-announcing its prefix cache",
+                            self.engine_id)
+                core.request_kv_resync()
             if self._failing:
                 logger.info("redis reachable again; publishing resumed")
             self._failing = False

@@ -15,6 +15,7 @@ logger = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
 MAX_STOP_STRINGS = 64
+MAX_STOP_TOKEN_IDS = 1024  # each is checked against every sampled token
 # As vLLM: 0 < T < this is raised to it. Smaller T overflows logits / T to inf in float32
 # (and inf - inf = nan) while sampling at T = 0.01 is already greedy for practical purposes.
 MIN_TEMPERATURE = 1e-2
@@ -84,14 +85,21 @@ class SamplingParams:
 
     def _check_stops(self) -> None:
         # Copies, so a caller mutating its own list later cannot change a running request.
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        if isinstance(self.stop, str):
+            stop = [self.stop]
+        else:
+            stop = _as_list("stop", self.stop, "a string or a list")
         if len(stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop must have at most {MAX_STOP_STRINGS} entries, got {len(stop)}")
         for s in stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop entries must be non-empty strings, got {s!r}")
         self.stop = stop
-        ids = list(self.stop_token_ids or ())
+        ids = _as_list("stop_token_ids", self.stop_token_ids)
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"stop_token_ids must have at most {MAX_STOP_TOKEN_IDS} entries, got {len(ids)}"
+            )
         for t in ids:
             _check_int("stop_token_ids entry", t, lo=0)
         self.stop_token_ids = ids
@@ -116,6 +124,16 @@ class SamplingParams:
         if self.greedy:
             # As vLLM: greedy ignores the truncation knobs, so the sampler never applies them.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+
+def _as_list(name: str, value: object, kinds: str = "a list") -> list:
+    """A copy of a list field; None is empty. Other iterables (a dict, a string of ids) are
+    refused rather than iterated into something the client did not mean."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be {kinds}, got {type(value).__name__}")  # noqa: TRY004
+    return list(value)
 
 
 def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import socket
@@ -27,6 +26,7 @@ from services.engine.engine import RequestUpdate
 from services.engine.metrics import EngineMetrics
 from services.engine.sampler import TokenLogprobs
 from services.protocol import engine_api, tracing
+from services.protocol.openai import OpenAIError
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,8 @@ class ServerConfig:
     heartbeat_interval_s: float = 1.0
     heartbeat_ttl_s: float = 5.0
     drain_timeout_s: float = 30.0
+    # Fault injection for tests and drills: seconds slept before every engine step.
+    debug_step_delay_s: float = 0.0
 
     def resolved_engine_id(self) -> str:
         return self.engine_id or f"{socket.gethostname()}-{self.port}"
@@ -82,7 +84,7 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig) -> web.
 
 def _engine_ctx(engine_config: EngineConfig):
     async def ctx(app: web.Application) -> AsyncIterator[None]:
-        core = EngineCore(engine_config)
+        core = EngineCore(engine_config, app[SERVER_CONFIG].debug_step_delay_s)
         app[CORE] = core
         name = engine_config.served_model_name or os.path.basename(
             (engine_config.model or "SmolLM2-135M-Instruct").rstrip("/")
@@ -124,10 +126,17 @@ async def _drain(app: web.Application) -> None:
 # -- handlers ---------------------------------------------------------------------------------
 
 
-def _json_error(status: int, message: str) -> web.Response:
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": None,
-                      "code": None}}
-    return web.json_response(body, status=status)
+def _json_error(status: int, message: str, param: str | None = None) -> web.Response:
+    """OpenAI's error shape, as the gateway answers: the gateway passes message and param on."""
+    return web.json_response(OpenAIError(message, status, param).to_dict(), status=status)
+
+
+async def _read_body(request: web.Request) -> bytes | web.Response:
+    """The body, or the 413 to answer when it is over the app's ``client_max_size``."""
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        return _json_error(413, f"request body is too large: {exc.text}")
 
 
 async def handle_health(request: web.Request) -> web.Response:
@@ -153,13 +162,13 @@ async def handle_metrics(request: web.Request) -> web.Response:
 
 
 async def handle_abort(request: web.Request) -> web.Response:
+    body = await _read_body(request)
+    if isinstance(body, web.Response):
+        return body
     try:
-        body = json.loads(await request.read())
-        rid = body["request_id"]
-        if not isinstance(rid, str):
-            raise ValueError
-    except (ValueError, KeyError, TypeError):
-        return _json_error(400, "body must be {\"request_id\": str}")
+        rid = engine_api.AbortRequest.from_json(body).request_id
+    except engine_api.BadRequest as exc:
+        return _json_error(400, str(exc), exc.param)
     request.app[CORE].abort(rid)
     return web.json_response({"aborted": rid})
 
@@ -168,11 +177,14 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     core = request.app[CORE]
     if not core.is_ready or request.app[LIFECYCLE].draining:
         return _json_error(503, "engine is not ready (loading or draining)")
+    body = await _read_body(request)
+    if isinstance(body, web.Response):
+        return body
     try:
-        req = engine_api.GenerateRequest.from_msgpack(await request.read())
+        req = engine_api.GenerateRequest.from_msgpack(body)
         core.engine.check_request(req.prompt_token_ids, req.params)
-    except ValueError as exc:
-        return _json_error(400, str(exc))
+    except ValueError as exc:  # BadRequest, or the engine's own limits (vocab, context, pool)
+        return _json_error(400, str(exc), engine_api.param_of(exc))
     rid = f"{req.request_id}-{uuid.uuid4().hex[:8]}"  # unique even if a client reuses ids
     span = trace.get_current_span()  # the server span of tracing.server_span_middleware
     if span.is_recording():
@@ -186,7 +198,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     core.submit(rid, req.prompt_token_ids, req.params, req.cache_salt, updates.put_nowait)
     first = await updates.get()
     if isinstance(first, Exception):
-        return _json_error(400, str(first))
+        return _json_error(400, str(first), engine_api.param_of(first))
     resp = web.StreamResponse(headers={"Content-Type": engine_api.CONTENT_TYPE})
     await resp.prepare(request)
     finished = False

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from services.protocol.process_metrics import register_process_metrics
+
 _LATENCY_BUCKETS = (
     0.005,
     0.01,
@@ -45,6 +47,7 @@ class GatewayMetrics:
 
     def __post_init__(self) -> None:
         r = self.registry
+        register_process_metrics(r)
         self.requests = Counter(
             "pagoda_gateway_requests",
             "Finished HTTP requests by endpoint, model and status.",

@@ -49,7 +49,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Protocol
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import parse_qs, quote, urlsplit, urlunsplit
 
 import msgpack
 import redis.asyncio as aioredis
@@ -289,6 +289,9 @@ class RedisKeys:
 # Connections.
 
 
+REDIS_CA_CERT_ENV = "REDIS_CA_CERT"  # a private CA bundle for rediss://, unless the URL names one
+
+
 def connect(
     url: str, *, timeout_s: float = 0.5, retries: int = 1, max_connections: int | None = None
 ) -> aioredis.Redis:
@@ -299,11 +302,19 @@ def connect(
     policy (10 retries with backoff) would stall every request while Redis is down.
 
     A URL without a password takes it from ``REDIS_PASSWORD`` (and ``REDIS_USERNAME``) when
-    set, so Kubernetes can pass it from a Secret without putting it in process arguments."""
+    set, so Kubernetes can pass it from a Secret without putting it in process arguments.
+
+    TLS: ``rediss://`` verifies the server's certificate and host name against the system CAs,
+    or against a private CA bundle named by ``?ssl_ca_certs=/path/ca.crt`` in the URL (what the
+    Helm chart passes) or, failing that, by ``REDIS_CA_CERT``. A CA with a URL that is not
+    ``rediss://``, or a CA file that does not exist, is refused here rather than at the first
+    command."""
     parts = urlsplit(url)
     scheme = parts.scheme
     if scheme not in ("redis", "rediss", "unix"):
-        raise ValueError(f"Redis URL must start with redis://, rediss:// or unix://: {url!r}")
+        raise ValueError(
+            f"Redis URL must start with redis://, rediss:// or unix://: {redact_url(url)!r}"
+        )
     kwargs: dict[str, Any] = {
         "socket_timeout": timeout_s,
         "socket_connect_timeout": timeout_s,
@@ -316,6 +327,17 @@ def connect(
         kwargs["password"] = os.environ["REDIS_PASSWORD"]
         if os.environ.get("REDIS_USERNAME"):
             kwargs["username"] = os.environ["REDIS_USERNAME"]
+    ca = parse_qs(parts.query).get("ssl_ca_certs", [None])[-1]
+    if ca is None and os.environ.get(REDIS_CA_CERT_ENV):
+        ca = kwargs["ssl_ca_certs"] = os.environ[REDIS_CA_CERT_ENV]
+    if ca is not None:
+        if scheme != "rediss":
+            raise ValueError(
+                f"a Redis CA certificate (ssl_ca_certs or ${REDIS_CA_CERT_ENV}) needs a "
+                f"rediss:// URL, got {redact_url(url)!r}"
+            )
+        if not os.path.isfile(ca):
+            raise ValueError(f"Redis CA certificate file not found: {ca!r}")
     return aioredis.from_url(url, **kwargs)
 
 
@@ -455,20 +477,25 @@ class KVIndexPublisher:
 
     async def publish_heartbeat(
         self, hb: EngineHeartbeat, ttl_s: float = DEFAULT_HEARTBEAT_TTL_S
-    ) -> None:
+    ) -> bool:
         """Marks the engine live for ``ttl_s`` with its current load. Also resets the routers'
-        pending count for it: the heartbeat's ``waiting`` now covers those requests."""
+        pending count for it: the heartbeat's ``waiting`` now covers those requests.
+
+        Returns whether the previous heartbeat was still there. False means Redis does not
+        know this engine (its first heartbeat, Redis restarted and lost the index, or the
+        heartbeat lapsed): the engine should re-announce its whole cache."""
         ttl_ms = _check_ttl("ttl_s", ttl_s)
         registry_ms = int(REGISTRY_TTL_S * 1000)
         k = self.keys
         async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.set(k.heartbeat(hb.model, hb.engine_id), hb.to_msgpack(), px=ttl_ms)
+            pipe.set(k.heartbeat(hb.model, hb.engine_id), hb.to_msgpack(), px=ttl_ms, get=True)
             pipe.sadd(k.engines(hb.model), hb.engine_id)
             pipe.pexpire(k.engines(hb.model), registry_ms)
             pipe.delete(k.pending(hb.model, hb.engine_id))
             pipe.sadd(k.models(), hb.model)
             pipe.pexpire(k.models(), registry_ms)
-            await pipe.execute()
+            results = await pipe.execute()
+        return results[0] is not None
 
     async def apply_events(self, engine_id: str, model: str, events: Iterable[KVEventLike]) -> int:
         """Applies stored/removed/cleared events in order, in one round trip. Returns the

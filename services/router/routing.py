@@ -20,6 +20,12 @@ from services.router.policies import Candidate, Decision, PolicyContext, Routing
 logger = logging.getLogger(__name__)
 
 _MAX_TRACED_CANDIDATES = 32  # per-candidate lists in the decision span stop here
+# A gateway excludes an engine after it failed a request before the first token (refused the
+# connection, died, 5xx, 429). The router then avoids that engine for every request for this
+# long, unless nothing else is left: a SIGKILLed engine stops getting traffic at the first
+# failure instead of when its heartbeat expires.
+DEFAULT_SUSPECT_S = 5.0
+_MAX_SUSPECTS = 1024
 
 
 class NoEngineError(Exception):
@@ -57,8 +63,11 @@ class Router:
         policy: RoutingPolicy,
         metrics: RouterMetrics,
         tracer: trace.Tracer | None = None,
+        suspect_s: float = DEFAULT_SUSPECT_S,
     ) -> None:
         self.index = index
+        self.suspect_s = suspect_s
+        self._suspect_until: dict[str, float] = {}  # engine id or URL -> monotonic deadline
         self.discovery = discovery
         self.policy = policy
         self.metrics = metrics
@@ -85,6 +94,7 @@ class Router:
             for c in eligible
             if c.engine_id not in excluded and normalize_url(c.url) not in excluded
         ]
+        candidates = self._avoid_suspects(req.exclude, candidates)
         if span.is_recording():
             _trace_lookup(span, req, self.policy.name.value, snapshot.degraded, lookup_s,
                           len(eligible), candidates)
@@ -134,6 +144,27 @@ class Router:
             # The gateways poll this, so the gauge stays fresh for models without traffic.
             self._gauge_live(name, len(self._eligible(name, snapshot)))
         return rows, degraded
+
+    def _avoid_suspects(self, exclude: list[str], candidates: list[Candidate]) -> list[Candidate]:
+        """Records the engines this request excludes as suspects, and drops every current
+        suspect from ``candidates`` unless that would leave none."""
+        now = time.monotonic()
+        if exclude:
+            if len(self._suspect_until) >= _MAX_SUSPECTS:
+                self._suspect_until = {k: t for k, t in self._suspect_until.items() if t > now}
+            for x in exclude:
+                if x not in self._suspect_until or self._suspect_until[x] <= now:
+                    logger.info("engine %s failed a request; avoiding it for %.1fs", x,
+                                self.suspect_s)
+                self._suspect_until[x] = now + self.suspect_s
+        if not self._suspect_until:
+            return candidates
+        suspect = self._suspect_until
+        healthy = [
+            c for c in candidates
+            if suspect.get(c.engine_id, 0.0) <= now and suspect.get(c.url, 0.0) <= now
+        ]
+        return healthy or candidates
 
     def _gauge_live(self, model: str, live: int) -> None:
         if live or model in self._gauged:  # never a label per unknown model name

@@ -131,7 +131,7 @@ class PagodaStack:
             "services.engine.server",
             ["--model", str(self.model_dir), "--engine-id", self.engine_id(index),
              "--redis-url", self.redis.url, "--num-blocks", str(self.options.num_blocks),
-             "--heartbeat-interval-s", "0.25", "--heartbeat-ttl-s", "1.5", *extra],
+             "--heartbeat-interval-s", "0.5", "--heartbeat-ttl-s", "3", *extra],
             port=port,
             env=self._env(),
         )

@@ -1,0 +1,39 @@
+"""Small polling helpers for fault tests: what the router sees, what an engine holds."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Callable
+
+from tests.support.stack import scrape
+
+
+def router_engines(router_url: str) -> set[str]:
+    """Engine ids the router considers live."""
+    with urllib.request.urlopen(router_url + "/engines", timeout=5) as resp:
+        body = json.loads(resp.read())
+    return {e["engine_id"] for e in body["engines"]}
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str,
+             interval_s: float = 0.05) -> float:
+    """Polls until ``predicate()`` holds; returns the seconds it took. Fails after timeout."""
+    start = time.monotonic()
+    last: object = None
+    while True:
+        try:
+            if predicate():
+                return time.monotonic() - start
+        except OSError as exc:
+            last = exc
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"not within {timeout_s}s: {what} (last error: {last!r})")
+        time.sleep(interval_s)
+
+
+def kv_blocks(engine_url: str) -> tuple[int, int]:
+    """(free, total) KV blocks of an engine."""
+    m = scrape(engine_url)
+    return int(m["pagoda:kv_free_blocks"]), int(m["pagoda:kv_total_blocks"])
