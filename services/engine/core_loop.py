@@ -61,6 +61,9 @@ class EngineCore:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Set (on the event loop) when a request arrives or finishes: the Redis publisher then
+        # sends a heartbeat early, so routers see the load change within milliseconds.
+        self.load_changed = asyncio.Event()
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -93,6 +96,7 @@ class EngineCore:
         sink: Sink,
     ) -> None:
         self._commands.put(_Add(request_id, prompt_token_ids, params, cache_salt, sink))
+        self.load_changed.set()
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
@@ -176,6 +180,7 @@ class EngineCore:
         if update.finished:
             self.stats = self.engine.stats()
             self.kv_events.extend(self.engine.take_kv_events())
+            self._loop.call_soon_threadsafe(self.load_changed.set)
 
     def _post(self, sink: Sink, item: RequestUpdate | Exception) -> None:
         self._loop.call_soon_threadsafe(sink, item)

@@ -59,6 +59,8 @@ class Lifecycle:
     publisher: asyncio.Task | None = None
 
 
+_MIN_HEARTBEAT_GAP_S = 0.05  # early heartbeats are at most 20 per second
+
 CORE = web.AppKey("core", EngineCore)
 LIFECYCLE = web.AppKey("lifecycle", Lifecycle)
 METRICS = web.AppKey("metrics", EngineMetrics)
@@ -204,6 +206,8 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     finished = False
     try:
         finished = await _stream(request.app[METRICS], resp, first, updates)
+    except ConnectionResetError:  # the client went away mid-stream, e.g. at a stop string
+        logger.debug("client closed the stream request_id=%s", rid)
     finally:
         if not finished:  # client went away, or we failed: free the KV blocks now
             core.abort(rid)
@@ -332,8 +336,14 @@ async def _publish_loop(app: web.Application) -> None:
     publisher = EnginePublisher(cfg, core)
     try:
         while True:
+            core.load_changed.clear()
             await publisher.publish_once()
-            await asyncio.sleep(cfg.heartbeat_interval_s)
+            # Every interval, or sooner when a request arrives or finishes: the routers' view
+            # of this engine's load (and their count of requests routed since this heartbeat)
+            # is then at most _MIN_HEARTBEAT_GAP_S old under load, not a whole interval.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(core.load_changed.wait(), cfg.heartbeat_interval_s)
+                await asyncio.sleep(_MIN_HEARTBEAT_GAP_S)
     finally:
         await publisher.close()
 

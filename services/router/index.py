@@ -2,8 +2,9 @@
 in-process fallback used while Redis is unreachable.
 
 Normal operation keeps no state in the process: every answer comes from Redis, so replicas
-agree. The last heartbeats seen are cached only to route by load while Redis is down
-("degraded"); requests never fail because of Redis.
+agree. The last heartbeats seen are cached only to route by load while Redis is down, or
+restarted empty and the engines have not re-registered yet ("degraded"); requests never fail
+because of Redis.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class RouterIndex:
         pending_ttl_s: float = DEFAULT_PENDING_TTL_S,
         retry_s: float = 1.0,
         fallback_max_age_s: float = 300.0,
+        rejoin_s: float = 15.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._reader = reader
@@ -70,6 +72,9 @@ class RouterIndex:
         self._pending_ttl_s = pending_ttl_s
         self._retry_s = retry_s
         self._max_age_s = fallback_max_age_s
+        # How long after the last sighting an empty Redis (restarted) still routes to the
+        # engines seen before: they re-register with their next heartbeat.
+        self._rejoin_s = rejoin_s
         self._clock = clock
         self._down_until = 0.0
         self._seen: dict[str, dict[str, tuple[EngineHeartbeat, float]]] = {}
@@ -90,6 +95,10 @@ class RouterIndex:
                 self._redis_failed("lookup", exc)
             else:
                 self._metrics.lookup_seconds.observe(time.perf_counter() - start)
+                if not result.engines and not result.dead and self._recently_seen(model):
+                    # Redis answers but knows no engine of the model, not even a dead one:
+                    # it restarted (or was flushed) and the engines have not heartbeated yet.
+                    return IndexSnapshot(self._fallback(model), [], degraded=True)
                 self._remember(model, [m.heartbeat for m in result.engines])
                 views = [
                     EngineView(m.heartbeat, m.pending, m.matched_blocks) for m in result.engines
@@ -179,6 +188,11 @@ class RouterIndex:
             return
         now = self._clock()
         self._seen[model] = {hb.engine_id: (hb, now) for hb in heartbeats}
+
+    def _recently_seen(self, model: str) -> bool:
+        """Whether live engines of ``model`` were seen within the rejoin window."""
+        newest = max((seen for _, seen in self._seen.get(model, {}).values()), default=None)
+        return newest is not None and self._clock() - newest <= self._rejoin_s
 
     def _fallback(self, model: str) -> list[EngineView]:
         oldest = self._clock() - self._max_age_s
