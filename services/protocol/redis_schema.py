@@ -307,8 +307,7 @@ def connect(
     TLS: ``rediss://`` verifies the server's certificate and host name against the system CAs,
     or against a private CA bundle named by ``?ssl_ca_certs=/path/ca.crt`` in the URL (what the
     Helm chart passes) or, failing that, by ``REDIS_CA_CERT``. A CA with a URL that is not
-    ``rediss://``, or a CA file that does not exist, is refused here rather than at the first
-    command."""
+    ``rediss://`` is refused here rather than at the first command."""
     parts = urlsplit(url)
     scheme = parts.scheme
     if scheme not in ("redis", "rediss", "unix"):
@@ -330,14 +329,11 @@ def connect(
     ca = parse_qs(parts.query).get("ssl_ca_certs", [None])[-1]
     if ca is None and os.environ.get(REDIS_CA_CERT_ENV):
         ca = kwargs["ssl_ca_certs"] = os.environ[REDIS_CA_CERT_ENV]
-    if ca is not None:
-        if scheme != "rediss":
-            raise ValueError(
-                f"a Redis CA certificate (ssl_ca_certs or ${REDIS_CA_CERT_ENV}) needs a "
-                f"rediss:// URL, got {redact_url(url)!r}"
-            )
-        if not os.path.isfile(ca):
-            raise ValueError(f"Redis CA certificate file not found: {ca!r}")
+    if ca is not None and scheme != "rediss":
+        raise ValueError(
+            f"a Redis CA certificate (ssl_ca_certs or ${REDIS_CA_CERT_ENV}) needs a rediss:// "
+            f"URL, got {redact_url(url)!r}"
+        )
     return aioredis.from_url(url, **kwargs)
 
 
