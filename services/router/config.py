@@ -18,6 +18,7 @@ from services.protocol.redis_schema import (
     DEFAULT_PENDING_TTL_S,
     DEFAULT_PROVISIONAL_TTL_S,
     RedisKeys,
+    redact_url,
 )
 
 
@@ -111,7 +112,7 @@ class RouterConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if urlsplit(self.redis_url).scheme not in ("redis", "rediss", "unix"):
             raise ValueError(
-                f"redis_url must be redis://, rediss:// or unix://: {self.redis_url!r}"
+                f"redis_url must be redis://, rediss:// or unix://: {redact_url(self.redis_url)!r}"
             )
         RedisKeys(self.redis_namespace)  # validates
         object.__setattr__(self, "policy", _enum(PolicyName, self.policy, "policy"))

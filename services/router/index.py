@@ -178,7 +178,8 @@ class RouterIndex:
     def _redis_failed(self, op: str, exc: BaseException) -> None:
         self._metrics.redis_errors.labels(op=op).inc()
         if self.redis_available:
-            logger.warning("redis unavailable op=%s error=%r; routing by last known load", op, exc)
+            logger.warning("redis unavailable op=%s error=%s: %s; routing by last known load",
+                           op, type(exc).__name__, exc)
         self._down_until = self._clock() + self._retry_s
 
     def _remember(self, model: str, heartbeats: list[EngineHeartbeat]) -> None:

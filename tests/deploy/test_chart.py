@@ -365,7 +365,9 @@ def test_defaults_lint_clean_and_serve_the_builtin_model(chart: Any, rendered) -
     # Bundled Redis with a generated password that never appears in a manifest.
     secret = r.get("Secret", REDIS)
     assert len(secret["data"]["redis-password"]) >= 32
-    assert flag(r.container(ROUTER), "redis-url") == f"redis://:$(REDIS_PASSWORD)@{REDIS}:6379/0"
+    # The password reaches the services through the environment, not their arguments.
+    assert flag(r.container(ROUTER), "redis-url") == f"redis://{REDIS}:6379/0"
+    assert "secretKeyRef" in env_of(r.container(ROUTER))["REDIS_PASSWORD"]["valueFrom"]
     assert "WARNING: no API key" in r.notes
     for kind in (
         "HorizontalPodAutoscaler",
@@ -444,7 +446,7 @@ def test_external_redis_with_tls(rendered) -> None:
     for c in [r.container(ROUTER), r.container(engine("smollm2"))]:
         url = urlsplit(flag(c, "redis-url"))
         assert url.scheme == "rediss" and url.hostname == "redis.example.com" and url.port == 6380
-        assert url.password == "$(REDIS_PASSWORD)" and url.path == "/0"
+        assert url.password is None and url.username is None and url.path == "/0"
         assert parse_qs(url.query) == {"ssl_ca_certs": [ca_path]}
         ref = env_of(c)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
         assert ref == {"name": "pagoda-redis", "key": "password"}
@@ -454,8 +456,10 @@ def test_external_redis_with_tls(rendered) -> None:
     # The URL the router builds is one redis-py accepts, CA file included.
     from services.protocol.redis_schema import connect
 
-    url = flag(r.container(ROUTER), "redis-url").replace("$(REDIS_PASSWORD)", "pw")
-    kwargs = connect(url).connection_pool.connection_kwargs
+    url = flag(r.container(ROUTER), "redis-url")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("REDIS_PASSWORD", "pw")
+        kwargs = connect(url).connection_pool.connection_kwargs
     assert kwargs["ssl_ca_certs"] == ca_path and kwargs["password"] == "pw"
 
 

@@ -199,21 +199,16 @@ redis-password
 
 {{- define "pagoda.redis.tlsMountPath" -}}/etc/pagoda/redis-tls{{- end -}}
 
-{{/* The Redis URL the router and engines are started with. The password never appears in
-the manifest: Kubernetes substitutes $(REDIS_PASSWORD) from the Secret when it starts the
-container, so the password must be URL-safe (the generated one is alphanumeric). */}}
+{{/* The Redis URL the router and engines are started with. It holds no credentials: the
+services read REDIS_PASSWORD (and REDIS_USERNAME) from their environment, filled from the
+Secret, so the password never shows in a manifest or in a process's arguments. */}}
 {{- define "pagoda.redis.url" -}}
-{{- $secret := include "pagoda.redis.secretName" . -}}
 {{- if include "pagoda.redis.bundled" . -}}
-{{- printf "redis://:$(REDIS_PASSWORD)@%s:%d/0" (include "pagoda.redis.fullname" .) (int .Values.redis.bundled.port) -}}
+{{- printf "redis://%s:%d/0" (include "pagoda.redis.fullname" .) (int .Values.redis.bundled.port) -}}
 {{- else -}}
 {{- $u := urlParse .Values.redis.url -}}
 {{- if $u.userinfo -}}
 {{- fail "redis.url must not hold credentials: put the password in a Secret and name it in redis.auth.existingSecret" -}}
-{{- end -}}
-{{- $auth := "" -}}
-{{- if $secret -}}
-{{- $auth = printf "%s:$(REDIS_PASSWORD)@" .Values.redis.auth.username -}}
 {{- end -}}
 {{- $query := $u.query -}}
 {{- if .Values.redis.tls.caSecret -}}
@@ -223,7 +218,7 @@ container, so the password must be URL-safe (the generated one is alphanumeric).
 {{- $ca := printf "ssl_ca_certs=%s/%s" (include "pagoda.redis.tlsMountPath" .) .Values.redis.tls.caKey -}}
 {{- $query = ternary $ca (printf "%s&%s" $query $ca) (eq $query "") -}}
 {{- end -}}
-{{- printf "%s://%s%s%s" $u.scheme $auth $u.host $u.path -}}
+{{- printf "%s://%s%s" $u.scheme $u.host $u.path -}}
 {{- if $query }}?{{ $query }}{{ end -}}
 {{- end -}}
 {{- end -}}
@@ -237,6 +232,10 @@ container, so the password must be URL-safe (the generated one is alphanumeric).
     secretKeyRef:
       name: {{ $secret }}
       key: {{ include "pagoda.redis.secretKey" . }}
+{{- if and (not (include "pagoda.redis.bundled" .)) .Values.redis.auth.username }}
+- name: REDIS_USERNAME
+  value: {{ .Values.redis.auth.username | quote }}
+{{- end }}
 {{- end }}
 {{- end -}}
 
