@@ -43,6 +43,7 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
     # Fault injection for tests and drills: seconds slept before every engine step.
     debug_step_delay_s: float = 0.0
+    log_level: str = "INFO"
 
     def resolved_engine_id(self) -> str:
         return self.engine_id or f"{socket.gethostname()}-{self.port}"
@@ -386,7 +387,7 @@ def main(argv: list[str] | None = None) -> None:
     args = vars(build_parser().parse_args(argv))
     engine_config = EngineConfig(**{f.name: args[f.name] for f in fields(EngineConfig)})
     server_config = ServerConfig(**{f.name: args[f.name] for f in fields(ServerConfig)})
-    logging.basicConfig(level=logging.INFO,
+    logging.basicConfig(level=server_config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     app = create_app(engine_config, server_config)
     # handler_cancellation: a client that goes away cancels its handler at once (even during

@@ -9,13 +9,17 @@ stream of msgpack ``StreamFrame`` maps, one after another (decode with ``FrameDe
      "usage": {"prompt_tokens", "completion_tokens", "cached_tokens"}}  (last frame)
     {"type": "error", "message": ...}                                   (last frame, on failure)
 
-A request the engine refuses (bad params, prompt too long) gets a 400 with a JSON OpenAI
-error before any frame. Closing the stream aborts the request and frees its KV blocks.
-``POST /internal/abort`` with ``{"request_id": ...}`` aborts explicitly.
+A request the engine refuses (malformed body, bad params, prompt too long) gets a 400 with a
+JSON OpenAI error before any frame, its ``param`` naming the field at fault. Closing the stream
+aborts the request and frees its KV blocks. ``POST /internal/abort`` with the JSON body
+``{"request_id": ...}`` aborts explicitly.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -27,8 +31,32 @@ GENERATE_PATH = "/internal/generate"
 ABORT_PATH = "/internal/abort"
 CONTENT_TYPE = "application/msgpack"
 MAX_PROMPT_TOKENS = 1_000_000
+MAX_REQUEST_ID_CHARS = 256
+MAX_CACHE_SALT_CHARS = 4096  # the salt keys a hasher the engine keeps per salt
+_MAX_SHOWN_CHARS = 80  # of a bad value echoed back in an error message
 
-_PARAM_FIELDS = {f.name for f in fields(SamplingParams)}
+_PARAM_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+_TOP_FIELDS = frozenset({"request_id", "prompt_token_ids", "params", "cache_salt", "prompt"})
+_MISSING = object()
+
+
+class BadRequest(ValueError):
+    """A request the engine refuses (a 400). ``param`` names the field at fault, None when the
+    body as a whole is wrong; the message starts with that name."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def param_of(exc: Exception) -> str | None:
+    """The field an error is about: ``BadRequest.param``, else the leading name of a message
+    that starts with a known field ("max_tokens=9000 is too large..." -> "max_tokens")."""
+    if isinstance(exc, BadRequest):
+        return exc.param
+    m = re.match(r"[a-z_]+", str(exc))
+    name = m.group(0) if m else None
+    return name if name in _PARAM_FIELDS or name in _TOP_FIELDS else None
 
 
 @dataclass(slots=True)
@@ -50,38 +78,132 @@ class GenerateRequest:
 
     @classmethod
     def from_msgpack(cls, data: bytes) -> GenerateRequest:
-        """Decodes and validates; any malformed input is a ValueError (a 400), never a crash."""
+        """Decodes and validates; any malformed input is a ``BadRequest`` (a ValueError, a 400),
+        never another exception. Ids past the vocabulary and prompts past the context are the
+        engine's to refuse (``LLMEngine.check_request``): only it knows the model."""
+        obj = _unpack_map(data)
+        return cls(
+            request_id=_request_id(obj.get("request_id", _MISSING)),
+            prompt_token_ids=_token_ids(obj.get("prompt_token_ids", _MISSING)),
+            params=_sampling_params(obj.get("params")),
+            cache_salt=_cache_salt(obj.get("cache_salt")),
+        )
+
+
+@dataclass(slots=True)
+class AbortRequest:
+    """``POST /internal/abort`` body, JSON: ``{"request_id": str}``."""
+
+    request_id: str
+
+    def to_json(self) -> bytes:
+        return json.dumps({"request_id": self.request_id}).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> AbortRequest:
         try:
-            obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
-        except Exception as exc:  # msgpack raises several unrelated types on garbage
-            raise ValueError(f"body is not valid msgpack: {exc}") from None
+            obj = json.loads(data)
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+            raise BadRequest(f"body is not valid JSON: {_first_line(exc)}") from None
         if not isinstance(obj, dict):
-            raise ValueError("body must be a msgpack map")
-        rid = obj.get("request_id")
-        if not isinstance(rid, str) or not rid or len(rid) > 256:
-            raise ValueError("request_id must be a non-empty string of at most 256 characters")
-        ids = obj.get("prompt_token_ids")
-        if (
-            not isinstance(ids, list)
-            or not ids
-            or len(ids) > MAX_PROMPT_TOKENS
-            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
-        ):
-            raise ValueError("prompt_token_ids must be a non-empty list of non-negative integers")
-        raw = obj.get("params") or {}
-        if not isinstance(raw, dict):
-            raise ValueError("params must be a map")
-        unknown = set(raw) - _PARAM_FIELDS
-        if unknown:
-            raise ValueError(f"unknown sampling params: {sorted(unknown)}")
-        try:
-            params = SamplingParams(**raw)
-        except TypeError as exc:
-            raise ValueError(f"params: {exc}") from None
-        salt = obj.get("cache_salt")
-        if salt is not None and not isinstance(salt, str):
-            raise ValueError("cache_salt must be a string")
-        return cls(rid, ids, params, salt)
+            raise BadRequest(f'body must be a JSON object {{"request_id": str}}, got {_kind(obj)}')
+        return cls(_request_id(obj.get("request_id", _MISSING)))
+
+
+# -- field checks (each raises BadRequest naming its field) -----------------------------------
+
+
+def _unpack_map(data: bytes) -> dict[Any, Any]:
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types on garbage
+        raise BadRequest(f"body is not valid msgpack: {_first_line(exc)}") from None
+    if not isinstance(obj, dict):
+        raise BadRequest(f"body must be a msgpack map, got {_kind(obj)}")
+    return obj
+
+
+def _request_id(value: Any) -> str:
+    if value is _MISSING:
+        raise BadRequest("request_id is required", "request_id")
+    if not isinstance(value, str) or not value or len(value) > MAX_REQUEST_ID_CHARS:
+        raise BadRequest(
+            f"request_id must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} "
+            f"characters, got {_show(value)}",
+            "request_id",
+        )
+    return value
+
+
+def _token_ids(value: Any) -> list[int]:
+    if value is _MISSING:
+        raise BadRequest("prompt_token_ids is required", "prompt_token_ids")
+    if not isinstance(value, list) or not value:
+        raise BadRequest(
+            f"prompt_token_ids must be a non-empty list of integers, got {_show(value)}",
+            "prompt_token_ids",
+        )
+    if len(value) > MAX_PROMPT_TOKENS:
+        raise BadRequest(
+            f"prompt_token_ids has {len(value)} tokens; at most {MAX_PROMPT_TOKENS} are accepted",
+            "prompt_token_ids",
+        )
+    for i, t in enumerate(value):
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+            raise BadRequest(
+                f"prompt_token_ids[{i}] must be an integer >= 0, got {_show(t)}",
+                "prompt_token_ids",
+            )
+    return value
+
+
+def _sampling_params(raw: Any) -> SamplingParams:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise BadRequest(f"params must be a map, got {_kind(raw)}", "params")
+    unknown = sorted(_show(k) for k in raw if k not in _PARAM_FIELDS)
+    if unknown:
+        raise BadRequest(f"params has unknown fields: {', '.join(unknown[:8])}", "params")
+    try:
+        params = SamplingParams(**raw)
+    except (ValueError, TypeError, OverflowError) as exc:
+        # Every SamplingParams error starts with the field's name.
+        raise BadRequest(_first_line(exc), param_of(exc) or "params") from None
+    if params.n != 1:
+        raise BadRequest(
+            f"n must be 1 on the engine API (the gateway fans out n), got {params.n}", "n"
+        )
+    return params
+
+
+def _cache_salt(value: Any) -> str | None:
+    if value is None or (isinstance(value, str) and len(value) <= MAX_CACHE_SALT_CHARS):
+        return value
+    raise BadRequest(
+        f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} characters or null, "
+        f"got {_show(value)}",
+        "cache_salt",
+    )
+
+
+def _kind(value: Any) -> str:
+    return "nil" if value is None else type(value).__name__
+
+
+def _show(value: Any) -> str:
+    """A bad value for an error message: its repr, cut short (the body may be megabytes)."""
+    if isinstance(value, (list, dict)) and len(value) > 8:
+        return f"a {type(value).__name__} of {len(value)} items"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    text = repr(value)
+    return text if len(text) <= _MAX_SHOWN_CHARS else text[: _MAX_SHOWN_CHARS - 3] + "..."
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return text[:300]
 
 
 def tokens_frame(

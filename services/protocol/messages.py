@@ -3,8 +3,8 @@
 Every message is a frozen dataclass whose type hints are its schema. ``from_dict`` checks each
 field against its hint (``str``, ``int``, ``float``, ``bool``, ``bytes``, ``list[X]``,
 ``X | None``, a str ``Enum`` or a nested message) and then ``__post_init__`` checks the values
-(ranges, lengths). Anything wrong raises ``ValueError`` naming the message and the field; a
-peer can never crash a service with a bad frame.
+(ranges, lengths). Anything wrong raises ``MessageError`` (a ValueError) naming the message and
+the field, which its ``field`` also holds; a peer can never crash a service with a bad frame.
 
 Compatibility rules, so that replicas of different versions can talk during a rolling upgrade:
 unknown keys are ignored, and a field added later must have a default.
@@ -17,17 +17,32 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Self, Union
+from urllib.parse import urlsplit
 
 import msgpack
 
 from services.protocol.block_hash import BlockHash
 
 BLOCK_HASH_BYTES = 16
+MAX_NAME_CHARS = 512  # model names, engine ids, request ids
+MAX_URL_CHARS = 2048
+MAX_PROMPT_LEN = 2**31 - 1
+MAX_EXCLUDE = 256  # engines a request may rule out (the gateway's retries)
+
+
+class MessageError(ValueError):
+    """A malformed message. ``field`` is the top-level field at fault (None: the whole
+    message); the text names the message and the field, e.g. ``RouteRequest.prompt_len``."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class Message:
@@ -45,7 +60,7 @@ class Message:
     def from_dict(cls, data: Any) -> Self:
         name = cls.__name__
         if not isinstance(data, dict):
-            raise ValueError(f"{name}: expected a map, got {type(data).__name__}")  # noqa: TRY004
+            raise MessageError(f"{name}: expected a map, got {type(data).__name__}")
         hints = _hints_of(cls)
         kwargs: dict[str, Any] = {}
         for f in dataclasses.fields(cls):  # type: ignore[arg-type]
@@ -53,13 +68,18 @@ class Message:
                 continue
             if f.name not in data:
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                    raise ValueError(f"{name}: missing field {f.name!r}")
+                    raise MessageError(f"{name}: missing field {f.name!r}", f.name)
                 continue
-            kwargs[f.name] = _coerce(hints[f.name], data[f.name], f"{name}.{f.name}")
+            try:
+                kwargs[f.name] = _coerce(hints[f.name], data[f.name], f"{name}.{f.name}")
+            except ValueError as exc:
+                raise MessageError(str(exc), f.name) from None
         try:
             return cls(**kwargs)
+        except ValueError as exc:  # __post_init__: its messages start with "Name.field"
+            raise MessageError(str(exc), _field_named(cls, str(exc))) from None
         except TypeError as exc:  # defensive: a hint the coercer does not cover
-            raise ValueError(f"{name}: {exc}") from None
+            raise MessageError(f"{name}: {exc}") from None
 
     def to_msgpack(self) -> bytes:
         return msgpack.packb(self.to_dict(), use_bin_type=True)
@@ -67,14 +87,19 @@ class Message:
     @classmethod
     def from_msgpack(cls, payload: bytes) -> Self:
         if not isinstance(payload, (bytes, bytearray, memoryview)):
-            raise ValueError(  # noqa: TRY004 - bad input from a peer is a ValueError here
-                f"{cls.__name__}: expected bytes, got {type(payload).__name__}"
-            )
+            raise MessageError(f"{cls.__name__}: expected bytes, got {type(payload).__name__}")
         try:
             data = msgpack.unpackb(payload, raw=False, strict_map_key=True)
-        except (ValueError, TypeError, msgpack.UnpackException) as exc:
-            raise ValueError(f"{cls.__name__}: malformed msgpack ({exc})") from None
+        except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types
+            detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+            raise MessageError(f"{cls.__name__}: malformed msgpack ({detail})") from None
         return cls.from_dict(data)
+
+
+def _field_named(cls: type, message: str) -> str | None:
+    m = re.match(rf"{cls.__name__}\.(\w+)", message)
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    return m.group(1) if m and m.group(1) in names else None
 
 
 def _plain(value: Any) -> Any:
@@ -152,6 +177,24 @@ def _check_non_empty(where: str, value: str) -> None:
         raise ValueError(f"{where} must be a non-empty string")
 
 
+def _check_name(where: str, value: str) -> None:
+    _check_non_empty(where, value)
+    if len(value) > MAX_NAME_CHARS:
+        raise ValueError(f"{where} must be at most {MAX_NAME_CHARS} characters")
+
+
+def _check_engine_ref(where: str, value: str) -> None:
+    """An engine id or URL, as ``exclude`` holds them: non-empty, bounded, and parseable (the
+    router normalises URLs with ``urlsplit``, which refuses e.g. ``http://[::1``)."""
+    _check_non_empty(where, value)
+    if len(value) > MAX_URL_CHARS:
+        raise ValueError(f"{where} must be at most {MAX_URL_CHARS} characters")
+    try:
+        urlsplit(value.strip())
+    except ValueError:
+        raise ValueError(f"{where} is neither an engine id nor a valid URL") from None
+
+
 def _check_non_negative(where: str, value: float) -> None:
     if value < 0 or (isinstance(value, float) and not math.isfinite(value)):
         raise ValueError(f"{where} must be a finite number >= 0, got {value!r}")
@@ -206,13 +249,31 @@ class RouteRequest(Message):
     request_id: str | None = None
 
     def __post_init__(self) -> None:
-        _check_non_empty("RouteRequest.model", self.model)
+        _check_name("RouteRequest.model", self.model)
         _check_non_negative("RouteRequest.prompt_len", self.prompt_len)
+        if self.prompt_len > MAX_PROMPT_LEN:
+            raise ValueError(
+                f"RouteRequest.prompt_len must be <= {MAX_PROMPT_LEN}, got {self.prompt_len}"
+            )
         for i, h in enumerate(self.block_hashes):
             if not isinstance(h, bytes) or len(h) != BLOCK_HASH_BYTES:
                 raise ValueError(
                     f"RouteRequest.block_hashes[{i}] must be {BLOCK_HASH_BYTES} raw bytes"
                 )
+        if len(self.block_hashes) > self.prompt_len:  # full blocks only: >= 1 token each
+            raise ValueError(
+                f"RouteRequest.block_hashes has {len(self.block_hashes)} blocks, more than "
+                f"prompt_len ({self.prompt_len}) tokens"
+            )
+        if len(self.exclude) > MAX_EXCLUDE:
+            raise ValueError(
+                f"RouteRequest.exclude must have at most {MAX_EXCLUDE} entries, "
+                f"got {len(self.exclude)}"
+            )
+        for i, entry in enumerate(self.exclude):
+            _check_engine_ref(f"RouteRequest.exclude[{i}]", entry)
+        if self.request_id is not None and len(self.request_id) > MAX_NAME_CHARS:
+            raise ValueError(f"RouteRequest.request_id must be at most {MAX_NAME_CHARS} characters")
 
 
 @dataclass(frozen=True, slots=True)

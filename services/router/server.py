@@ -1,7 +1,8 @@
 """The router's HTTP API (aiohttp).
 
 POST /route     msgpack RouteRequest -> msgpack RouteResponse
-                400 JSON: bad body; 503 JSON: no live engine serves the model;
+                400 JSON: bad body (``param`` names the field); 413 JSON: body too large;
+                503 JSON: no live engine serves the model;
                 409 JSON: live engines exist but the request excluded them all
 GET  /engines   JSON: live engines with their load (?model=NAME for one model)
 GET  /health    JSON liveness, with Redis and discovery state (always 200)
@@ -20,7 +21,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.protocol import tracing
-from services.protocol.messages import RouteRequest
+from services.protocol.messages import MessageError, RouteRequest
 from services.protocol.redis_schema import KVIndexReader, RedisKeys, connect, redact_url
 from services.router.config import RouterConfig
 from services.router.discovery import (
@@ -115,16 +116,21 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         await redis.aclose()
 
 
-def _error(status: int, message: str, kind: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind}}, status=status)
+def _error(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
+    """The gateway's (OpenAI's) error shape: ``{"error": {message, type, param, code}}``."""
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return web.json_response(body, status=status)
 
 
 async def handle_route(request: web.Request) -> web.Response:
-    body = await request.read()
+    try:
+        body = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        return _error(413, f"request body is too large: {exc.text}", "invalid_request_error")
     try:
         route_request = RouteRequest.from_msgpack(body)
-    except ValueError as exc:
-        return _error(400, str(exc), "invalid_request")
+    except MessageError as exc:
+        return _error(400, str(exc), "invalid_request_error", exc.field)
     try:
         response = await request.app[ROUTER_KEY].route(route_request)
     except NoEngineError as exc:
