@@ -153,6 +153,10 @@ class EngineCore:
         except ValueError as exc:
             self._post(cmd.sink, exc)
             return
+        except Exception as exc:  # a bug must fail this request, never the engine thread
+            logger.exception("add_request failed request_id=%s", cmd.request_id)
+            self._post(cmd.sink, RuntimeError(f"engine failed to add the request: {exc}"))
+            return
         self._sinks[cmd.request_id] = cmd.sink
 
     def _step(self) -> None:

@@ -54,6 +54,9 @@ class EngineStats:
     extra: dict = field(default_factory=dict)
 
 
+_MAX_HASHERS = 4096  # one per cache salt seen; rebuilt on demand, so clearing is safe
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
@@ -90,6 +93,8 @@ class LLMEngine:
     def hasher(self, cache_salt: str | None = None) -> BlockHasher:
         h = self._hashers.get(cache_salt)
         if h is None:
+            if len(self._hashers) >= _MAX_HASHERS:  # salts come from clients: stay bounded
+                self._hashers.clear()
             h = BlockHasher(
                 self.model_name,
                 self.config.block_size,

@@ -14,7 +14,7 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from aiohttp import web
 from opentelemetry import trace
@@ -26,6 +26,7 @@ from services.engine.engine import RequestUpdate
 from services.engine.metrics import EngineMetrics
 from services.engine.sampler import TokenLogprobs
 from services.protocol import engine_api, tracing
+from services.protocol.http_errors import json_errors
 from services.protocol.openai import OpenAIError
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,9 @@ class Lifecycle:
 
     draining: bool = False
     publisher: asyncio.Task | None = None
+    # The caller's request id -> the engine's own (made unique), so /internal/abort can name
+    # a request by the id its caller gave.
+    active: dict[str, str] = field(default_factory=dict)
 
 
 _MIN_HEARTBEAT_GAP_S = 0.05  # early heartbeats are at most 20 per second
@@ -71,7 +75,7 @@ SERVER_CONFIG = web.AppKey("server_config", ServerConfig)
 def create_app(engine_config: EngineConfig, server_config: ServerConfig) -> web.Application:
     app = web.Application(
         client_max_size=64 * 1024 * 1024,
-        middlewares=[tracing.server_span_middleware([engine_api.GENERATE_PATH])],
+        middlewares=[json_errors, tracing.server_span_middleware([engine_api.GENERATE_PATH])],
     )
     app[SERVER_CONFIG] = server_config
     app[LIFECYCLE] = Lifecycle()
@@ -172,7 +176,7 @@ async def handle_abort(request: web.Request) -> web.Response:
         rid = engine_api.AbortRequest.from_json(body).request_id
     except engine_api.BadRequest as exc:
         return _json_error(400, str(exc), exc.param)
-    request.app[CORE].abort(rid)
+    request.app[CORE].abort(request.app[LIFECYCLE].active.get(rid, rid))
     return web.json_response({"aborted": rid})
 
 
@@ -198,18 +202,26 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
             "gen_ai.usage.input_tokens": len(req.prompt_token_ids),
         })
     updates: asyncio.Queue = asyncio.Queue()
-    core.submit(rid, req.prompt_token_ids, req.params, req.cache_salt, updates.put_nowait)
-    first = await updates.get()
-    if isinstance(first, Exception):
-        return _json_error(400, str(first), engine_api.param_of(first))
-    resp = web.StreamResponse(headers={"Content-Type": engine_api.CONTENT_TYPE})
-    await resp.prepare(request)
+    active = request.app[LIFECYCLE].active
+    active[req.request_id] = rid
     finished = False
     try:
+        core.submit(rid, req.prompt_token_ids, req.params, req.cache_salt, updates.put_nowait)
+        first = await updates.get()
+        if isinstance(first, ValueError):
+            finished = True
+            return _json_error(400, str(first), engine_api.param_of(first))
+        if isinstance(first, Exception):  # the step failed: the caller may try another engine
+            finished = True
+            return _json_error(503, str(first))
+        resp = web.StreamResponse(headers={"Content-Type": engine_api.CONTENT_TYPE})
+        await resp.prepare(request)
         finished = await _stream(request.app[METRICS], resp, first, updates)
     except ConnectionResetError:  # the client went away mid-stream, e.g. at a stop string
         logger.debug("client closed the stream request_id=%s", rid)
     finally:
+        if active.get(req.request_id) == rid:
+            del active[req.request_id]
         if not finished:  # client went away, or we failed: free the KV blocks now
             core.abort(rid)
     return resp

@@ -21,6 +21,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.protocol import tracing
+from services.protocol.http_errors import json_errors
 from services.protocol.messages import MessageError, RouteRequest
 from services.protocol.redis_schema import KVIndexReader, RedisKeys, connect, redact_url
 from services.router.config import RouterConfig
@@ -49,7 +50,7 @@ ROUTER_KEY = web.AppKey("router", Router)
 def create_app(config: RouterConfig) -> web.Application:
     app = web.Application(
         client_max_size=MAX_BODY_BYTES,
-        middlewares=[tracing.server_span_middleware(["/route"])],
+        middlewares=[json_errors, tracing.server_span_middleware(["/route"])],
     )
     app[CONFIG_KEY] = config
     app[METRICS_KEY] = RouterMetrics()

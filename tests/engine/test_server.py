@@ -109,6 +109,42 @@ def test_disconnect_aborts_and_frees_blocks(engine) -> None:
     asyncio.run(run())
 
 
+def test_abort_by_the_callers_request_id(engine) -> None:
+    """/internal/abort names the request by the id its caller sent; the stream then ends
+    with an "abort" finish and the blocks are free."""
+    async def run() -> list[dict]:
+        frames: list[dict] = []
+        dec = engine_api.FrameDecoder()
+        async with aiohttp.ClientSession() as s:
+            body = gen_body("to-abort", list(range(300, 340)), max_tokens=2000, ignore_eos=True)
+            async with s.post(engine.url + engine_api.GENERATE_PATH, data=body) as r:
+                frames.extend(dec.feed(await r.content.readany()))
+                async with s.post(engine.url + engine_api.ABORT_PATH,
+                                  json={"request_id": "to-abort"}) as a:
+                    assert a.status == 200
+                async for chunk in r.content.iter_any():
+                    frames.extend(dec.feed(chunk))
+        return frames
+
+    frames = asyncio.run(run())
+    assert frames[-1]["type"] == "finished" and frames[-1]["finish_reason"] == "abort"
+    generated = sum(len(f["token_ids"]) for f in frames if f["type"] == "tokens")
+    assert generated < 2000
+
+
+def test_unknown_paths_and_methods_get_json_errors(engine) -> None:
+    async def run() -> None:
+        async with aiohttp.ClientSession() as s:
+            for method, path, status in (("GET", "/nope", 404),
+                                         ("GET", engine_api.GENERATE_PATH, 405)):
+                async with s.request(method, engine.url + path) as r:
+                    assert r.status == status
+                    body = await r.json()
+                    assert set(body["error"]) == {"message", "type", "param", "code"}
+
+    asyncio.run(run())
+
+
 def test_metrics_use_vllm_names(engine) -> None:
     async def run() -> str:
         async with aiohttp.ClientSession() as s:

@@ -282,3 +282,11 @@ def test_valid_requests_still_route(router: ServiceProcess, http: requests.Sessi
     assert status == 503 and answer["error"]["type"] == "no_engine"
     status, answer = post(http, router, _with(exclude=["a"]))
     assert status == 409 and answer["error"]["type"] == "no_engine"
+
+
+def test_unknown_paths_and_methods_get_json_errors(router: ServiceProcess,
+                                                   http: requests.Session) -> None:
+    for method, path, status in (("GET", "/nope", 404), ("GET", "/route", 405)):
+        resp = http.request(method, router.url + path, timeout=5)
+        assert resp.status_code == status
+        assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
