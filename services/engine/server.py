@@ -64,7 +64,8 @@ class Lifecycle:
     active: dict[str, str] = field(default_factory=dict)
 
 
-_MIN_HEARTBEAT_GAP_S = 0.05  # early heartbeats are at most 20 per second
+_MIN_HEARTBEAT_GAP_S = 0.05
+_CUT_AFTER_DRAIN_S = 0.5  # early heartbeats are at most 20 per second
 
 CORE = web.AppKey("core", EngineCore)
 LIFECYCLE = web.AppKey("lifecycle", Lifecycle)
@@ -102,8 +103,10 @@ def _engine_ctx(engine_config: EngineConfig):
         try:
             yield
         finally:
+            logger.info("stopping the engine")
             await _stop_publishing(app)
             await asyncio.to_thread(core.stop)
+            logger.info("engine stopped")
 
     return ctx
 
@@ -404,8 +407,10 @@ def main(argv: list[str] | None = None) -> None:
     app = create_app(engine_config, server_config)
     # handler_cancellation: a client that goes away cancels its handler at once (even during
     # prefill), and the handler's finally-block aborts the request and frees its KV blocks.
+    # The grace period is spent in _drain (on_shutdown); whatever still runs after it is cut
+    # at once, so SIGTERM-to-exit stays within drain_timeout_s plus about a second.
     web.run_app(app, host=server_config.host, port=server_config.port, print=None,
-                shutdown_timeout=server_config.drain_timeout_s, handler_cancellation=True)
+                shutdown_timeout=_CUT_AFTER_DRAIN_S, handler_cancellation=True)
 
 
 if __name__ == "__main__":
