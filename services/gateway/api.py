@@ -34,7 +34,6 @@ from services.protocol.block_hash import BlockHasher
 logger = logging.getLogger(__name__)
 
 ENGINE_HEADER = "x-pagoda-engine"
-MAX_CHOICES = 256  # prompts x n: engine requests one client request may fan out to
 
 
 @dataclass(slots=True)
@@ -61,7 +60,9 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     state = request.app[STATE]
     started = time.monotonic()
     span = trace.get_current_span()  # the server span of tracing.server_span_middleware
-    body = await read_json_body(request, state.config.max_body_bytes)
+    body = await read_json_body(
+        request, state.config.max_body_bytes, state.config.body_read_timeout
+    )
     parse = oa.parse_chat_request if kind == "chat" else oa.parse_completion_request
     req = parse(body)
     model = state.models.get(req.model)
@@ -107,8 +108,10 @@ async def _plan(
     body: dict[str, Any],
 ) -> _Plan:
     choices = max(len(req.prompts), 1) * req.params.n
-    if choices > MAX_CHOICES:
-        raise oa.OpenAIError(f"prompts x n must be at most {MAX_CHOICES}, got {choices}", param="n")
+    if choices > oa.MAX_CHOICES:
+        raise oa.OpenAIError(
+            f"prompts x n must be at most {oa.MAX_CHOICES}, got {choices}", param="n"
+        )
     prompts = await prepare_prompts(state.tokenize_pool, model, req)
     prompt_param = "messages" if req.kind == "chat" else "prompt"
     max_param = "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"

@@ -44,6 +44,7 @@ class GatewayConfig:
     models: tuple[ModelSpec, ...] = ()  # none = the default model (resolved by __main__)
     block_size: int = 16  # used for a model until the router's /engines reports its own
     max_body_bytes: int = 8 * 1024 * 1024
+    body_read_timeout: float = 30.0  # seconds a request body may take to arrive; then 408
     request_timeout: float = 600.0  # seconds for one whole generation
     max_retries: int = 2  # extra engines tried when one fails before its first token
     router_timeout: float = 5.0  # seconds per router call
@@ -78,7 +79,8 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.max_retries, int) or not 0 <= self.max_retries <= 16:
             raise ValueError(f"max_retries must be in 0..16, got {self.max_retries!r}")
-        for name in ("request_timeout", "router_timeout", "engines_refresh", "shutdown_grace"):
+        for name in ("body_read_timeout", "request_timeout", "router_timeout", "engines_refresh",
+                     "shutdown_grace"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
 
@@ -100,6 +102,7 @@ class GatewayConfig:
                 models=models,
                 block_size=ns.block_size,
                 max_body_bytes=ns.max_body_bytes,
+                body_read_timeout=ns.body_read_timeout,
                 request_timeout=ns.request_timeout,
                 max_retries=ns.max_retries,
                 router_timeout=ns.router_timeout,
@@ -146,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-body-bytes", type=int, default=d.max_body_bytes, help="larger request bodies get 413"
+    )
+    p.add_argument(
+        "--body-read-timeout",
+        type=float,
+        default=d.body_read_timeout,
+        help="seconds a request body may take to arrive (a slower client gets 408)",
     )
     p.add_argument(
         "--request-timeout",

@@ -27,6 +27,7 @@ from services.gateway.engine_client import (
     EngineUnavailable,
     open_stream,
 )
+from services.gateway.engine_watch import EngineWatch
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.models import ServedModel
 from services.gateway.router_client import RouterClient
@@ -62,6 +63,7 @@ class Upstreams:
     max_retries: int
     connect_timeout: float
     tracer: trace.Tracer | None = None  # None: the global one (no-op unless tracing is set up)
+    watch: EngineWatch | None = None  # fails over waits on engines that stopped answering
 
 
 class GenerationFailed(Exception):
@@ -167,6 +169,9 @@ class Generation:
             yield item
 
     async def _read(self, stream: EngineStream, decoder: ChoiceDecoder) -> None:
+        watch = self._up.watch
+        if watch is not None:
+            watch.add_stream(stream.engine_id, stream)
         try:
             async for frame in stream.frames():
                 delta = decoder.on_frame(frame)
@@ -183,6 +188,8 @@ class Generation:
             )
             await self._queue.put(GenerationFailed(str(exc)))
         finally:
+            if watch is not None:
+                watch.remove_stream(stream.engine_id, stream)
             stream.close()  # a stop string ended it early: the engine aborts the rest
 
     # -- routing with retries ---------------------------------------------------------------
@@ -203,11 +210,15 @@ class Generation:
             )
             rid = f"{self.request_id}-{job.index}" + (f"-r{attempt}" if attempt else "")
             req = GenerateRequest(rid, job.prompt_ids, job.engine_params, self._salt)
+            guard = (up.watch.guard(route.engine_id, route.url) if up.watch is not None
+                     else contextlib.nullcontext())
             try:
-                return await open_stream(
-                    up.session, route.engine_id, route.url, req, up.connect_timeout, up.tracer
-                )
-            except EngineUnavailable as exc:
+                async with guard:
+                    return await open_stream(
+                        up.session, route.engine_id, route.url, req, up.connect_timeout,
+                        up.tracer,
+                    )
+            except (EngineUnavailable, TimeoutError) as exc:  # TimeoutError: declared dead
                 logger.warning(
                     "engine failed before the first token request_id=%s engine=%s "
                     "attempt=%d/%d: %s",
@@ -215,7 +226,7 @@ class Generation:
                     route.engine_id,
                     attempt + 1,
                     attempts,
-                    exc,
+                    exc or "it stopped answering",
                 )
                 exclude.append(route.engine_id)
                 if attempt + 1 < attempts:

@@ -1,13 +1,16 @@
 """The OpenAPI 3 document served at ``/openapi.json``: every route, its request body and its
 responses, so schema-driven fuzzers (schemathesis) and client generators can use it.
 
-Kept next to the handlers by hand; ``tests/gateway`` checks that every route of the app is
-described here and that the examples parse.
+Kept next to the handlers by hand; the limits come from ``services.protocol.openai``, so the
+document and the 400s agree. ``tests/gateway`` checks that every route of the app is described
+here, and ``tests/gateway/test_fuzz_openapi.py`` fuzzes the gateway from this document.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from services.protocol import openai as oa
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 
@@ -21,7 +24,9 @@ def _errors(*statuses: int) -> dict[str, Any]:
         400: "invalid request (names the offending param)",
         401: "missing or invalid API key",
         404: "unknown model",
+        408: "the request body did not arrive within the read timeout",
         413: "request body too large",
+        500: "unexpected server error",
         502: "the engine failed mid-generation",
         503: "no engine (or router) available",
         504: "the request timed out",
@@ -29,10 +34,17 @@ def _errors(*statuses: int) -> dict[str, Any]:
     return {str(s): {"description": text[s], **_json(_ERROR)} for s in statuses}
 
 
-_GEN_ERRORS = (400, 401, 404, 413, 502, 503, 504)
+_BODY_ERRORS = (400, 401, 404, 408, 413, 500)
+_GEN_ERRORS = (*_BODY_ERRORS, 502, 503, 504)
 
 _SAMPLING: dict[str, Any] = {
-    "n": {"type": "integer", "minimum": 1, "maximum": 16, "default": 1},
+    "n": {
+        "type": "integer",
+        "minimum": 1,
+        "maximum": oa.MAX_N,
+        "default": 1,
+        "description": f"samples per prompt; prompts x n at most {oa.MAX_CHOICES}",
+    },
     "temperature": {"type": "number", "minimum": 0, "default": 1},
     "top_p": {"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 1, "default": 1},
     "top_k": {"type": "integer", "minimum": -1, "default": 0},
@@ -41,13 +53,27 @@ _SAMPLING: dict[str, Any] = {
     "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2, "default": 0},
     "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2, "default": 0},
     "repetition_penalty": {"type": "number", "minimum": 0, "exclusiveMinimum": True, "default": 1},
-    "max_tokens": {"type": "integer", "minimum": 1, "nullable": True},
-    "min_tokens": {"type": "integer", "minimum": 0, "default": 0},
+    "max_tokens": {
+        "type": "integer",
+        "minimum": 1,
+        "nullable": True,
+        "description": "prompt + max_tokens must fit the model's context; null = up to it",
+    },
+    "min_tokens": {
+        "type": "integer",
+        "minimum": 0,
+        "default": 0,
+        "description": "at most max_tokens",
+    },
     "stop": {
         "nullable": True,
         "oneOf": [
             {"type": "string", "minLength": 1},
-            {"type": "array", "maxItems": 64, "items": {"type": "string", "minLength": 1}},
+            {
+                "type": "array",
+                "maxItems": oa.MAX_STOP,
+                "items": {"type": "string", "minLength": 1},
+            },
         ],
     },
     "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
@@ -69,7 +95,12 @@ _SAMPLING: dict[str, Any] = {
     "user": {"type": "string"},
 }
 
-_TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+_TOKEN_IDS = {
+    "type": "array",
+    "minItems": 1,
+    "items": {"type": "integer", "minimum": 0},
+    "description": "token ids, each below the model's vocabulary size",
+}
 
 _COMPLETION_REQUEST = {
     "type": "object",
@@ -79,13 +110,23 @@ _COMPLETION_REQUEST = {
         "prompt": {
             "oneOf": [
                 {"type": "string", "minLength": 1},
-                {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+                {
+                    "type": "array",
+                    "minItems": 1,
+                    "maxItems": oa.MAX_PROMPTS,
+                    "items": {"type": "string", "minLength": 1},
+                },
                 _TOKEN_IDS,
-                {"type": "array", "minItems": 1, "items": _TOKEN_IDS},
+                {"type": "array", "minItems": 1, "maxItems": oa.MAX_PROMPTS, "items": _TOKEN_IDS},
             ]
         },
-        "echo": {"type": "boolean", "default": False},
-        "logprobs": {"type": "integer", "minimum": 0, "maximum": 5, "nullable": True},
+        "echo": {"type": "boolean", "default": False, "description": "not with logprobs"},
+        "logprobs": {
+            "type": "integer",
+            "minimum": 0,
+            "maximum": oa.MAX_COMPLETION_LOGPROBS,
+            "nullable": True,
+        },
         **_SAMPLING,
     },
 }
@@ -127,7 +168,7 @@ _CHAT_REQUEST = {
         "top_logprobs": {
             "type": "integer",
             "minimum": 0,
-            "maximum": 20,
+            "maximum": oa.MAX_TOP_LOGPROBS,
             "nullable": True,
             "description": "requires logprobs: true",
         },
@@ -139,6 +180,7 @@ _CHAT_REQUEST = {
 _TOKENIZE_REQUEST = {
     "type": "object",
     "description": "either prompt or messages",
+    "anyOf": [{"required": ["prompt"]}, {"required": ["messages"]}],
     "properties": {
         "model": {"type": "string", "minLength": 1},
         "prompt": {"type": "string"},
@@ -176,12 +218,20 @@ _COMPLETION_RESPONSE = {
     },
 }
 
+# One server-sent event (the schema of an event-stream describes each event, as OpenAPI 3.2's
+# itemSchema does): data: {chunk} ... data: [DONE]; a failure after the first chunk is sent as
+# data: {"error": {...}} before [DONE].
 _SSE = {
     "text/event-stream": {
         "schema": {
-            "type": "string",
-            "description": "data: {chunk}\\n\\n ... data: [DONE]\\n\\n; a failure after the "
-            'first chunk is sent as data: {"error": {...}}',
+            "type": "object",
+            "required": ["data"],
+            "properties": {
+                "data": {
+                    "type": "string",
+                    "description": 'a JSON chunk, a JSON {"error": {...}}, or [DONE]',
+                },
+            },
         }
     }
 }
@@ -235,7 +285,7 @@ def openapi_document() -> dict[str, Any]:
                     "properties": {
                         "error": {
                             "type": "object",
-                            "required": ["message", "type"],
+                            "required": ["message", "type", "param", "code"],
                             "properties": {
                                 "message": {"type": "string"},
                                 "type": {"type": "string"},
@@ -313,7 +363,7 @@ def openapi_document() -> dict[str, Any]:
                                 }
                             ),
                         },
-                        **_errors(400, 401, 404, 413),
+                        **_errors(*_BODY_ERRORS),
                     },
                 }
             },
@@ -335,7 +385,7 @@ def openapi_document() -> dict[str, Any]:
                                 }
                             ),
                         },
-                        **_errors(400, 401, 404, 413),
+                        **_errors(*_BODY_ERRORS),
                     },
                 }
             },

@@ -25,6 +25,7 @@ from aiohttp import web
 from services.gateway import api, tokenization
 from services.gateway.auth import ApiKeyAuth, auth_middleware
 from services.gateway.config import GatewayConfig
+from services.gateway.engine_watch import EngineWatch
 from services.gateway.errors import error_middleware
 from services.gateway.generation import Upstreams
 from services.gateway.metrics import OTHER_MODEL, GatewayMetrics
@@ -96,6 +97,7 @@ async def _resources(
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
     session: aiohttp.ClientSession | None = None
     poller: asyncio.Task[None] | None = None
+    state: GatewayState | None = None
     try:
         loop = asyncio.get_running_loop()
         toks = tokenizers
@@ -106,8 +108,9 @@ async def _resources(
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         tracer = app[tracing.TRACER]
         router = RouterClient(session, config.router_urls, config.router_timeout, tracer)
+        watch = EngineWatch(session)
         upstreams = Upstreams(
-            session, router, metrics, config.max_retries, _CONNECT_TIMEOUT_S, tracer
+            session, router, metrics, config.max_retries, _CONNECT_TIMEOUT_S, tracer, watch
         )
         state = GatewayState(config, models, router, upstreams, metrics, pool)
         app[STATE] = state
@@ -125,6 +128,8 @@ async def _resources(
             poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await poller
+        if state is not None and state.upstreams.watch is not None:
+            await state.upstreams.watch.aclose()
         if session is not None:
             await session.close()
         pool.shutdown(wait=False, cancel_futures=True)
@@ -137,6 +142,9 @@ async def _refresh_engines(state: GatewayState) -> bool:
         logger.warning("router /engines unavailable: %s", exc)
         return False
     state.models.update(engines)
+    if state.upstreams.watch is not None:
+        # An engine we wait on that left the live set: hung, or draining? Probe it.
+        state.upstreams.watch.check_gone(e.engine_id for e in engines)
     return True
 
 
@@ -218,6 +226,8 @@ async def _metrics_middleware(request: web.Request, handler: Any) -> web.StreamR
     except web.HTTPException as exc:
         status = str(exc.status)
         raise
+    except ConnectionError:
+        raise  # the client went away mid-request: counted as "cancelled"
     except Exception:
         status = "500"
         raise

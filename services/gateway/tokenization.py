@@ -23,7 +23,7 @@ _MAX_TOKENS = 1_000_000
 
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    body = _object(await read_json_body(request, state.config.max_body_bytes))
+    body = await _read_object(request)
     model = state.models.resolve_optional(body.get("model"))
     request[MODEL_LABEL] = model.name
     tok = model.tokenizer
@@ -33,7 +33,8 @@ async def tokenize(request: web.Request) -> web.Response:
         chat = parse_chat_request({"model": model.name, "messages": body.get("messages")})
         gen_prompt = _bool(body, "add_generation_prompt", True)
         special = _bool(body, "add_special_tokens", False)
-        kwargs = body.get("chat_template_kwargs") or {}
+        kwargs = body.get("chat_template_kwargs")
+        kwargs = {} if kwargs is None else kwargs
         if not isinstance(kwargs, dict):
             raise OpenAIError(
                 "chat_template_kwargs must be an object", param="chat_template_kwargs"
@@ -71,7 +72,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    body = _object(await read_json_body(request, state.config.max_body_bytes))
+    body = await _read_object(request)
     model = state.models.resolve_optional(body.get("model"))
     request[MODEL_LABEL] = model.name
     ids = body.get("tokens")
@@ -86,7 +87,9 @@ async def detokenize(request: web.Request) -> web.Response:
     return web.json_response({"prompt": text})
 
 
-def _object(body: Any) -> dict[str, Any]:
+async def _read_object(request: web.Request) -> dict[str, Any]:
+    config = request.app[STATE].config
+    body = await read_json_body(request, config.max_body_bytes, config.body_read_timeout)
     if not isinstance(body, dict):
         raise OpenAIError("the request body must be a JSON object")
     return body

@@ -9,14 +9,22 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.engine.sampling_params import SamplingParams
+from services.engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
 
-MAX_N = 16
-MAX_COMPLETION_LOGPROBS = 5  # OpenAI's legacy completions cap
-MAX_TOP_LOGPROBS = 20
+# -- limits ---------------------------------------------------------------------------------
+# What one request may ask for. The 400s below and the gateway's /openapi.json both read these.
+MAX_N = 16  # samples per prompt
+MAX_PROMPTS = 256  # prompts in one /v1/completions request
+MAX_CHOICES = 256  # prompts x n: the engine requests one client request may fan out to
+MAX_COMPLETION_LOGPROBS = 5  # /v1/completions ``logprobs`` (OpenAI's legacy cap)
+MAX_TOP_LOGPROBS = MAX_LOGPROBS  # /v1/chat/completions ``top_logprobs`` (20, as OpenAI)
+MAX_STOP = MAX_STOP_STRINGS  # ``stop`` strings (64; what the engine's SamplingParams accepts)
+_MAX_SHOWN = 60  # characters of a bad value quoted back in an error message
+_MAX_MESSAGE = 500  # characters of an error message
 
 
 class OpenAIError(Exception):
@@ -30,6 +38,7 @@ class OpenAIError(Exception):
         type_: str | None = None,
         code: str | None = None,
     ) -> None:
+        message = message if len(message) <= _MAX_MESSAGE else message[: _MAX_MESSAGE - 3] + "..."
         super().__init__(message)
         self.message = message
         self.status = status
@@ -60,22 +69,23 @@ def _default_type(status: int) -> str:
 
 # -- requests -------------------------------------------------------------------------------
 
-# OpenAI/vLLM field -> SamplingParams field. The rest of the body is handled explicitly.
+# OpenAI/vLLM sampling fields (SamplingParams uses the same names) and the JSON type each must
+# have; SamplingParams checks the ranges. The rest of the body is handled explicitly.
 _SAMPLING_FIELDS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "seed": "seed",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-    "repetition_penalty": "repetition_penalty",
-    "min_tokens": "min_tokens",
-    "ignore_eos": "ignore_eos",
-    "stop_token_ids": "stop_token_ids",
-    "skip_special_tokens": "skip_special_tokens",
-    "include_stop_str_in_output": "include_stop_str_in_output",
-    "n": "n",
+    "temperature": "number",
+    "top_p": "number",
+    "top_k": "integer",
+    "min_p": "number",
+    "seed": "integer",
+    "presence_penalty": "number",
+    "frequency_penalty": "number",
+    "repetition_penalty": "number",
+    "min_tokens": "integer",
+    "ignore_eos": "boolean",
+    "stop_token_ids": "array of integers",
+    "skip_special_tokens": "boolean",
+    "include_stop_str_in_output": "boolean",
+    "n": "integer",
 }
 _UNSUPPORTED = ("suffix", "logit_bias", "tools", "tool_choice", "functions", "response_format")
 
@@ -126,7 +136,8 @@ def parse_chat_request(body: Any) -> GenerationRequest:
     if max_tokens is None:
         max_tokens = _max_tokens(body, "max_tokens")
     params = _sampling_params(body, max_tokens, (top or 0) if want_logprobs else None)
-    kwargs = body.get("chat_template_kwargs") or {}
+    kwargs = body.get("chat_template_kwargs")
+    kwargs = {} if kwargs is None else kwargs
     if not isinstance(kwargs, dict):
         raise OpenAIError("chat_template_kwargs must be an object", param="chat_template_kwargs")
     return GenerationRequest(
@@ -161,7 +172,7 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise OpenAIError("stream_options must be an object", param="stream_options")
-    include_usage = bool((opts or {}).get("include_usage", False))
+    include_usage = _opt_bool(opts or {}, "include_usage", False, "stream_options.include_usage")
     if opts and not stream:
         raise OpenAIError("stream_options is only allowed when stream is true",
                           param="stream_options")
@@ -195,8 +206,10 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
         )
     if any(p == "" for p in prompts):
         raise OpenAIError("prompt must not be empty", param="prompt")
-    if len(prompts) > 256:
-        raise OpenAIError("at most 256 prompts per request", param="prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise OpenAIError(
+            f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", param="prompt"
+        )
     return prompts
 
 
@@ -213,7 +226,11 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
             raise OpenAIError(f"messages[{i}] must be an object", param="messages")
         role = m.get("role")
         if role not in ("system", "user", "assistant", "tool", "developer"):
-            raise OpenAIError(f"messages[{i}].role is invalid: {role!r}", param="messages")
+            raise OpenAIError(
+                f"messages[{i}].role must be one of system, user, assistant, tool, developer; "
+                f"got {_shown(role)}",
+                param="messages",
+            )
         out.append({**m, "content": _content_text(m.get("content"), i)})
     return out
 
@@ -243,7 +260,7 @@ def _max_tokens(body: dict[str, Any], name: str) -> int | None:
     if value is None:
         return None
     if not _is_int(value) or value < 1:
-        raise OpenAIError(f"{name} must be a positive integer, got {value!r}", param=name)
+        raise OpenAIError(f"{name} must be a positive integer, got {_shown(value)}", param=name)
     return value
 
 
@@ -256,37 +273,72 @@ def _opt_int(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
     if value is None:
         return None
     if not _is_int(value) or not lo <= value <= hi:
-        raise OpenAIError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}", param=name)
+        raise OpenAIError(
+            f"{name} must be an integer in [{lo}, {hi}], got {_shown(value)}", param=name
+        )
     return value
 
 
-def _opt_bool(body: dict[str, Any], name: str, default: bool) -> bool:
+def _opt_bool(body: dict[str, Any], name: str, default: bool, param: str | None = None) -> bool:
     value = body.get(name, default)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise OpenAIError(f"{name} must be a boolean, got {value!r}", param=name)
+        param = param or name
+        raise OpenAIError(f"{param} must be a boolean, got {_shown(value)}", param=param)
     return value
+
+
+_JSON_TYPES: dict[str, Callable[[Any], bool]] = {
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "integer": _is_int,
+    "boolean": lambda v: isinstance(v, bool),
+    "array of integers": lambda v: isinstance(v, list) and all(_is_int(t) for t in v),
+}
+
+
+def _shown(value: Any) -> str:
+    """A bad value as quoted back to the client: short, and never a deep or huge repr."""
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "an array"
+    text = repr(value)
+    return text if len(text) <= _MAX_SHOWN else text[: _MAX_SHOWN - 3] + "..."
 
 
 def _sampling_params(
     body: dict[str, Any], max_tokens: int | None, logprobs: int | None
 ) -> SamplingParams:
     kwargs: dict[str, Any] = {"max_tokens": max_tokens, "logprobs": logprobs}
-    for src, dst in _SAMPLING_FIELDS.items():
-        if body.get(src) is not None:
-            kwargs[dst] = body[src]
+    for name, kind in _SAMPLING_FIELDS.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        if not _JSON_TYPES[kind](value):
+            article = "an" if kind[0] in "aeiou" else "a"
+            raise OpenAIError(f"{name} must be {article} {kind}, got {_shown(value)}", param=name)
+        kwargs[name] = value
     stop = body.get("stop")
     if stop is not None:
-        kwargs["stop"] = stop
-        if not isinstance(stop, (str, list)):
-            raise OpenAIError("stop must be a string or a list of strings", param="stop")
-    if _is_int(kwargs.get("n")) and kwargs["n"] > MAX_N:
-        raise OpenAIError(f"n must be at most {MAX_N}", param="n")
+        kwargs["stop"] = _stop(stop)
+    if kwargs.get("n", 1) > MAX_N:
+        raise OpenAIError(f"n must be at most {MAX_N}, got {kwargs['n']}", param="n")
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as exc:
         raise OpenAIError(str(exc), param=_param_of(str(exc))) from None
+
+
+def _stop(stop: Any) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise OpenAIError("stop must be a string or a list of strings", param="stop")
+    if len(stops) > MAX_STOP:
+        raise OpenAIError(
+            f"stop may have at most {MAX_STOP} strings, got {len(stops)}", param="stop"
+        )
+    return stops
 
 
 def _param_of(message: str) -> str | None:
