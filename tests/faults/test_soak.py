@@ -75,7 +75,7 @@ def test_soak_no_leaks(fast_model_dir: Path) -> None:
               f"  rss MB before->after: "
               + ", ".join(f"{n} {rss0[n] / 2**20:.0f}->{rss1[n] / 2**20:.0f} "
                           f"({growth[n]:+.1%})" for n in pids)
-              + f"\n  event-loop tasks before->after: "
+              + "\n  event-loop tasks before->after: "
               + ", ".join(f"{n} {tasks0[n]}->{tasks1[n]}" for n in services)
               + f"\n  kv blocks (free, total): {list(blocks.values())}")
 
