@@ -20,7 +20,7 @@ from services.engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, Samp
 MAX_N = 16  # samples per prompt
 MAX_PROMPTS = 256  # prompts in one /v1/completions request
 MAX_CHOICES = 256  # prompts x n: the engine requests one client request may fan out to
-MAX_COMPLETION_LOGPROBS = 5  # /v1/completions ``logprobs`` (OpenAI's legacy cap)
+MAX_COMPLETION_LOGPROBS = 20  # /v1/completions ``logprobs``: vLLM's default max_logprobs
 MAX_TOP_LOGPROBS = MAX_LOGPROBS  # /v1/chat/completions ``top_logprobs`` (20, as OpenAI)
 MAX_STOP = MAX_STOP_STRINGS  # ``stop`` strings (64; what the engine's SamplingParams accepts)
 _MAX_SHOWN = 60  # characters of a bad value quoted back in an error message

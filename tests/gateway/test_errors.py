@@ -33,7 +33,7 @@ def assert_error_shape(body: dict) -> dict:
         ({"n": 99}, "n"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"stop": 5}, "stop"),
-        ({"logprobs": 9}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
         ({"stream": "yes"}, "stream"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"prompt": ""}, "prompt"),
