@@ -64,6 +64,9 @@ class EngineCore:
         # Set (on the event loop) when a request arrives or finishes: the Redis publisher then
         # sends a heartbeat early, so routers see the load change within milliseconds.
         self.load_changed = asyncio.Event()
+        # Requests submitted and not yet finished, counted on the event loop: unlike ``stats``
+        # (updated after each step) it includes requests that arrived since the last step.
+        self.num_accepted = 0
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -95,7 +98,14 @@ class EngineCore:
         cache_salt: str | None,
         sink: Sink,
     ) -> None:
-        self._commands.put(_Add(request_id, prompt_token_ids, params, cache_salt, sink))
+        self.num_accepted += 1
+
+        def deliver(item: RequestUpdate | Exception) -> None:
+            if isinstance(item, Exception) or item.finished:
+                self.num_accepted -= 1
+            sink(item)
+
+        self._commands.put(_Add(request_id, prompt_token_ids, params, cache_salt, deliver))
         self.load_changed.set()
 
     def abort(self, request_id: str) -> None:

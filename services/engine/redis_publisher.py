@@ -47,7 +47,9 @@ class EnginePublisher:
             model=engine.model_name,
             block_size=engine.config.block_size,
             running=s.num_running,
-            waiting=s.num_waiting,
+            # Requests that arrived since the last step are waiting too: a heartbeat sent at
+            # once on their arrival must count them, or routers would see a stale, lower load.
+            waiting=max(s.num_waiting, core.num_accepted - s.num_running),
             kv_usage=min(max(s.kv_usage, 0.0), 1.0),
             free_blocks=s.num_free_blocks,
             total_blocks=s.num_total_blocks,
