@@ -4,15 +4,15 @@ A crashed engine resets its connections, so its requests fail at once. A hung on
 process, stalled node, network partition) does not: its TCP connections stay open and a
 request waiting for its first token would wait out the whole request timeout. The engines
 poller notices when an engine leaves the live set (its heartbeat expired) and asks
-``check_gone``; an engine that no longer answers ``/health`` within ``probe_timeout_s`` is
-declared dead and every wait on it ends now:
+``check_gone``; an engine whose ``/health`` probe times out (``probe_timeout_s``) is declared
+dead and every wait on it ends now:
 
 - opening a stream (no token yet) raises TimeoutError in ``guard()``: the request is retried on
   another engine, as for a refused connection;
 - a stream in progress is closed: it ends with an error event.
 
-An engine that left the set but still answers ``/health`` (a graceful drain answers 503) is
-left alone: its requests finish.
+An engine that left the set but answers, or refuses the connection (a graceful drain closes
+its listener first, then lets its requests finish), is left alone.
 """
 
 from __future__ import annotations
@@ -99,13 +99,19 @@ class EngineWatch:
             self._probing.discard(engine_id)
 
     async def _answers(self, url: str) -> bool:
+        """False only when the probe times out: the engine (or its host, or the path to it)
+        hangs. Any HTTP answer means alive. A refused or reset connection means the process
+        is draining (its listener is closed, its requests still finish) or gone (then the
+        kernel reset our connections to it, and those requests have failed over already)."""
         try:
             async with self._session.get(url.rstrip("/") + "/health",
                                          timeout=self._probe_timeout) as resp:
                 await resp.read()
-                return True  # any HTTP answer: alive (a draining engine answers 503)
-        except (TimeoutError, aiohttp.ClientError, OSError):
+                return True
+        except TimeoutError:
             return False
+        except (aiohttp.ClientError, OSError):
+            return True
 
     def declare_dead(self, engine_id: str) -> None:
         """Ends every wait on ``engine_id`` now (see the module doc)."""
