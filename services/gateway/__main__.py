@@ -40,6 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         host=config.host,
         port=config.port,
         handler_cancellation=True,
+        keepalive_timeout=config.keepalive_timeout,
         shutdown_timeout=_GRACE_AFTER_DRAIN_S,
         print=None,
     )

@@ -45,6 +45,9 @@ class GatewayConfig:
     block_size: int = 16  # used for a model until the router's /engines reports its own
     max_body_bytes: int = 8 * 1024 * 1024
     body_read_timeout: float = 30.0  # seconds a request body may take to arrive; then 408
+    # Seconds a connection may stay without a complete request: idle keep-alives, and clients
+    # that dribble their headers (slowloris), are closed after it. nginx's default.
+    keepalive_timeout: float = 75.0
     request_timeout: float = 600.0  # seconds for one whole generation
     max_retries: int = 2  # extra engines tried when one fails before its first token
     router_timeout: float = 5.0  # seconds per router call
@@ -79,8 +82,8 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.max_retries, int) or not 0 <= self.max_retries <= 16:
             raise ValueError(f"max_retries must be in 0..16, got {self.max_retries!r}")
-        for name in ("body_read_timeout", "request_timeout", "router_timeout", "engines_refresh",
-                     "shutdown_grace"):
+        for name in ("body_read_timeout", "keepalive_timeout", "request_timeout",
+                     "router_timeout", "engines_refresh", "shutdown_grace"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
 
@@ -103,6 +106,7 @@ class GatewayConfig:
                 block_size=ns.block_size,
                 max_body_bytes=ns.max_body_bytes,
                 body_read_timeout=ns.body_read_timeout,
+                keepalive_timeout=ns.keepalive_timeout,
                 request_timeout=ns.request_timeout,
                 max_retries=ns.max_retries,
                 router_timeout=ns.router_timeout,
@@ -155,6 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=d.body_read_timeout,
         help="seconds a request body may take to arrive (a slower client gets 408)",
+    )
+    p.add_argument(
+        "--keepalive-timeout",
+        type=float,
+        default=d.keepalive_timeout,
+        help="seconds a connection may go without a complete request (idle keep-alive, or "
+        "headers sent too slowly) before it is closed",
     )
     p.add_argument(
         "--request-timeout",
