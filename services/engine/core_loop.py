@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import statistics
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 Sink = Callable[[RequestUpdate | Exception], None]
 _IDLE_WAIT_S = 0.05
+_STEP_WINDOW = 32  # recent steps whose median is ``step_ms``
 
 
 @dataclass(slots=True)
@@ -67,6 +70,11 @@ class EngineCore:
         # Requests submitted and not yet finished, counted on the event loop: unlike ``stats``
         # (updated after each step) it includes requests that arrived since the last step.
         self.num_accepted = 0
+        # Median wall time (ms) of the recent steps, published in heartbeats: how slow this
+        # engine is compared with its peers, whatever its load. A median, so one stalled step
+        # (a pause, a long prefill) does not brand the engine slow.
+        self.step_ms = 0.0
+        self._step_times: deque[float] = deque(maxlen=_STEP_WINDOW)
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -170,6 +178,7 @@ class EngineCore:
         self._sinks[cmd.request_id] = cmd.sink
 
     def _step(self) -> None:
+        start = time.perf_counter()
         if self.step_delay_s:
             self._stop.wait(self.step_delay_s)
         try:
@@ -180,6 +189,8 @@ class EngineCore:
                 self.engine.abort_request(rid)
                 self._post(self._sinks.pop(rid), RuntimeError(f"engine step failed: {exc}"))
             return
+        self._step_times.append((time.perf_counter() - start) * 1000)
+        self.step_ms = statistics.median(self._step_times)
         for update in updates:
             self._deliver(update.request_id, update)
         self.stats = self.engine.stats()

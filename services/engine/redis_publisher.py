@@ -55,6 +55,7 @@ class EnginePublisher:
             total_blocks=s.num_total_blocks,
             timestamp=time.time(),
             max_model_len=engine.max_model_len,
+            step_ms=round(core.step_ms, 3),
         )
         try:
             if self._pending:

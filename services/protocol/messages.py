@@ -215,6 +215,9 @@ class EngineHeartbeat(Message):
     total_blocks: int
     timestamp: float  # engine wall clock, unix seconds (informational; TTLs use Redis time)
     max_model_len: int | None = None  # longest prompt + output the engine accepts, if known
+    # Recent engine step time (moving average, milliseconds; 0: not measured yet). Routers use
+    # it to see that an engine is slower than its peers, not just busier.
+    step_ms: float = 0.0
 
     def __post_init__(self) -> None:
         _check_non_empty("EngineHeartbeat.engine_id", self.engine_id)
@@ -223,7 +226,7 @@ class EngineHeartbeat(Message):
             raise ValueError(f"EngineHeartbeat.url must be an http(s) URL, got {self.url!r}")
         if not isinstance(self.block_size, int) or self.block_size <= 0:
             raise ValueError(f"EngineHeartbeat.block_size must be > 0, got {self.block_size!r}")
-        for name in ("running", "waiting", "free_blocks", "total_blocks", "timestamp"):
+        for name in ("running", "waiting", "free_blocks", "total_blocks", "timestamp", "step_ms"):
             _check_non_negative(f"EngineHeartbeat.{name}", getattr(self, name))
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(

@@ -24,10 +24,36 @@ class Candidate:
     waiting: int
     pending: int  # routed by any replica since the engine's last heartbeat
     kv_usage: float
+    step_ms: float = 0.0  # the engine's recent step time (0: unknown)
 
     @property
     def load(self) -> int:
         return self.running + self.waiting + self.pending
+
+
+# Step-time ratios below this are noise (batch mix, a busy neighbour), not a slower engine.
+_SLOWER_RATIO = 1.25
+
+Cost = Callable[[Candidate], float]
+
+
+def load_cost(candidates: Sequence[Candidate]) -> Cost:
+    """Each candidate's load in units of the fastest candidate's step time:
+    ``(load + 1) * slowdown - 1``. With equal speeds (or unknown step times) that is the plain
+    load; an engine twice as slow counts as busy even when idle, since a request waits twice
+    as long there for every token."""
+    known = [c.step_ms for c in candidates if c.step_ms > 0]
+    if len(known) < 2:
+        return lambda c: float(c.load)
+    fastest = min(known)
+
+    def cost(c: Candidate) -> float:
+        ratio = c.step_ms / fastest if c.step_ms > 0 else 1.0
+        if ratio < _SLOWER_RATIO:
+            return float(c.load)
+        return (c.load + 1) * ratio - 1
+
+    return cost
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,15 +77,12 @@ class RoutingPolicy(Protocol):
         ...
 
 
-def _by_load(c: Candidate) -> tuple[int, float, str]:
-    # The engine id breaks ties so that every replica picks the same engine.
-    return (c.load, c.kv_usage, c.engine_id)
-
-
-def _least_loaded(candidates: Sequence[Candidate]) -> Candidate:
+def _least_loaded(candidates: Sequence[Candidate], cost: Cost | None = None) -> Candidate:
     if not candidates:
         raise ValueError("no candidate engines")
-    return min(candidates, key=_by_load)
+    cost = cost or load_cost(candidates)
+    # The engine id breaks ties so that every replica picks the same engine.
+    return min(candidates, key=lambda c: (cost(c), c.kv_usage, c.engine_id))
 
 
 class LeastLoadedPolicy:
@@ -87,9 +110,11 @@ class RoundRobinPolicy:
 class PrefixPolicy:
     """Longest cached prefix weighed against load, with a hot-spot guard.
 
-    score = matched_blocks / prompt_blocks - load_weight * load / max(1, busiest load)
+    score = matched_blocks / prompt_blocks - load_weight * cost / max(1, busiest cost)
 
-    The best score wins (ties: lower load, then engine id). Hot-spot guard: when the winner's
+    where cost is the load scaled by how much slower than the fastest candidate an engine steps
+    (``load_cost``; the plain load when speeds are alike). The best score wins (ties: lower
+    cost, then engine id). Hot-spot guard: when the winner's
     load is at least ``hot_spot_min_load`` and more than ``hot_spot_ratio`` times the least
     busy engine's, the least busy engine gets the request instead: a popular prefix must not
     pile every request onto one engine while others idle.
@@ -101,14 +126,15 @@ class PrefixPolicy:
     name: ClassVar[PolicyName] = PolicyName.PREFIX
 
     async def choose(self, candidates: Sequence[Candidate], ctx: PolicyContext) -> Decision:
-        least = _least_loaded(candidates)
+        cost = load_cost(candidates)
+        least = _least_loaded(candidates, cost)
         if ctx.num_blocks == 0 or all(c.matched_blocks == 0 for c in candidates):
             return Decision(least, "least-loaded")
-        busiest = max(1, max(c.load for c in candidates))
+        busiest = max(1.0, max(cost(c) for c in candidates))
 
-        def rank(c: Candidate) -> tuple[float, int, float, str]:
-            score = c.matched_blocks / ctx.num_blocks - self.load_weight * c.load / busiest
-            return (-score, c.load, c.kv_usage, c.engine_id)
+        def rank(c: Candidate) -> tuple[float, float, float, str]:
+            score = c.matched_blocks / ctx.num_blocks - self.load_weight * cost(c) / busiest
+            return (-score, cost(c), c.kv_usage, c.engine_id)
 
         best = min(candidates, key=rank)
         if (

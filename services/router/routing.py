@@ -237,6 +237,7 @@ def _candidate(view: EngineView) -> Candidate:
         waiting=hb.waiting,
         pending=view.pending,
         kv_usage=hb.kv_usage,
+        step_ms=hb.step_ms,
     )
 
 

@@ -100,3 +100,31 @@ async def test_registry() -> None:
         make_policy("random")
     with pytest.raises(ValueError):
         await LeastLoadedPolicy().choose([], ctx())
+
+
+def timed(engine_id: str, step_ms: float, running: int = 0, matched: int = 0) -> Candidate:
+    return Candidate(engine_id, f"http://{engine_id}:8000", matched, running, 0, 0, 0.0, step_ms)
+
+
+async def test_a_slow_engine_counts_as_busy_even_when_idle() -> None:
+    # b steps 10x slower: idle, it still costs (0 + 1) * 10 - 1 = 9 > a's 3 running.
+    fast, slow = timed("a", 10.0, running=3), timed("b", 100.0)
+    for policy in (LeastLoadedPolicy(), PrefixPolicy()):
+        d = await policy.choose([slow, fast], ctx())
+        assert d.candidate.engine_id == "a", policy
+    # ...but not once the fast one is far busier than that.
+    d = await LeastLoadedPolicy().choose([slow, timed("a", 10.0, running=12)], ctx())
+    assert d.candidate.engine_id == "b"
+
+
+async def test_similar_or_unknown_speeds_route_by_plain_load() -> None:
+    # Within 1.25x (noise), or with a step time missing, the cost is the load itself.
+    d = await LeastLoadedPolicy().choose([timed("a", 10.0, running=1), timed("b", 12.0)], ctx())
+    assert d.candidate.engine_id == "b"
+    d = await LeastLoadedPolicy().choose([timed("a", 10.0, running=1), timed("b", 0.0)], ctx())
+    assert d.candidate.engine_id == "b"
+
+
+async def test_a_cached_prefix_still_outweighs_a_somewhat_slower_engine() -> None:
+    d = await PrefixPolicy().choose([timed("a", 10.0), timed("b", 15.0, matched=10)], ctx())
+    assert (d.candidate.engine_id, d.reason) == ("b", "prefix-hit")
