@@ -19,18 +19,23 @@ from typing import Any
 import msgpack
 import pytest
 import requests
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from services.engine.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from services.protocol import engine_api
 from services.protocol.engine_api import GenerateRequest, param_of
+from tests.support.msgpack_fuzz import (
+    FUZZ,
+    check_error,
+    flipped_frames,
+    msgpack_values,
+    report,
+)
 from tests.support.services import ServiceProcess
 
 NUM_BLOCKS = 64
 VOCAB = 49152  # SmolLM2's, which fast_model_dir keeps
-EXAMPLES = 200
-ERROR_KEYS = {"message", "type", "param", "code"}
 
 
 @pytest.fixture(scope="module")
@@ -71,16 +76,6 @@ def post(http: requests.Session, engine: ServiceProcess, body: bytes,
         return r.status_code, r.json()
 
 
-def check_error(status: int, body: dict[str, Any] | None, expect_param: Any = ...) -> None:
-    assert status == 400, (status, body)
-    assert body is not None and set(body) == {"error"}, body
-    err = body["error"]
-    assert set(err) == ERROR_KEYS, err
-    assert isinstance(err["message"], str) and err["message"], err
-    assert err["type"] == "invalid_request_error", err
-    assert err["param"] is None or isinstance(err["param"], str), err
-    if expect_param is not ...:
-        assert err["param"] == expect_param, err
 
 
 def local_param(body: bytes) -> tuple[bool, str | None]:
@@ -136,27 +131,14 @@ def assert_still_serving(engine: ServiceProcess) -> None:
 
 # -- strategies -----------------------------------------------------------------------------
 
-_INTERESTING = st.sampled_from([
+_INTERESTING = [
     None, True, False, 0, 1, -1, 2, 20, 21, VOCAB - 1, VOCAB, 2**31, 2**63 - 1, 2**63,
     2**64 - 1, -(2**63), 0.0, -0.0, 0.5, 1.0, 1.5, -1.5, 1e-300, 1e308, math.nan, math.inf,
     -math.inf, "", "x", "a" * 300, b"", b"\x00" * 16, [], [1], [-1], [True], [1.5], ["x"],
     [""], [[1]], {}, {"a": 1}, ["s"] * 65, list(range(MAX_STOP_TOKEN_IDS + 1)),
     msgpack.ExtType(5, b"ext"),
-])
-_SCALARS = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
-    st.binary(max_size=12), _INTERESTING,
-)
-MSGPACK_VALUES = st.recursive(
-    _SCALARS,
-    lambda inner: st.one_of(
-        st.lists(inner, max_size=6),
-        st.dictionaries(st.one_of(st.text(max_size=12), st.binary(max_size=4)), inner,
-                        max_size=6),
-    ),
-    max_leaves=24,
-)
+]
+MSGPACK_VALUES = msgpack_values(_INTERESTING, max_binary=12)
 _TOP = ["request_id", "prompt_token_ids", "params", "cache_salt", "unknown_field"]
 _PARAMS = [*SamplingParams.__dataclass_fields__, "bogus"]
 
@@ -166,7 +148,7 @@ def mutated_requests(draw: st.DrawFn) -> dict[str, Any]:
     """A valid request with one to three fields replaced by garbage, or deleted."""
     req = valid("fuzz")
     for _ in range(draw(st.integers(1, 3))):
-        value = draw(st.one_of(_INTERESTING, MSGPACK_VALUES))
+        value = draw(st.one_of(st.sampled_from(_INTERESTING), MSGPACK_VALUES))
         if draw(st.booleans()):
             key, target = draw(st.sampled_from(_TOP)), req
         else:
@@ -180,18 +162,8 @@ def mutated_requests(draw: st.DrawFn) -> dict[str, Any]:
     return req
 
 
-@st.composite
-def flipped_frames(draw: st.DrawFn) -> bytes:
-    """A valid frame with some bytes overwritten, then maybe cut short."""
-    frame = bytearray(msgpack.packb(valid("flip")))
-    for _ in range(draw(st.integers(1, 4))):
-        frame[draw(st.integers(0, len(frame) - 1))] = draw(st.integers(0, 255))
-    return bytes(frame[: draw(st.integers(0, len(frame)))])
 
 
-_FUZZ = settings(max_examples=EXAMPLES, deadline=None,
-                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                        HealthCheck.large_base_example])
 
 
 def _check_generate(http: requests.Session, engine: ServiceProcess, body: bytes,
@@ -205,9 +177,6 @@ def _check_generate(http: requests.Session, engine: ServiceProcess, body: bytes,
         check_error(status, answer)
 
 
-def _report(name: str, seen: Counter[int]) -> None:
-    print(f"{name}: {sum(seen.values())} bodies posted, by status {dict(sorted(seen.items()))}")
-    assert sum(seen.values()) >= EXAMPLES // 2  # the fuzzing really ran
 
 
 # -- property tests -------------------------------------------------------------------------
@@ -216,33 +185,33 @@ def _report(name: str, seen: Counter[int]) -> None:
 def test_random_bytes_are_400(engine: ServiceProcess, http: requests.Session) -> None:
     seen: Counter[int] = Counter()
 
-    @_FUZZ
-    @given(st.one_of(st.binary(max_size=512), flipped_frames()))
+    @FUZZ
+    @given(st.one_of(st.binary(max_size=512), flipped_frames(valid("flip"))))
     def check(body: bytes) -> None:
         _check_generate(http, engine, body, seen)
 
     check()
-    _report("random bytes", seen)
+    report("random bytes", seen)
     assert_still_serving(engine)
 
 
 def test_random_msgpack_structures_are_400(engine: ServiceProcess, http: requests.Session) -> None:
     seen: Counter[int] = Counter()
 
-    @_FUZZ
+    @FUZZ
     @given(st.one_of(MSGPACK_VALUES, mutated_requests()))
     def check(obj: Any) -> None:
         _check_generate(http, engine, msgpack.packb(obj), seen)
 
     check()
-    _report("random msgpack", seen)
+    report("random msgpack", seen)
     assert_still_serving(engine)
 
 
 def test_random_abort_bodies_are_400(engine: ServiceProcess, http: requests.Session) -> None:
     seen: Counter[int] = Counter()
 
-    @_FUZZ
+    @FUZZ
     @given(st.one_of(st.binary(max_size=256), st.text(max_size=64).map(str.encode),
                      MSGPACK_VALUES.map(msgpack.packb)))
     def check(body: bytes) -> None:
@@ -252,7 +221,7 @@ def test_random_abort_bodies_are_400(engine: ServiceProcess, http: requests.Sess
             check_error(status, answer)
 
     check()
-    _report("random abort bodies", seen)
+    report("random abort bodies", seen)
     assert_still_serving(engine)
 
 

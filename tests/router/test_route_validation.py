@@ -16,7 +16,7 @@ from typing import Any
 import msgpack
 import pytest
 import requests
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from services.protocol.messages import (
@@ -29,11 +29,15 @@ from services.protocol.messages import (
 from services.protocol.redis_schema import KVIndexPublisher, connect
 from services.router.server import MAX_BODY_BYTES
 from tests.router.util import MODEL, chain, heartbeat
+from tests.support.msgpack_fuzz import (
+    FUZZ,
+    check_error,
+    flipped_frames,
+    msgpack_values,
+    report,
+)
 from tests.support.redis_server import RedisServer
 from tests.support.services import ServiceProcess
-
-EXAMPLES = 200
-ERROR_KEYS = {"message", "type", "param", "code"}
 
 
 @pytest.fixture(scope="module")
@@ -79,15 +83,6 @@ def post(http: requests.Session, router: ServiceProcess,
     return r.status_code, r.content
 
 
-def check_error(status: int, body: Any, expect_param: Any = ..., expect_status: int = 400) -> None:
-    assert status == expect_status, (status, body)
-    assert isinstance(body, dict) and set(body) == {"error"}, body
-    err = body["error"]
-    assert set(err) == ERROR_KEYS, err
-    assert isinstance(err["message"], str) and err["message"], err
-    assert err["type"] == "invalid_request_error", err
-    if expect_param is not ...:
-        assert err["param"] == expect_param, err
 
 
 def check_answer(http: requests.Session, router: ServiceProcess, body: bytes,
@@ -118,34 +113,18 @@ def assert_still_routing(router: ServiceProcess, http: requests.Session) -> None
     assert at < 0, log[max(0, at - 300) : at + 3000]
 
 
-def _report(name: str, seen: Counter[int]) -> None:
-    print(f"{name}: {sum(seen.values())} bodies posted, by status {dict(sorted(seen.items()))}")
-    assert sum(seen.values()) >= EXAMPLES // 2  # the fuzzing really ran
 
 
 # -- strategies -----------------------------------------------------------------------------
 
-_INTERESTING = st.sampled_from([
+_INTERESTING = [
     None, True, False, 0, 1, -1, 40, 2**31, 2**63 - 1, 2**64 - 1, -(2**63), 0.0, 1.5, math.nan,
     math.inf, -math.inf, "", "a", MODEL, "http://[::1", "m" * (MAX_NAME_CHARS + 1), b"",
     b"\x00" * 15, b"\x00" * 16, b"\x00" * 17, [], [b"\x00" * 16], [b"\x00" * 15], ["x" * 16],
     [None], [[b"\x00" * 16]], ["a"], [""], ["http://[bad"], ["e"] * (MAX_EXCLUDE + 1), {},
     {"a": 1}, msgpack.ExtType(5, b"ext"),
-])
-_SCALARS = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1),
-    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
-    st.binary(max_size=20), _INTERESTING,
-)
-MSGPACK_VALUES = st.recursive(
-    _SCALARS,
-    lambda inner: st.one_of(
-        st.lists(inner, max_size=6),
-        st.dictionaries(st.one_of(st.text(max_size=12), st.binary(max_size=4)), inner,
-                        max_size=6),
-    ),
-    max_leaves=24,
-)
+]
+MSGPACK_VALUES = msgpack_values(_INTERESTING, max_binary=20)
 _FIELDS = ["model", "block_hashes", "prompt_len", "exclude", "request_id", "unknown_field"]
 
 
@@ -158,22 +137,12 @@ def mutated_requests(draw: st.DrawFn) -> dict[str, Any]:
         if draw(st.integers(0, 9)) == 0:
             req.pop(key, None)
         else:
-            req[key] = draw(st.one_of(_INTERESTING, MSGPACK_VALUES))
+            req[key] = draw(st.one_of(st.sampled_from(_INTERESTING), MSGPACK_VALUES))
     return req
 
 
-@st.composite
-def flipped_frames(draw: st.DrawFn) -> bytes:
-    """A valid frame with some bytes overwritten, then maybe cut short."""
-    frame = bytearray(msgpack.packb(valid()))
-    for _ in range(draw(st.integers(1, 4))):
-        frame[draw(st.integers(0, len(frame) - 1))] = draw(st.integers(0, 255))
-    return bytes(frame[: draw(st.integers(0, len(frame)))])
 
 
-_FUZZ = settings(max_examples=EXAMPLES, deadline=None,
-                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                        HealthCheck.large_base_example])
 
 
 # -- property tests -------------------------------------------------------------------------
@@ -182,26 +151,26 @@ _FUZZ = settings(max_examples=EXAMPLES, deadline=None,
 def test_random_bytes_are_400(router: ServiceProcess, http: requests.Session) -> None:
     seen: Counter[int] = Counter()
 
-    @_FUZZ
-    @given(st.one_of(st.binary(max_size=512), flipped_frames()))
+    @FUZZ
+    @given(st.one_of(st.binary(max_size=512), flipped_frames(valid())))
     def check(body: bytes) -> None:
         check_answer(http, router, body, seen)
 
     check()
-    _report("random bytes", seen)
+    report("random bytes", seen)
     assert_still_routing(router, http)
 
 
 def test_random_msgpack_structures_are_400(router: ServiceProcess, http: requests.Session) -> None:
     seen: Counter[int] = Counter()
 
-    @_FUZZ
+    @FUZZ
     @given(st.one_of(MSGPACK_VALUES, mutated_requests()))
     def check(obj: Any) -> None:
         check_answer(http, router, msgpack.packb(obj), seen)
 
     check()
-    _report("random msgpack", seen)
+    report("random msgpack", seen)
     assert_still_routing(router, http)
 
 
