@@ -15,6 +15,9 @@ logger = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
 MAX_STOP_STRINGS = 64
+# Counts and token ids above this are mistakes (no vocabulary or context is this large), and
+# must be refused here: they would not even fit the engine wire format (msgpack, 64 bits).
+MAX_INT32 = 2**31 - 1
 MAX_STOP_TOKEN_IDS = 1024  # each is checked against every sampled token
 # As vLLM: 0 < T < this is raised to it. Smaller T overflows logits / T to inf in float32
 # (and inf - inf = nan) while sampling at T = 0.01 is already greedy for practical purposes.
@@ -57,11 +60,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def _check_counts(self) -> None:
-        _check_int("n", self.n, lo=1)
-        _check_int("top_k", self.top_k, lo=-1)
-        _check_int("min_tokens", self.min_tokens, lo=0)
+        _check_int("n", self.n, lo=1, hi=MAX_INT32)
+        _check_int("top_k", self.top_k, lo=-1, hi=MAX_INT32)
+        _check_int("min_tokens", self.min_tokens, lo=0, hi=MAX_INT32)
         if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, lo=1)
+            _check_int("max_tokens", self.max_tokens, lo=1, hi=MAX_INT32)
             if self.min_tokens > self.max_tokens:
                 raise ValueError(
                     f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
@@ -101,7 +104,7 @@ class SamplingParams:
                 f"stop_token_ids must have at most {MAX_STOP_TOKEN_IDS} entries, got {len(ids)}"
             )
         for t in ids:
-            _check_int("stop_token_ids entry", t, lo=0)
+            _check_int("stop_token_ids entry", t, lo=0, hi=MAX_INT32)
         self.stop_token_ids = ids
 
     def _check_flags(self) -> None:

@@ -125,6 +125,11 @@ def test_invalid_json_is_400(http: requests.Session, pagoda: PagodaStack, data: 
         ("/v1/completions", {"ignore_eos": "yes"}, "ignore_eos"),
         ("/v1/completions", {"stop_token_ids": 5}, "stop_token_ids"),
         ("/v1/completions", {"stop_token_ids": [1, "2"]}, "stop_token_ids"),
+        # Integers too big for the engine wire format (64 bits) must be refused up front.
+        ("/v1/completions", {"stop_token_ids": [2**64]}, "stop_token_ids"),
+        ("/v1/completions", {"top_k": 2**70}, "top_k"),
+        ("/v1/completions", {"min_tokens": 2**70}, "min_tokens"),
+        ("/v1/chat/completions", {"stop_token_ids": [2**31]}, "stop_token_ids"),
         ("/v1/completions", {"stop": 5}, "stop"),
         ("/v1/completions", {"stop": ["ok", 5]}, "stop"),
         ("/v1/completions", {"stop": [[[["deep"]]]]}, "stop"),
