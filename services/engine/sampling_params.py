@@ -64,7 +64,7 @@ class SamplingParams:
         _check_int("top_k", self.top_k, lo=-1, hi=MAX_INT32)
         _check_int("min_tokens", self.min_tokens, lo=0, hi=MAX_INT32)
         if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, lo=1, hi=MAX_INT32)
+            _check_int("max_tokens", self.max_tokens, lo=1)  # the context bounds it
             if self.min_tokens > self.max_tokens:
                 raise ValueError(
                     f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
