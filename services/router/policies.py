@@ -25,6 +25,7 @@ class Candidate:
     pending: int  # routed by any replica since the engine's last heartbeat
     kv_usage: float
     step_ms: float = 0.0  # the engine's recent step time (0: unknown)
+    heartbeat_ts: float = 0.0  # the heartbeat's timestamp, by the engine's own clock
 
     @property
     def load(self) -> int:

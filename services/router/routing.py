@@ -21,11 +21,24 @@ logger = logging.getLogger(__name__)
 
 _MAX_TRACED_CANDIDATES = 32  # per-candidate lists in the decision span stop here
 # A gateway excludes an engine after it failed a request before the first token (refused the
-# connection, died, 5xx, 429). The router then avoids that engine for every request for this
-# long, unless nothing else is left: a SIGKILLed engine stops getting traffic at the first
-# failure instead of when its heartbeat expires.
+# connection, died, hung, 5xx, 429). The router then avoids that engine for every request for
+# this long, unless nothing else is left, or until the engine publishes a heartbeat newer than
+# the one the router saw when it failed: a SIGKILLed engine stops getting traffic at the first
+# failure instead of when its heartbeat expires, and one that recovers (a hang ends, a restart)
+# is back in rotation with its next heartbeat, not seconds later.
 DEFAULT_SUSPECT_S = 5.0
 _MAX_SUSPECTS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class _Suspicion:
+    until: float  # monotonic deadline
+    # The engine's heartbeat timestamp when it failed (its own clock; None: it had no live
+    # heartbeat). A newer one proves it alive again.
+    heartbeat: float | None
+
+    def holds(self, now: float, heartbeat: float) -> bool:
+        return now < self.until and (self.heartbeat is not None and heartbeat <= self.heartbeat)
 
 
 class NoEngineError(Exception):
@@ -67,7 +80,7 @@ class Router:
     ) -> None:
         self.index = index
         self.suspect_s = suspect_s
-        self._suspect_until: dict[str, float] = {}  # engine id or URL -> monotonic deadline
+        self._suspects: dict[str, _Suspicion] = {}  # by engine id or URL
         self.discovery = discovery
         self.policy = policy
         self.metrics = metrics
@@ -94,7 +107,7 @@ class Router:
             for c in eligible
             if c.engine_id not in excluded and normalize_url(c.url) not in excluded
         ]
-        candidates = self._avoid_suspects(req.exclude, candidates)
+        candidates = self._avoid_suspects(req.exclude, eligible, candidates)
         if span.is_recording():
             _trace_lookup(span, req, self.policy.name.value, snapshot.degraded, lookup_s,
                           len(eligible), candidates)
@@ -145,26 +158,37 @@ class Router:
             self._gauge_live(name, len(self._eligible(name, snapshot)))
         return rows, degraded
 
-    def _avoid_suspects(self, exclude: list[str], candidates: list[Candidate]) -> list[Candidate]:
+    def _avoid_suspects(self, exclude: list[str], eligible: list[Candidate],
+                        candidates: list[Candidate]) -> list[Candidate]:
         """Records the engines this request excludes as suspects, and drops every current
         suspect from ``candidates`` unless that would leave none."""
         now = time.monotonic()
         if exclude:
-            if len(self._suspect_until) >= _MAX_SUSPECTS:
-                self._suspect_until = {k: t for k, t in self._suspect_until.items() if t > now}
-            for x in exclude:
-                if x not in self._suspect_until or self._suspect_until[x] <= now:
-                    logger.info("engine %s failed a request; avoiding it for %.1fs", x,
-                                self.suspect_s)
-                self._suspect_until[x] = now + self.suspect_s
-        if not self._suspect_until:
+            self._suspect(exclude, eligible, now)
+        if not self._suspects:
             return candidates
-        suspect = self._suspect_until
-        healthy = [
-            c for c in candidates
-            if suspect.get(c.engine_id, 0.0) <= now and suspect.get(c.url, 0.0) <= now
-        ]
+        suspects = self._suspects
+
+        def suspect(c: Candidate) -> bool:
+            return any(s is not None and s.holds(now, c.heartbeat_ts)
+                       for s in (suspects.get(c.engine_id), suspects.get(c.url)))
+
+        healthy = [c for c in candidates if not suspect(c)]
         return healthy or candidates
+
+    def _suspect(self, exclude: list[str], eligible: list[Candidate], now: float) -> None:
+        if len(self._suspects) >= _MAX_SUSPECTS:
+            self._suspects = {k: s for k, s in self._suspects.items() if s.until > now}
+        beats: dict[str, float] = {}
+        for c in eligible:
+            beats[c.engine_id] = beats[c.url] = beats[normalize_url(c.url)] = c.heartbeat_ts
+        for x in exclude:
+            old = self._suspects.get(x)
+            if old is None or old.until <= now:
+                logger.info("engine %s failed a request; avoiding it for %.1fs or until its "
+                            "next heartbeat", x, self.suspect_s)
+            beat = beats.get(x, beats.get(normalize_url(x)))
+            self._suspects[x] = _Suspicion(now + self.suspect_s, beat)
 
     def _gauge_live(self, model: str, live: int) -> None:
         if live or model in self._gauged:  # never a label per unknown model name
@@ -238,6 +262,7 @@ def _candidate(view: EngineView) -> Candidate:
         pending=view.pending,
         kv_usage=hb.kv_usage,
         step_ms=hb.step_ms,
+        heartbeat_ts=hb.timestamp,
     )
 
 

@@ -12,9 +12,24 @@ from tests.support.stack import scrape
 
 def router_engines(router_url: str) -> set[str]:
     """Engine ids the router considers live."""
+    return {e["engine_id"] for e in _router_view(router_url)["engines"]}
+
+
+def _router_view(router_url: str) -> dict:
     with urllib.request.urlopen(router_url + "/engines", timeout=5) as resp:
-        body = json.loads(resp.read())
-    return {e["engine_id"] for e in body["engines"]}
+        return json.loads(resp.read())
+
+
+def router_degraded(router_url: str) -> bool:
+    """Whether the router answers from its fallback (Redis unreachable, or in its retry
+    back-off) rather than from Redis."""
+    return bool(_router_view(router_url)["degraded"])
+
+
+def router_idle(router_url: str) -> bool:
+    """Whether the router sees no running, waiting or pending request on any engine."""
+    engines = _router_view(router_url)["engines"]
+    return all(e["running"] + e["waiting"] + e["pending"] == 0 for e in engines)
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str,

@@ -33,7 +33,10 @@ class Outcome:
     completion_tokens: int = 0
 
     def streaming_during(self, t: float) -> bool:
-        return self.streaming_at is not None and self.streaming_at <= t < self.ended
+        """Whether this stream was in progress at ``t``: sent before it, ended after it, and
+        got its first token. Its first token may reach the client a moment after ``t`` (a
+        frozen or killed engine sent it just before), so ``streaming_at`` is not compared."""
+        return self.streaming_at is not None and self.started <= t < self.ended
 
 
 @dataclass
@@ -79,6 +82,7 @@ async def run_load(
     *,
     requests: int | None = None,
     duration_s: float | None = None,
+    until: Callable[[], bool] | None = None,
     concurrency: int = 8,
     max_tokens: int = 16,
     disconnect_fraction: float = 0.0,
@@ -87,11 +91,12 @@ async def run_load(
     result: LoadResult | None = None,
     request_timeout_s: float = 60.0,
 ) -> LoadResult:
-    """Streams completions until ``requests`` were sent or ``duration_s`` passed (whichever
-    is given first). ``prompt(i)`` makes request i's prompt. A ``disconnect_fraction`` of the
-    requests hang up after their first chunk. ``result`` may be passed in to watch it live."""
+    """Streams completions until ``requests`` were sent, ``duration_s`` passed or ``until()``
+    holds (whichever comes first). ``prompt(i)`` makes request i's prompt. A
+    ``disconnect_fraction`` of the requests hang up after their first chunk. ``result`` may be
+    passed in to watch it live."""
     if requests is None and duration_s is None:
-        raise ValueError("give requests or duration_s")
+        raise ValueError("give requests or duration_s (a bound, also with until)")
     out = result if result is not None else LoadResult()
     rng = random.Random(seed)
     deadline = time.monotonic() + duration_s if duration_s is not None else float("inf")
@@ -101,7 +106,7 @@ async def run_load(
     timeout = aiohttp.ClientTimeout(total=request_timeout_s)
 
     async def worker(session: aiohttp.ClientSession) -> None:
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (until is not None and until()):
             i = next(counter, None)
             if i is None:
                 return

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 import redis
@@ -110,6 +111,27 @@ async def test_exclude_and_no_engine_errors(redis_url: str, publisher: KVIndexPu
         assert status == 503 and body["error"]["type"] == "no_engine"
         bad = await client.post("/route", data=b"\x93garbage")
         assert bad.status == 400 and "RouteRequest" in (await bad.json())["error"]["message"]
+
+
+async def test_a_failed_engine_is_avoided_until_it_heartbeats_again(
+    redis_url: str, publisher: KVIndexPublisher
+) -> None:
+    """After a gateway excludes an engine (it failed a request), every request avoids it,
+    even one whose prefix only it holds, until it publishes a newer heartbeat: then it is
+    back at once, not when the suspicion times out."""
+    prompt = chain(4)
+    hb_a = heartbeat("a")
+    await publisher.publish_heartbeat(hb_a)
+    await publisher.publish_heartbeat(heartbeat("b"))
+    await publisher.apply_events("a", MODEL, [stored(prompt)])
+    async with router_client(redis_url=redis_url) as client:
+        assert (await route(client, prompt)).engine_id == "a"
+        assert (await route(client, prompt, exclude=["a"])).engine_id == "b"
+        for _ in range(3):  # the same heartbeat: still suspect
+            assert (await route(client, prompt)).engine_id == "b"
+        await publisher.publish_heartbeat(replace(hb_a, timestamp=hb_a.timestamp + 0.5))
+        resp = await route(client, prompt)
+        assert (resp.engine_id, resp.reason) == ("a", "prefix-hit")
 
 
 async def test_static_discovery_limits_the_engines(
