@@ -59,8 +59,9 @@ PROMPT_TOKENS = 256
 def fake_engine_main(port: int, redis_url: str, engine_id: str) -> None:
     from aiohttp import web
 
+    from services.common.redis_index import KVIndexPublisher
+    from services.protocol.kv_events import KVEvent, KVEventKind
     from services.protocol.messages import EngineHeartbeat
-    from services.protocol.redis_schema import KVEvent, KVEventKind, KVIndexPublisher
 
     url = f"http://127.0.0.1:{port}"
     hasher = BlockHasher(MODEL, BLOCK_SIZE)
@@ -80,8 +81,8 @@ def fake_engine_main(port: int, redis_url: str, engine_id: str) -> None:
         resp = web.StreamResponse(headers={"Content-Type": engine_api.CONTENT_TYPE})
         await resp.prepare(request)
         n = len(req.prompt_token_ids)
-        await resp.write(engine_api.tokens_frame([42], None, 0))
-        await resp.write(engine_api.finished_frame("length", None, n, 1, 0))
+        await resp.write(engine_api.TokensFrame([42], None, 0).to_msgpack())
+        await resp.write(engine_api.FinishedFrame("length", None, n, 1, 0).to_msgpack())
         await resp.write_eof()
         return resp
 
@@ -303,7 +304,7 @@ async def _measure(args, http, engine_url, router_url, gateway_url, RouteRequest
 
 
 def _params():
-    from services.engine.sampling_params import SamplingParams
+    from services.protocol.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=1, temperature=0.0)
 

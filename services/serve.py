@@ -20,6 +20,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from services.common.default_model import default_model_dir, is_converted
+
 logger = logging.getLogger("pagoda.serve")
 
 # Variables every child inherits untouched (OpenTelemetry is configured through OTEL_*).
@@ -60,6 +62,15 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen) -> None:
     raise SystemExit(f"{url} did not become healthy in {timeout:.0f}s")
 
 
+def _default_model() -> Path:
+    """The converted default model, converting it first (in a child process: the converter
+    imports torch and transformers, which this launcher never needs) if `make install` has not."""
+    path = default_model_dir()
+    if not is_converted(path):
+        subprocess.run([_PY, "-m", "services.engine.models.default"], check=True)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--port", type=int, default=8000, help="gateway port")
@@ -74,9 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.engines < 1:
         raise SystemExit("--engines must be >= 1")
 
-    from services.engine.models.default import default_model_path
-
-    model_dir = Path(args.model) if args.model else default_model_path()
+    model_dir = Path(args.model) if args.model else _default_model()
     model_name = model_dir.name
     procs: list[tuple[str, subprocess.Popen]] = []
 

@@ -21,8 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from benchmarks.fleet_sim.trace import Session
-from services.engine.block_manager import BlockManager, KVEvent, KVEventKind
+from services.engine.block_manager import BlockManager
 from services.protocol.block_hash import BlockHash
+from services.protocol.kv_events import KVEvent, KVEventKind
 
 
 @dataclass(frozen=True, slots=True)

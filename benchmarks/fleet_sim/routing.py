@@ -25,8 +25,9 @@ from typing import Protocol
 
 from benchmarks.fleet_sim.engine import SimEngine, SimRequest
 from benchmarks.fleet_sim.trace import MODEL
+from services.common.redis_index import KVIndexPublisher, KVIndexReader, connect
 from services.protocol.messages import EngineHeartbeat, RouteRequest
-from services.protocol.redis_schema import KVIndexPublisher, KVIndexReader, RedisKeys, connect
+from services.protocol.redis_schema import RedisKeys
 from services.router.config import PolicyName, RouterConfig
 from services.router.discovery import OpenDiscovery
 from services.router.index import RouterIndex

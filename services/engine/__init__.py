@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from services.engine.engine import LLMEngine
     from services.engine.llm import LLM
     from services.engine.outputs import RequestOutput
-    from services.engine.sampling_params import SamplingParams
+    from services.protocol.sampling_params import SamplingParams
 
 
 def __getattr__(name: str):
@@ -21,7 +21,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "SamplingParams":
-        from services.engine.sampling_params import SamplingParams
+        from services.protocol.sampling_params import SamplingParams
 
         return SamplingParams
     if name == "EngineConfig":

@@ -27,10 +27,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.engine.kv_blocks import FreeBlockQueue, KVBlock, KVEvent, KVEventKind
+from services.engine.kv_blocks import FreeBlockQueue, KVBlock
 from services.protocol.block_hash import BlockHash
+from services.protocol.kv_events import KVEvent, KVEventKind
 
-__all__ = ["BlockManager", "FreeBlockQueue", "KVBlock", "KVEvent", "KVEventKind"]
+__all__ = ["BlockManager", "FreeBlockQueue", "KVBlock"]
 
 
 @dataclass(slots=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from services.engine.config import EngineConfig
 from services.engine.engine import EngineStats, LLMEngine, RequestUpdate
-from services.engine.sampling_params import SamplingParams
+from services.protocol.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

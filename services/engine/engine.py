@@ -10,14 +10,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.engine.block_manager import BlockManager, KVEvent
+from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
 from services.engine.model_runner import ModelRunner
 from services.engine.request import Request, RequestStatus
-from services.engine.sampler import TokenLogprobs, make_generator
-from services.engine.sampling_params import SamplingParams
+from services.engine.sampler import make_generator
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.protocol.block_hash import BlockHasher, HashAlgorithm
+from services.protocol.engine_api import TokenLogprobs
+from services.protocol.kv_events import KVEvent
+from services.protocol.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The block manager's building blocks: a KV block, the free-block queue and KV events.
+"""The block manager's building blocks: a KV block and the free-block queue.
 
 Pure Python (no torch): these objects only describe which physical KV slots hold what; the
 tensors themselves belong to the model runner.
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from enum import Enum
 
 from services.protocol.block_hash import BlockHash
 
@@ -105,22 +104,3 @@ class FreeBlockQueue:
         prev.next_free = block
         nxt.prev_free = block
         self._len += 1
-
-
-class KVEventKind(str, Enum):
-    STORED = "stored"  # blocks entered the prefix cache
-    REMOVED = "removed"  # blocks left it (evicted, or the cache was reset)
-    CLEARED = "cleared"  # a re-announcement starts: forget everything published before
-
-
-@dataclass(frozen=True, slots=True)
-class KVEvent:
-    """A change to the engine's prefix cache, published for the router's block index."""
-
-    kind: KVEventKind
-    block_hashes: tuple[BlockHash, ...]  # in chain order for STORED
-    block_size: int
-    # STORED only: hash of the block before the first one stored (None: it starts the prompt).
-    parent_hash: BlockHash | None = None
-    # STORED only: the stored blocks' tokens, flattened (len == len(block_hashes) * block_size).
-    token_ids: tuple[int, ...] = ()

@@ -14,8 +14,8 @@ from tqdm import tqdm
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine, RequestUpdate
 from services.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from services.engine.sampler import TokenLogprobs
-from services.engine.sampling_params import SamplingParams
+from services.protocol.engine_api import TokenLogprobs
+from services.protocol.sampling_params import SamplingParams
 from services.text.detokenizer import IncrementalDetokenizer
 from services.text.stop import StopStringMatcher
 from services.text.tokenizer import Tokenizer

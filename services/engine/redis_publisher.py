@@ -14,9 +14,9 @@ from __future__ import annotations
 import logging
 import time
 
+from services.common.redis_index import KVIndexPublisher
 from services.engine.core_loop import EngineCore
 from services.protocol.messages import EngineHeartbeat
-from services.protocol.redis_schema import KVIndexPublisher
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.engine.sampling_params import SamplingParams
 from services.protocol.block_hash import BlockHash, BlockHasher
+from services.protocol.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -22,7 +22,8 @@ from itertools import chain
 
 import torch
 
-from services.engine.sampling_params import SamplingParams
+from services.protocol.engine_api import TokenLogprobs
+from services.protocol.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
 
@@ -43,16 +44,6 @@ class SamplingRequest:
     output_token_ids: Sequence[int]  # generated so far
     generator: torch.Generator | None = None  # required when params.seed is set
     eos_token_ids: Sequence[int] = ()  # the model's
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprobs:
-    """The chosen token's logprob under the model's raw distribution, and the N most likely."""
-
-    token_id: int
-    logprob: float
-    rank: int  # tokens at least as likely, itself included (as vLLM): 1 = the most likely
-    top: list[tuple[int, float]]  # (token_id, logprob), most likely first; [] when N = 0
 
 
 @dataclass(slots=True)

@@ -20,14 +20,14 @@ from aiohttp import web
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from services.common import tracing
+from services.common.default_model import DEFAULT_MODEL_NAME
+from services.common.http_errors import json_error, json_errors
 from services.engine.config import EngineConfig
 from services.engine.core_loop import EngineCore
 from services.engine.engine import RequestUpdate
 from services.engine.metrics import EngineMetrics
-from services.engine.sampler import TokenLogprobs
-from services.protocol import engine_api, tracing
-from services.protocol.http_errors import json_errors
-from services.protocol.openai import OpenAIError
+from services.protocol import engine_api
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def _engine_ctx(engine_config: EngineConfig):
         core = EngineCore(engine_config, app[SERVER_CONFIG].debug_step_delay_s)
         app[CORE] = core
         name = engine_config.served_model_name or os.path.basename(
-            (engine_config.model or "SmolLM2-135M-Instruct").rstrip("/")
+            (engine_config.model or DEFAULT_MODEL_NAME).rstrip("/")
         )
         app[METRICS] = EngineMetrics(name, lambda: core.stats)
         core.start(asyncio.get_running_loop())
@@ -136,17 +136,12 @@ async def _drain(app: web.Application) -> None:
 # -- handlers ---------------------------------------------------------------------------------
 
 
-def _json_error(status: int, message: str, param: str | None = None) -> web.Response:
-    """OpenAI's error shape, as the gateway answers: the gateway passes message and param on."""
-    return web.json_response(OpenAIError(message, status, param).to_dict(), status=status)
-
-
 async def _read_body(request: web.Request) -> bytes | web.Response:
     """The body, or the 413 to answer when it is over the app's ``client_max_size``."""
     try:
         return await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
-        return _json_error(413, f"request body is too large: {exc.text}")
+        return json_error(413, f"request body is too large: {exc.text}")
 
 
 async def handle_health(request: web.Request) -> web.Response:
@@ -178,7 +173,7 @@ async def handle_abort(request: web.Request) -> web.Response:
     try:
         rid = engine_api.AbortRequest.from_json(body).request_id
     except engine_api.BadRequest as exc:
-        return _json_error(400, str(exc), exc.param)
+        return json_error(400, str(exc), exc.param)
     request.app[CORE].abort(request.app[LIFECYCLE].active.get(rid, rid))
     return web.json_response({"aborted": rid})
 
@@ -186,7 +181,7 @@ async def handle_abort(request: web.Request) -> web.Response:
 async def handle_generate(request: web.Request) -> web.StreamResponse:
     core = request.app[CORE]
     if not core.is_ready or request.app[LIFECYCLE].draining:
-        return _json_error(503, "engine is not ready (loading or draining)")
+        return json_error(503, "engine is not ready (loading or draining)")
     body = await _read_body(request)
     if isinstance(body, web.Response):
         return body
@@ -194,7 +189,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         req = engine_api.GenerateRequest.from_msgpack(body)
         core.engine.check_request(req.prompt_token_ids, req.params)
     except ValueError as exc:  # BadRequest, or the engine's own limits (vocab, context, pool)
-        return _json_error(400, str(exc), engine_api.param_of(exc))
+        return json_error(400, str(exc), engine_api.param_of(exc))
     rid = f"{req.request_id}-{uuid.uuid4().hex[:8]}"  # unique even if a client reuses ids
     span = trace.get_current_span()  # the server span of tracing.server_span_middleware
     if span.is_recording():
@@ -213,10 +208,10 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         first = await updates.get()
         if isinstance(first, ValueError):
             finished = True
-            return _json_error(400, str(first), engine_api.param_of(first))
+            return json_error(400, str(first), engine_api.param_of(first))
         if isinstance(first, Exception):  # the step failed: the caller may try another engine
             finished = True
-            return _json_error(503, str(first))
+            return json_error(503, str(first))
         resp = web.StreamResponse(headers={"Content-Type": engine_api.CONTENT_TYPE})
         await resp.prepare(request)
         finished = await _stream(request.app[METRICS], resp, first, updates)
@@ -243,7 +238,7 @@ async def _stream(
     while True:
         if isinstance(item, Exception):
             span.set_status(trace.StatusCode.ERROR, str(item))
-            await resp.write(engine_api.error_frame(str(item)))
+            await resp.write(engine_api.ErrorFrame(str(item)).to_msgpack())
             return True
         if spans is not None:
             spans.on_update(item)
@@ -256,8 +251,9 @@ async def _stream(
             last = now
             cached = item.num_cached_tokens if first_frame else None
             first_frame = False
+            lps = item.new_logprobs if any(lp is not None for lp in item.new_logprobs) else None
             await resp.write(
-                engine_api.tokens_frame(item.new_token_ids, _logprobs(item.new_logprobs), cached)
+                engine_api.TokensFrame(item.new_token_ids, lps, cached).to_msgpack()
             )
         if item.finished:
             metrics.e2e.labels(model).observe(now - start)
@@ -323,19 +319,8 @@ def _epoch_ns(monotonic_s: float) -> int:
 
 
 def _finished(u: RequestUpdate) -> bytes:
-    return engine_api.finished_frame(u.finish_reason, u.stop_reason, u.num_prompt_tokens,
-                                     u.num_output_tokens, u.num_cached_tokens)
-
-
-def _logprobs(lps: list[TokenLogprobs | None]) -> list | None:
-    if not any(lp is not None for lp in lps):
-        return None
-    return [
-        None if lp is None else
-        {"token_id": lp.token_id, "logprob": lp.logprob, "rank": lp.rank,
-         "top": [[t, v] for t, v in lp.top]}
-        for lp in lps
-    ]
+    return engine_api.FinishedFrame(u.finish_reason, u.stop_reason, u.num_prompt_tokens,
+                                    u.num_output_tokens, u.num_cached_tokens).to_msgpack()
 
 
 # -- Redis: heartbeats and KV events ---------------------------------------------------------

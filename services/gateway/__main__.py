@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
+from services.common.default_model import DEFAULT_MODEL_NAME, converted_default_model
 from services.gateway.config import GatewayConfig, ModelSpec
 from services.gateway.server import create_app
 
@@ -20,10 +21,7 @@ _GRACE_AFTER_DRAIN_S = 5.0  # for handlers ended by the drain to write their las
 def _with_default_model(config: GatewayConfig) -> GatewayConfig:
     if config.models:
         return config
-    # Imported only here: the converter is not needed when models are given.
-    from services.engine.models.default import DEFAULT_MODEL_NAME, default_model_path
-
-    spec = ModelSpec(DEFAULT_MODEL_NAME, str(default_model_path()))
+    spec = ModelSpec(DEFAULT_MODEL_NAME, str(converted_default_model()))
     return dataclasses.replace(config, models=(spec,))
 
 
@@ -33,7 +31,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=config.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
-    config = _with_default_model(config)
+    try:
+        config = _with_default_model(config)
+    except FileNotFoundError as exc:
+        logger.error("%s", exc)
+        return 2
     app = create_app(config)
     web.run_app(
         app,

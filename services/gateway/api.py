@@ -18,7 +18,7 @@ from typing import Any
 from aiohttp import web
 from opentelemetry import trace
 
-from services.engine.sampling_params import SamplingParams
+from services.common import tracing
 from services.gateway.auth import TENANT_KEY, cache_salt_for
 from services.gateway.errors import read_json_body
 from services.gateway.generation import ChoiceJob, Generation, GenerationFailed
@@ -28,8 +28,8 @@ from services.gateway.responses import ResponseBuilder
 from services.gateway.sse import SSEWriter
 from services.gateway.state import MODEL_LABEL, STATE, GatewayState
 from services.protocol import openai as oa
-from services.protocol import tracing
 from services.protocol.block_hash import BlockHasher
+from services.protocol.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -8,10 +8,10 @@ logprobs) after it are neither counted nor reported.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from services.engine.sampling_params import SamplingParams
+from services.protocol.engine_api import FinishedFrame, TokenLogprobs, TokensFrame
 from services.protocol.openai import TokenLogprob
+from services.protocol.sampling_params import SamplingParams
 from services.text.detokenizer import IncrementalDetokenizer
 from services.text.stop import StopStringMatcher
 from services.text.tokenizer import Tokenizer
@@ -46,22 +46,19 @@ class ChoiceDecoder:
         self.totals = ChoiceTotals()
         self.finished = False
 
-    def on_frame(self, frame: dict[str, Any]) -> ChoiceDelta:
-        """Folds one ``tokens`` or ``finished`` frame in. After a delta with a finish_reason
-        the choice is over (``finished``): the caller closes the engine stream."""
-        if frame["type"] == "finished":
+    def on_frame(self, frame: TokensFrame | FinishedFrame) -> ChoiceDelta:
+        """Folds one tokens or finished frame in. After a delta with a finish_reason the
+        choice is over (``finished``): the caller closes the engine stream."""
+        if isinstance(frame, FinishedFrame):
             return self._finish(frame)
-        cached = frame.get("cached_tokens")  # optional: lets usage survive a stop-string close
-        if isinstance(cached, int) and not isinstance(cached, bool):
-            self.totals.cached_tokens = cached
+        if frame.cached_tokens is not None:  # lets usage survive a stop-string close
+            self.totals.cached_tokens = frame.cached_tokens
         delta = ChoiceDelta(self.index)
-        lps = frame.get("logprobs")
-        for i, tok in enumerate(frame["token_ids"]):
+        lps = frame.logprobs if self._want_logprobs else None
+        for i, tok in enumerate(frame.token_ids):
             self.totals.completion_tokens += 1
-            if self._want_logprobs and isinstance(lps, list) and i < len(lps):
-                item = self._logprob(tok, lps[i])
-                if item is not None:
-                    delta.logprobs.append(item)
+            if lps is not None and lps[i] is not None:
+                delta.logprobs.append(self._logprob(lps[i]))
             text, stop = self._stops.feed(self._detok.push([tok]))
             delta.text += text
             if stop is not None:
@@ -70,32 +67,19 @@ class ChoiceDecoder:
                 break
         return delta
 
-    def _finish(self, frame: dict[str, Any]) -> ChoiceDelta:
+    def _finish(self, frame: FinishedFrame) -> ChoiceDelta:
         self.finished = True
-        usage = frame.get("usage") if isinstance(frame.get("usage"), dict) else {}
-        cached = usage.get("cached_tokens")
-        if isinstance(cached, int) and not isinstance(cached, bool):
-            self.totals.cached_tokens = cached
-        reason = frame.get("finish_reason")
-        stop_reason = frame.get("stop_reason")
+        self.totals.cached_tokens = frame.cached_tokens
         return ChoiceDelta(
             self.index,
             text=self._stops.flush(),
-            finish_reason=reason if isinstance(reason, str) else "stop",
-            stop_reason=stop_reason if isinstance(stop_reason, (int, str)) else None,
+            finish_reason=frame.finish_reason,
+            stop_reason=frame.stop_reason,
         )
 
-    def _logprob(self, token_id: int, raw: Any) -> TokenLogprob | None:
-        """The engine's ``{"token_id", "logprob", "rank", "top": [[id, logprob], ...]}``."""
-        if not isinstance(raw, dict) or not isinstance(raw.get("logprob"), (int, float)):
-            return None
-        top = []
-        for pair in raw.get("top") or ():
-            if isinstance(pair, (list, tuple)) and len(pair) == 2:
-                top.append((self._token_text(pair[0]), float(pair[1])))
-        return TokenLogprob(self._token_text(token_id), float(raw["logprob"]), top)
+    def _logprob(self, lp: TokenLogprobs) -> TokenLogprob:
+        top = [(self._token_text(t), v) for t, v in lp.top]
+        return TokenLogprob(self._token_text(lp.token_id), lp.logprob, top)
 
-    def _token_text(self, token_id: Any) -> str:
-        if not isinstance(token_id, int) or token_id < 0:
-            return ""
+    def _token_text(self, token_id: int) -> str:
         return self._tok.decode([token_id], skip_special_tokens=False)

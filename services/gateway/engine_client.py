@@ -16,14 +16,23 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
 
 import aiohttp
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, StatusCode
 
-from services.protocol import tracing
-from services.protocol.engine_api import CONTENT_TYPE, GENERATE_PATH, FrameDecoder, GenerateRequest
+from services.common import tracing
+from services.protocol.engine_api import (
+    CONTENT_TYPE,
+    GENERATE_PATH,
+    ErrorFrame,
+    FinishedFrame,
+    FrameDecoder,
+    GenerateRequest,
+    MalformedFrame,
+    StreamFrame,
+    TokensFrame,
+)
 from services.protocol.openai import OpenAIError
 
 logger = logging.getLogger(__name__)
@@ -45,7 +54,7 @@ class EngineStream:
         engine_id: str,
         resp: aiohttp.ClientResponse,
         decoder: FrameDecoder,
-        pending: list[dict[str, Any]],
+        pending: list[StreamFrame],
         span: trace.Span = trace.INVALID_SPAN,
     ) -> None:
         self.engine_id = engine_id
@@ -55,17 +64,15 @@ class EngineStream:
         self._done = False
         self._span = span
 
-    async def frames(self) -> AsyncIterator[dict[str, Any]]:
+    async def frames(self) -> AsyncIterator[TokensFrame | FinishedFrame]:
         """Frames up to and including the ``finished`` one. Raises EngineStreamError."""
         try:
             while True:
                 while self._pending:
                     frame = self._pending.pop(0)
-                    _check_frame(frame)
-                    if frame["type"] == "error":
-                        message = str(frame.get("message"))[:200]
-                        raise EngineStreamError(f"engine error: {message}")
-                    if frame["type"] == "finished":
+                    if isinstance(frame, ErrorFrame):
+                        raise EngineStreamError(f"engine error: {frame.message[:200]}")
+                    if isinstance(frame, FinishedFrame):
                         self._done = True
                         self._resp.release()
                         self._end_span(frame)
@@ -92,7 +99,7 @@ class EngineStream:
             self._resp.close()
         self._end_span(None)
 
-    def _end_span(self, finished: dict[str, Any] | None) -> None:
+    def _end_span(self, finished: FinishedFrame | None) -> None:
         """Ends the span once: at the ``finished`` frame, or closed before it."""
         span, self._span = self._span, trace.INVALID_SPAN
         if not span.is_recording():
@@ -100,11 +107,10 @@ class EngineStream:
         if finished is None:
             span.set_attribute("pagoda.outcome", "closed")  # a stop string, a failure, a cancel
         else:
-            usage = finished.get("usage") if isinstance(finished.get("usage"), dict) else {}
             span.set_attributes({
                 "pagoda.outcome": "finished",
-                "gen_ai.response.finish_reasons": [str(finished.get("finish_reason"))],
-                "gen_ai.usage.output_tokens": int(usage.get("completion_tokens") or 0),
+                "gen_ai.response.finish_reasons": [finished.finish_reason],
+                "gen_ai.usage.output_tokens": finished.completion_tokens,
             })
         span.end()
 
@@ -164,7 +170,7 @@ async def _open(
         if resp.status != 200:
             await _raise_for_status(resp)
         decoder = FrameDecoder()
-        pending: list[dict[str, Any]] = []
+        pending: list[StreamFrame] = []
         while not pending:
             try:
                 chunk = await resp.content.readany()
@@ -174,9 +180,8 @@ async def _open(
                 raise EngineUnavailable("engine closed the stream before any frame")
             pending = _decode(decoder, chunk, EngineUnavailable)
         first = pending[0]
-        _check_frame(first, EngineUnavailable)
-        if first["type"] == "error":
-            raise EngineUnavailable(f"engine error: {str(first.get('message'))[:200]}")
+        if isinstance(first, ErrorFrame):
+            raise EngineUnavailable(f"engine error: {first.message[:200]}")
         return EngineStream(engine_id, resp, decoder, pending, span)
     except BaseException:
         resp.close()
@@ -197,19 +202,8 @@ async def _raise_for_status(resp: aiohttp.ClientResponse) -> None:
     raise OpenAIError(message, status=status if 400 <= status < 500 else 502, param=param)
 
 
-def _decode(decoder: FrameDecoder, chunk: bytes, error: type[Exception]) -> list[dict[str, Any]]:
+def _decode(decoder: FrameDecoder, chunk: bytes, error: type[Exception]) -> list[StreamFrame]:
     try:
         return decoder.feed(chunk)
-    except Exception as exc:  # noqa: BLE001 -- msgpack raises several unrelated types
-        raise error(f"malformed engine frame: {type(exc).__name__}") from None
-
-
-def _check_frame(frame: Any, error: type[Exception] = EngineStreamError) -> None:
-    if not isinstance(frame, dict) or frame.get("type") not in ("tokens", "finished", "error"):
-        raise error("malformed engine frame")
-    if frame["type"] == "tokens":
-        ids = frame.get("token_ids")
-        if not isinstance(ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
-        ):
-            raise error("malformed engine frame: token_ids")
+    except MalformedFrame as exc:
+        raise error(str(exc)) from None

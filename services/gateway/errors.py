@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from services.common.http_errors import error_response
 from services.protocol.openai import OpenAIError
 
 logger = logging.getLogger(__name__)
@@ -27,10 +28,6 @@ logger = logging.getLogger(__name__)
 _HTTP_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
 # A JSON escape of a UTF-16 surrogate: the body may hold a lone one, which no UTF-8 text can.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
-
-
-def error_response(err: OpenAIError, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response(err.to_dict(), status=err.status, headers=headers)
 
 
 def _from_http_exception(exc: web.HTTPException) -> OpenAIError:

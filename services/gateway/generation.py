@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import aiohttp
 from opentelemetry import trace
 
-from services.engine.sampling_params import SamplingParams
 from services.gateway.choice import ChoiceDecoder, ChoiceDelta
 from services.gateway.engine_client import (
     EngineStream,
@@ -35,6 +34,7 @@ from services.protocol.block_hash import BlockHash
 from services.protocol.engine_api import GenerateRequest
 from services.protocol.messages import RouteRequest
 from services.protocol.openai import OpenAIError
+from services.protocol.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from services.protocol.process_metrics import register_process_metrics
+from services.common.process_metrics import register_process_metrics
 
 _LATENCY_BUCKETS = (
     0.005,

@@ -24,7 +24,7 @@ import msgpack
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from services.protocol import tracing
+from services.common import tracing
 from services.protocol.messages import RouteRequest, RouteResponse
 from services.protocol.openai import OpenAIError
 

@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from services.common import tracing
 from services.gateway import api, tokenization
 from services.gateway.auth import ApiKeyAuth, auth_middleware
 from services.gateway.config import GatewayConfig
@@ -33,7 +34,6 @@ from services.gateway.models import ModelRegistry, load_tokenizers
 from services.gateway.openapi import openapi_document
 from services.gateway.router_client import RouterClient, RouterUnavailable
 from services.gateway.state import MODEL_LABEL, STATE, GatewayState
-from services.protocol import tracing
 from services.protocol.openai import OpenAIError
 from services.text.tokenizer import Tokenizer
 

@@ -1,7 +1,8 @@
 """The engine's internal API (gateway -> engine), as msgpack.
 
 ``POST /internal/generate`` with a msgpack ``GenerateRequest`` body answers with a chunked
-stream of msgpack ``StreamFrame`` maps, one after another (decode with ``FrameDecoder``):
+stream of msgpack frames, one after another: ``TokensFrame``, ``FinishedFrame`` and
+``ErrorFrame`` encode themselves, and ``FrameDecoder`` turns bytes back into them. On the wire:
 
     {"type": "tokens", "token_ids": [...], "logprobs": [...] | None,
      "cached_tokens": n (first frame only)}                           (zero or more)
@@ -25,7 +26,7 @@ from typing import Any
 
 import msgpack
 
-from services.engine.sampling_params import SamplingParams
+from services.protocol.sampling_params import SamplingParams
 
 GENERATE_PATH = "/internal/generate"
 ABORT_PATH = "/internal/abort"
@@ -206,48 +207,161 @@ def _first_line(exc: Exception) -> str:
     return text[:300]
 
 
-def tokens_frame(
-    token_ids: list[int], logprobs: list[Any] | None = None, cached_tokens: int | None = None
-) -> bytes:
-    """``cached_tokens`` rides on the first frame, so a client that closes the stream early
-    (a stop string) still knows how much of the prompt the prefix cache served."""
-    frame: dict[str, Any] = {"type": "tokens", "token_ids": token_ids, "logprobs": logprobs}
-    if cached_tokens is not None:
-        frame["cached_tokens"] = cached_tokens
-    return msgpack.packb(frame)
+# -- the stream ------------------------------------------------------------------------------
 
 
-def finished_frame(
-    finish_reason: str | None,
-    stop_reason: int | str | None,
-    prompt_tokens: int,
-    completion_tokens: int,
-    cached_tokens: int,
-) -> bytes:
-    return msgpack.packb(
-        {
+class MalformedFrame(ValueError):
+    """A stream frame that is not one of the three below (the engine and the gateway disagree
+    on the protocol, or the bytes were corrupted)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """The chosen token's logprob under the model's raw distribution, and the N most likely."""
+
+    token_id: int
+    logprob: float
+    rank: int  # tokens at least as likely, itself included (as vLLM): 1 = the most likely
+    top: list[tuple[int, float]]  # (token_id, logprob), most likely first; [] when N = 0
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"token_id": self.token_id, "logprob": self.logprob, "rank": self.rank,
+                "top": [[t, v] for t, v in self.top]}
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> TokenLogprobs:
+        if not isinstance(raw, dict):
+            raise MalformedFrame("logprobs entries must be maps")
+        top = raw.get("top") or []
+        if not isinstance(top, list) or not all(
+                isinstance(p, list) and len(p) == 2 and _is_token_id(p[0]) and _is_number(p[1])
+                for p in top):
+            raise MalformedFrame("logprobs top must be [token_id, logprob] pairs")
+        token_id, logprob, rank = raw.get("token_id"), raw.get("logprob"), raw.get("rank")
+        if not (_is_token_id(token_id) and _is_number(logprob) and _is_count(rank)):
+            raise MalformedFrame("logprobs entries need token_id, logprob and rank")
+        return cls(token_id, float(logprob), rank, [(t, float(v)) for t, v in top])
+
+
+@dataclass(frozen=True, slots=True)
+class TokensFrame:
+    """New tokens of the request (zero or more frames). ``cached_tokens`` rides on the first
+    one, so a client that closes the stream early (a stop string) still knows how much of the
+    prompt the prefix cache served."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None  # one per token when asked for
+    cached_tokens: int | None = None
+
+    def to_msgpack(self) -> bytes:
+        frame: dict[str, Any] = {"type": "tokens", "token_ids": self.token_ids, "logprobs": None}
+        if self.logprobs is not None:
+            frame["logprobs"] = [None if lp is None else lp.to_wire() for lp in self.logprobs]
+        if self.cached_tokens is not None:
+            frame["cached_tokens"] = self.cached_tokens
+        return msgpack.packb(frame)
+
+    @classmethod
+    def _from_map(cls, raw: dict[str, Any]) -> TokensFrame:
+        ids = raw.get("token_ids")
+        if not isinstance(ids, list) or not all(_is_token_id(t) for t in ids):
+            raise MalformedFrame("malformed engine frame: token_ids")
+        lps = raw.get("logprobs")
+        if lps is not None:
+            if not isinstance(lps, list) or len(lps) != len(ids):
+                raise MalformedFrame("malformed engine frame: logprobs")
+            lps = [None if lp is None else TokenLogprobs.from_wire(lp) for lp in lps]
+        cached = raw.get("cached_tokens")
+        if cached is not None and not _is_count(cached):
+            raise MalformedFrame("malformed engine frame: cached_tokens")
+        return cls(ids, lps, cached)
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedFrame:
+    """The request is over (the last frame)."""
+
+    finish_reason: str  # "stop" | "length" | "abort"
+    stop_reason: int | str | None  # the stop token id or string, when one ended it
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    def to_msgpack(self) -> bytes:
+        return msgpack.packb({
             "type": "finished",
-            "finish_reason": finish_reason,
-            "stop_reason": stop_reason,
+            "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
             "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "cached_tokens": cached_tokens,
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "cached_tokens": self.cached_tokens,
             },
-        }
-    )
+        })
+
+    @classmethod
+    def _from_map(cls, raw: dict[str, Any]) -> FinishedFrame:
+        usage = raw.get("usage")
+        reason, stop = raw.get("finish_reason"), raw.get("stop_reason")
+        if not isinstance(usage, dict) or not isinstance(reason, str) or not (
+                stop is None or isinstance(stop, str) or _is_token_id(stop)):
+            raise MalformedFrame("malformed engine frame: finished")
+        counts = [usage.get(k) for k in ("prompt_tokens", "completion_tokens", "cached_tokens")]
+        if not all(_is_count(c) for c in counts):
+            raise MalformedFrame("malformed engine frame: usage")
+        return cls(reason, stop, *counts)
 
 
-def error_frame(message: str) -> bytes:
-    return msgpack.packb({"type": "error", "message": message})
+@dataclass(frozen=True, slots=True)
+class ErrorFrame:
+    """The request failed in the engine (the last frame)."""
+
+    message: str
+
+    def to_msgpack(self) -> bytes:
+        return msgpack.packb({"type": "error", "message": self.message})
+
+    @classmethod
+    def _from_map(cls, raw: dict[str, Any]) -> ErrorFrame:
+        return cls(str(raw.get("message"))[:_MAX_ERROR_CHARS])
+
+
+StreamFrame = TokensFrame | FinishedFrame | ErrorFrame
+_FRAME_TYPES: dict[str, Any] = {
+    "tokens": TokensFrame, "finished": FinishedFrame, "error": ErrorFrame,
+}
+_MAX_ERROR_CHARS = 500
 
 
 class FrameDecoder:
-    """Feeds stream chunks; yields complete frames (dicts) as they become available."""
+    """Feeds stream chunks; returns the complete frames, typed and checked, as they arrive.
+    Raises ``MalformedFrame`` on bytes that are not a frame."""
 
     def __init__(self) -> None:
         self._unpacker = msgpack.Unpacker(raw=False, max_buffer_size=64 * 1024 * 1024)
 
-    def feed(self, chunk: bytes) -> list[dict[str, Any]]:
-        self._unpacker.feed(chunk)
-        return [frame for frame in self._unpacker]
+    def feed(self, chunk: bytes) -> list[StreamFrame]:
+        try:
+            self._unpacker.feed(chunk)
+            raws = list(self._unpacker)
+        except Exception as exc:  # noqa: BLE001 -- msgpack raises several unrelated types
+            raise MalformedFrame(f"malformed engine frame: {type(exc).__name__}") from None
+        frames: list[StreamFrame] = []
+        for raw in raws:
+            tag = raw.get("type") if isinstance(raw, dict) else None
+            kind = _FRAME_TYPES.get(tag) if isinstance(tag, str) else None
+            if kind is None:
+                raise MalformedFrame("malformed engine frame")
+            frames.append(kind._from_map(raw))
+        return frames
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+_is_count = _is_token_id
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

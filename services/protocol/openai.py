@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
+from services.protocol.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
 
 # -- limits ---------------------------------------------------------------------------------
 # What one request may ask for. The 400s below and the gateway's /openapi.json both read these.

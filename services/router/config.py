@@ -12,13 +12,13 @@ from enum import Enum
 from typing import Any
 from urllib.parse import urlsplit
 
+from services.common.redis_index import redact_url
 from services.protocol.redis_schema import (
     DEFAULT_MAX_BLOCKS_PER_ENGINE,
     DEFAULT_NAMESPACE,
     DEFAULT_PENDING_TTL_S,
     DEFAULT_PROVISIONAL_TTL_S,
     RedisKeys,
-    redact_url,
 )
 
 

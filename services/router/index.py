@@ -20,16 +20,13 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from services.common.redis_index import KVIndexPublisher, KVIndexReader, connect
+from services.protocol.kv_events import KVEvent, KVEventKind
 from services.protocol.messages import EngineHeartbeat
 from services.protocol.redis_schema import (
     DEFAULT_PENDING_TTL_S,
     DEFAULT_PROVISIONAL_TTL_S,
-    KVEvent,
-    KVEventKind,
-    KVIndexPublisher,
-    KVIndexReader,
     RedisKeys,
-    connect,
 )
 from services.router.discovery import normalize_url
 from services.router.metrics import RouterMetrics

@@ -10,7 +10,7 @@ from typing import Any
 
 from opentelemetry import trace
 
-from services.protocol import tracing
+from services.common import tracing
 from services.protocol.messages import RouteRequest, RouteResponse
 from services.router.discovery import Discovery, normalize_url
 from services.router.index import EngineView, IndexSnapshot, RouterIndex

@@ -20,10 +20,11 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.protocol import tracing
-from services.protocol.http_errors import json_errors
+from services.common import tracing
+from services.common.http_errors import json_error, json_errors
+from services.common.redis_index import KVIndexReader, connect, redact_url
 from services.protocol.messages import MessageError, RouteRequest
-from services.protocol.redis_schema import KVIndexReader, RedisKeys, connect, redact_url
+from services.protocol.redis_schema import RedisKeys
 from services.router.config import RouterConfig
 from services.router.discovery import (
     Discovery,
@@ -117,25 +118,19 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         await redis.aclose()
 
 
-def _error(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
-    """The gateway's (OpenAI's) error shape: ``{"error": {message, type, param, code}}``."""
-    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
-    return web.json_response(body, status=status)
-
-
 async def handle_route(request: web.Request) -> web.Response:
     try:
         body = await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
-        return _error(413, f"request body is too large: {exc.text}", "invalid_request_error")
+        return json_error(413, f"request body is too large: {exc.text}")
     try:
         route_request = RouteRequest.from_msgpack(body)
     except MessageError as exc:
-        return _error(400, str(exc), "invalid_request_error", exc.field)
+        return json_error(400, str(exc), exc.field)
     try:
         response = await request.app[ROUTER_KEY].route(route_request)
     except NoEngineError as exc:
-        return _error(exc.status, exc.message, "no_engine")
+        return json_error(exc.status, exc.message, type_="no_engine")
     return web.Response(body=response.to_msgpack(), content_type=MSGPACK)
 
 

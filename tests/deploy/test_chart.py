@@ -454,7 +454,7 @@ def test_external_redis_with_tls(rendered) -> None:
             c["volumeMounts"]
         )
     # The URL the router builds is one redis-py accepts, CA file included.
-    from services.protocol.redis_schema import connect
+    from services.common.redis_index import connect
 
     url = flag(r.container(ROUTER), "redis-url")
     with pytest.MonkeyPatch.context() as env:

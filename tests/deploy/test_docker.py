@@ -301,17 +301,12 @@ def _module_file(name: str) -> Path | None:
     return None
 
 
-# Imports the images never execute: the gateway loads the default model's converter only when
-# started without --model, and the chart and the service image always pass --model (the
-# converter's package, services.engine.models, imports torch).
-NOT_TAKEN = {("services.gateway.__main__", "services.engine.models.default")}
-
-
 def service_third_party_imports() -> set[str]:
     """Third-party modules the gateway and the router can import at run time: everything in
-    services.{gateway,router,protocol,text}; of other services modules they reach (the pure
-    sampling_params) only the module-level imports."""
-    own = ("services.gateway", "services.router", "services.protocol", "services.text")
+    services.{gateway,router,protocol,common,text}; of other services modules they reach only
+    the module-level imports."""
+    own = ("services.gateway", "services.router", "services.protocol", "services.common",
+           "services.text")
     seen: set[str] = set()
     third: set[str] = set()
     todo = ["services.gateway.__main__", "services.router.__main__"]
@@ -325,13 +320,11 @@ def service_third_party_imports() -> set[str]:
         todo += [".".join(parts[:i]) for i in range(1, len(parts))]
         lazy = module.startswith(own)
         for name, is_services in _imports(path, module, lazy=lazy):
-            if (module, name) in NOT_TAKEN:
-                continue
             if is_services:
                 todo.append(name)
             elif name.split(".")[0] not in sys.stdlib_module_names and name != "__future__":
                 third.add(name)
-    assert not any(m.startswith("services.engine.models") for m in seen), "torch reached"
+    assert not any(m.startswith("services.engine") for m in seen), "the engine reached"
     return third
 
 

@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from services.engine.block_manager import BlockManager
-from services.engine.kv_blocks import FreeBlockQueue, KVBlock, KVEvent, KVEventKind
+from services.engine.kv_blocks import FreeBlockQueue, KVBlock
 from services.protocol.block_hash import BlockHash, BlockHasher
+from services.protocol.kv_events import KVEvent, KVEventKind
 
 BS = 4
 HASHER = BlockHasher("test-model", BS)

@@ -22,9 +22,9 @@ import requests
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.engine.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from services.protocol import engine_api
 from services.protocol.engine_api import GenerateRequest, param_of
+from services.protocol.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from tests.support.msgpack_fuzz import (
     FUZZ,
     check_error,
@@ -87,9 +87,9 @@ def local_param(body: bytes) -> tuple[bool, str | None]:
     return True, None
 
 
-def generate(engine: ServiceProcess, body: bytes) -> list[dict[str, Any]]:
+def generate(engine: ServiceProcess, body: bytes) -> list[engine_api.StreamFrame]:
     dec = engine_api.FrameDecoder()
-    frames: list[dict[str, Any]] = []
+    frames: list[engine_api.StreamFrame] = []
     with requests.post(engine.url + engine_api.GENERATE_PATH, data=body, stream=True,
                        timeout=60) as r:
         assert r.status_code == 200, r.text
@@ -114,8 +114,8 @@ def assert_still_serving(engine: ServiceProcess) -> None:
     assert engine.proc.poll() is None, engine.log_tail()
     frames = generate(engine, GenerateRequest(
         "after", [21, 22, 23], SamplingParams(max_tokens=5, ignore_eos=True)).to_msgpack())
-    assert frames[-1]["type"] == "finished", frames
-    assert frames[-1]["usage"]["completion_tokens"] == 5
+    assert isinstance(frames[-1], engine_api.FinishedFrame), frames
+    assert frames[-1].completion_tokens == 5
     deadline = time.monotonic() + 20
     while True:
         m = metrics(engine)
@@ -369,9 +369,10 @@ def test_garbage_during_a_running_request_leaves_it_untouched(engine: ServicePro
     runner.join(120)
     assert not runner.is_alive()
     frames = result["frames"]
-    tokens = [t for f in frames if f["type"] == "tokens" for t in f["token_ids"]]
-    assert frames[-1]["type"] == "finished" and frames[-1]["finish_reason"] == "length"
+    tokens = [t for f in frames if isinstance(f, engine_api.TokensFrame) for t in f.token_ids]
+    assert isinstance(frames[-1], engine_api.FinishedFrame) and frames[-1].finish_reason == "length"
     assert len(tokens) == 300
     alone = generate(engine, body)
-    assert [t for f in alone if f["type"] == "tokens" for t in f["token_ids"]] == tokens
+    assert [t for f in alone if isinstance(f, engine_api.TokensFrame)
+            for t in f.token_ids] == tokens
     assert_still_serving(engine)

@@ -15,8 +15,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from services.engine.sampling_params import SamplingParams
 from services.protocol import engine_api
+from services.protocol.sampling_params import SamplingParams
 from tests.support.services import ServiceProcess
 
 BLOCK_SIZE = 16
@@ -67,10 +67,10 @@ async def generate(session: aiohttp.ClientSession, url: str, data: bytes) -> Out
         dec = engine_api.FrameDecoder()
         async for chunk in r.content.iter_any():
             for frame in dec.feed(chunk):
-                if frame["type"] == "tokens":
-                    out.tokens.extend(frame["token_ids"])
-                elif frame["type"] == "error":
-                    out.errors.append(frame["message"])
+                if isinstance(frame, engine_api.TokensFrame):
+                    out.tokens.extend(frame.token_ids)
+                elif isinstance(frame, engine_api.ErrorFrame):
+                    out.errors.append(frame.message)
                 out.last = frame
     return out
 
@@ -150,10 +150,10 @@ def test_three_times_the_kv_cache_all_finish(engine: ServiceProcess) -> None:
 
     for i, out in enumerate(storm):
         assert out.status == 200 and not out.errors, (i, out.status, out.errors)
-        assert out.last is not None and out.last["type"] == "finished", (i, out.last)
-        assert out.last["finish_reason"] == "length", (i, out.last)
+        assert isinstance(out.last, engine_api.FinishedFrame), (i, out.last)
+        assert out.last.finish_reason == "length", (i, out.last)
         assert len(out.tokens) == MAX_TOKENS, (i, len(out.tokens))
-        assert out.last["usage"]["completion_tokens"] == MAX_TOKENS
+        assert out.last.completion_tokens == MAX_TOKENS
     assert engine.proc.poll() is None, engine.log_tail()
     log = engine.log_text()
     assert "Traceback" not in log, log[log.find("Traceback") - 300 :][:3000]

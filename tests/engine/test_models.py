@@ -18,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from services.common import default_model
 from services.engine.attention.metadata import build_attention_metadata
 from services.engine.attention.torch_backend import TorchAttentionBackend
 from services.engine.models import default as default_module
@@ -422,8 +423,11 @@ def test_default_model_files(default_model_path: Path) -> None:
 
 
 def test_cache_root_follows_env(monkeypatch, tmp_path) -> None:
-    monkeypatch.setenv(default_module.CACHE_ENV, str(tmp_path))
-    assert default_module.cache_root() == tmp_path
+    monkeypatch.setenv(default_model.CACHE_ENV, str(tmp_path))
+    assert default_model.cache_root() == tmp_path
+    assert default_model.default_model_dir() == tmp_path / default_model.DEFAULT_MODEL_NAME
+    with pytest.raises(FileNotFoundError, match="services.engine.models.default"):
+        default_model.converted_default_model()  # not converted there: says how to
 
 
 def test_smollm2_prefill_matches_transformers(default_model_path, smol_prompt) -> None:

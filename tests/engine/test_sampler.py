@@ -15,7 +15,7 @@ from services.engine.sampler import (
     apply_top_k_top_p_min_p,
     make_generator,
 )
-from services.engine.sampling_params import SamplingParams
+from services.protocol.sampling_params import SamplingParams
 
 NUM_DRAWS = 20_000
 # Hand-picked probabilities (sum 1) so every truncation below has a clear margin.

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from services.engine.sampling_params import MAX_STOP_STRINGS, SamplingParams
+from services.protocol.sampling_params import MAX_STOP_STRINGS, SamplingParams
 
 
 def test_defaults_match_vllm() -> None:

@@ -7,9 +7,9 @@ import pytest
 
 from services.engine.block_manager import BlockManager
 from services.engine.request import Request, RequestStatus
-from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.protocol.block_hash import BlockHasher
+from services.protocol.sampling_params import SamplingParams
 
 BS = 4
 HASHER = BlockHasher("test-model", BS)

@@ -11,9 +11,9 @@ import aiohttp
 import msgpack
 import pytest
 
-from services.engine.sampling_params import SamplingParams
+from services.common.redis_index import KVIndexReader, connect
 from services.protocol import engine_api
-from services.protocol.redis_schema import KVIndexReader, connect
+from services.protocol.sampling_params import SamplingParams
 from tests.support.redis_server import RedisServer
 from tests.support.services import ServiceProcess
 
@@ -40,7 +40,7 @@ def gen_body(rid: str, prompt: list[int], **params) -> bytes:
     return engine_api.GenerateRequest(rid, prompt, SamplingParams(**params)).to_msgpack()
 
 
-async def generate(url: str, body: bytes) -> list[dict]:
+async def generate(url: str, body: bytes) -> list[engine_api.StreamFrame]:
     frames = []
     dec = engine_api.FrameDecoder()
     async with aiohttp.ClientSession() as s:
@@ -64,15 +64,16 @@ def test_stream_tokens_and_usage(engine) -> None:
     prompt = list(range(100, 140))
     frames = asyncio.run(generate(engine.url, gen_body("a", prompt, max_tokens=8,
                                                        temperature=0, ignore_eos=True)))
-    tokens = [t for f in frames if f["type"] == "tokens" for t in f["token_ids"]]
+    tokens = [t for f in frames if isinstance(f, engine_api.TokensFrame) for t in f.token_ids]
     assert len(tokens) == 8
     last = frames[-1]
-    assert last["type"] == "finished" and last["finish_reason"] == "length"
-    assert last["usage"] == {"prompt_tokens": 40, "completion_tokens": 8, "cached_tokens": 0}
+    assert isinstance(last, engine_api.FinishedFrame) and last.finish_reason == "length"
+    assert (last.prompt_tokens, last.completion_tokens, last.cached_tokens) == (40, 8, 0)
     again = asyncio.run(generate(engine.url, gen_body("b", prompt, max_tokens=8,
                                                       temperature=0, ignore_eos=True)))
-    assert again[-1]["usage"]["cached_tokens"] == 32  # two full blocks of 16 from the cache
-    assert [t for f in again if f["type"] == "tokens" for t in f["token_ids"]] == tokens
+    assert again[-1].cached_tokens == 32  # two full blocks of 16 from the cache
+    assert [t for f in again if isinstance(f, engine_api.TokensFrame)
+            for t in f.token_ids] == tokens
 
 
 def test_bad_requests_are_400_and_the_engine_keeps_serving(engine) -> None:
@@ -89,7 +90,7 @@ def test_bad_requests_are_400_and_the_engine_keeps_serving(engine) -> None:
                                            "params": {"temperature": -1}}))) == 400
     assert asyncio.run(post(gen_body("long", [1] * 9000))) == 400  # over the context
     frames = asyncio.run(generate(engine.url, gen_body("ok", [5, 6, 7], max_tokens=2)))
-    assert frames[-1]["type"] == "finished"
+    assert isinstance(frames[-1], engine_api.FinishedFrame)
 
 
 def test_disconnect_aborts_and_frees_blocks(engine) -> None:
@@ -112,8 +113,8 @@ def test_disconnect_aborts_and_frees_blocks(engine) -> None:
 def test_abort_by_the_callers_request_id(engine) -> None:
     """/internal/abort names the request by the id its caller sent; the stream then ends
     with an "abort" finish and the blocks are free."""
-    async def run() -> list[dict]:
-        frames: list[dict] = []
+    async def run() -> list[engine_api.StreamFrame]:
+        frames: list[engine_api.StreamFrame] = []
         dec = engine_api.FrameDecoder()
         async with aiohttp.ClientSession() as s:
             body = gen_body("to-abort", list(range(300, 340)), max_tokens=2000, ignore_eos=True)
@@ -127,8 +128,8 @@ def test_abort_by_the_callers_request_id(engine) -> None:
         return frames
 
     frames = asyncio.run(run())
-    assert frames[-1]["type"] == "finished" and frames[-1]["finish_reason"] == "abort"
-    generated = sum(len(f["token_ids"]) for f in frames if f["type"] == "tokens")
+    assert isinstance(frames[-1], engine_api.FinishedFrame) and frames[-1].finish_reason == "abort"
+    generated = sum(len(f.token_ids) for f in frames if isinstance(f, engine_api.TokensFrame))
     assert generated < 2000
 
 
@@ -165,7 +166,7 @@ def test_heartbeat_and_kv_events_reach_redis(engine, redis_server) -> None:
     async def run() -> None:
         asyncio.get_running_loop()
         frames = await generate(engine.url, gen_body("kv", list(range(400, 448)), max_tokens=1))
-        assert frames[-1]["type"] == "finished"
+        assert isinstance(frames[-1], engine_api.FinishedFrame)
         reader = KVIndexReader(connect(redis_server.url))
         try:
             from services.protocol.block_hash import BlockHasher
@@ -199,7 +200,7 @@ def test_sigterm_leaves_routing_first_then_drains(default_model_path, redis_serv
         result = await reader.lookup("SmolLM2-135M-Instruct", [])
         return {m.heartbeat.engine_id for m in result.engines}
 
-    async def run() -> list[dict]:
+    async def run() -> list[engine_api.StreamFrame]:
         reader = KVIndexReader(connect(redis_server.url))
         try:
             for _ in range(50):
@@ -207,7 +208,7 @@ def test_sigterm_leaves_routing_first_then_drains(default_model_path, redis_serv
                     break
                 await asyncio.sleep(0.1)
             assert "e-drain" in await live_ids(reader)
-            frames: list[dict] = []
+            frames: list[engine_api.StreamFrame] = []
             dec = engine_api.FrameDecoder()
             body = gen_body("drain", list(range(500, 540)), max_tokens=48, ignore_eos=True)
             async with aiohttp.ClientSession() as s:
@@ -225,8 +226,8 @@ def test_sigterm_leaves_routing_first_then_drains(default_model_path, redis_serv
 
     try:
         frames = asyncio.run(run())
-        tokens = [t for f in frames if f["type"] == "tokens" for t in f["token_ids"]]
-        assert frames[-1]["type"] == "finished" and len(tokens) == 48
+        tokens = [t for f in frames if isinstance(f, engine_api.TokensFrame) for t in f.token_ids]
+        assert isinstance(frames[-1], engine_api.FinishedFrame) and len(tokens) == 48
         assert proc.proc.wait(30) == 0
     finally:
         proc.kill()

@@ -11,8 +11,13 @@ from pathlib import Path
 
 import aiohttp
 
-from services.engine.sampling_params import SamplingParams
-from services.protocol.engine_api import GENERATE_PATH, FrameDecoder, GenerateRequest
+from services.protocol.engine_api import (
+    GENERATE_PATH,
+    FinishedFrame,
+    FrameDecoder,
+    GenerateRequest,
+)
+from services.protocol.sampling_params import SamplingParams
 from tests.faults.helpers import router_engines, wait_for
 from tests.faults.load import LoadResult, run_load, word_prompt
 from tests.support.stack import PagodaStack
@@ -46,7 +51,7 @@ def test_engine_sigterm_drains_under_load(fast_model_dir: Path) -> None:
                         stack.engines[0].url + GENERATE_PATH, data=req.to_msgpack()) as r:
                     async for chunk in r.content.iter_any():
                         frames.extend(dec.feed(chunk))
-                out.append("finished" if frames and frames[-1]["type"] == "finished"
+                out.append("finished" if frames and isinstance(frames[-1], FinishedFrame)
                            else "cut")
             except aiohttp.ClientError:
                 out.append("cut")

@@ -10,16 +10,16 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
 from aiohttp import web
 
 from services.protocol.engine_api import (
     CONTENT_TYPE,
     GENERATE_PATH,
+    ErrorFrame,
+    FinishedFrame,
     GenerateRequest,
-    error_frame,
-    finished_frame,
-    tokens_frame,
+    TokenLogprobs,
+    TokensFrame,
 )
 from services.protocol.messages import RouteRequest, RouteResponse
 
@@ -107,7 +107,7 @@ class FakeEngine:
             request.transport.close()
             return resp
         if b.mode == "error_first":
-            await resp.write(error_frame("engine exploded"))
+            await resp.write(ErrorFrame("engine exploded").to_msgpack())
             return resp
         if b.mode == "hang":
             await asyncio.sleep(3600)
@@ -117,7 +117,7 @@ class FakeEngine:
         sent = 0
         for frame_no, start in enumerate(range(0, len(out), b.tokens_per_frame)):
             if frame_no == b.fail_after and b.mode == "error_mid":
-                await resp.write(error_frame("engine exploded mid-stream"))
+                await resp.write(ErrorFrame("engine exploded mid-stream").to_msgpack())
                 return resp
             if frame_no == b.fail_after and b.mode == "drop_mid":
                 request.transport.close()
@@ -129,7 +129,8 @@ class FakeEngine:
             sent += len(ids)
         reason = "length" if limit is not None and len(script) > limit else "stop"
         await resp.write(
-            finished_frame(reason, None, len(req.prompt_token_ids), sent, b.cached_tokens)
+            FinishedFrame(reason, None, len(req.prompt_token_ids), sent,
+                          b.cached_tokens).to_msgpack()
         )
         self.finished.append(req.request_id)
         await resp.write_eof()
@@ -140,24 +141,12 @@ class FakeEngine:
         lps = None
         if n is not None:
             lps = [
-                {
-                    "token_id": t,
-                    "logprob": -0.5,
-                    "rank": 1,
-                    "top": [[t, -0.5]] + [[(t + k) % 1000, -1.0 - k] for k in range(1, n)][: n - 1],
-                }
+                TokenLogprobs(t, -0.5, 1,
+                              [(t, -0.5)] + [((t + k) % 1000, -1.0 - k) for k in range(1, n)])
                 for t in ids
             ]
-        if not self.behaviour.cached_in_tokens_frames:
-            return tokens_frame(ids, lps)
-        return msgpack.packb(
-            {
-                "type": "tokens",
-                "token_ids": ids,
-                "logprobs": lps,
-                "cached_tokens": self.behaviour.cached_tokens,
-            }
-        )
+        cached = self.behaviour.cached_tokens if self.behaviour.cached_in_tokens_frames else None
+        return TokensFrame(ids, lps, cached).to_msgpack()
 
     def _record_abort(self, request_id: str) -> None:
         self.aborted.append(request_id)

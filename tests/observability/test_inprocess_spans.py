@@ -19,15 +19,16 @@ from aiohttp.test_utils import TestClient, TestServer
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, StatusCode
 
+from services.common import tracing
+from services.common.redis_index import KVIndexPublisher, connect
 from services.engine.config import EngineConfig
-from services.engine.sampling_params import SamplingParams
 from services.engine.server import ServerConfig
 from services.engine.server import create_app as create_engine_app
 from services.gateway.config import GatewayConfig, ModelSpec
 from services.gateway.server import create_app as create_gateway_app
-from services.protocol import engine_api, tracing
+from services.protocol import engine_api
 from services.protocol.messages import RouteRequest
-from services.protocol.redis_schema import KVIndexPublisher, connect
+from services.protocol.sampling_params import SamplingParams
 from services.text.tokenizer import Tokenizer
 from tests.gateway.fakes import EngineEntry, FakeEngine, FakeRouter, dead_url, serve
 from tests.observability.conftest import global_tracer_provider
@@ -364,7 +365,7 @@ async def test_engine_span_has_the_request_lifecycle_as_events(
         generate(tiny_engine, "a", list(range(1, 9)), headers[0]),
         generate(tiny_engine, "b", list(range(100, 108)), headers[1]),
     )
-    assert all(frames[-1]["type"] == "finished" for frames in results)
+    assert all(isinstance(frames[-1], engine_api.FinishedFrame) for frames in results)
     spans = await wait_spans(
         memory_spans, lambda s: len(by_name(s, "POST /internal/generate")) == 2
     )

@@ -9,7 +9,7 @@ import re
 import pytest
 from aiohttp.test_utils import TestClient
 
-from services.protocol.redis_schema import KVIndexPublisher, connect
+from services.common.redis_index import KVIndexPublisher, connect
 from tests.router.util import MODEL, heartbeat, router_client
 from tests.support.redis_server import RedisServer
 

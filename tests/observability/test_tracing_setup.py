@@ -1,4 +1,4 @@
-"""``services.protocol.tracing``: off unless an OTLP endpoint is set (and then nothing of the SDK
+"""``services.common.tracing``: off unless an OTLP endpoint is set (and then nothing of the SDK
 is loaded), service names, the two OTLP protocols, W3C propagation, bounded shutdown."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 import pytest
 from opentelemetry import trace
 
-from services.protocol import tracing
+from services.common import tracing
 from tests.observability.conftest import global_tracer_provider
 from tests.observability.otlp_receiver import OtlpGrpcReceiver, OtlpHttpReceiver
 from tests.support.services import REPO
@@ -22,7 +22,7 @@ _OFF_CHECK = """
 import os, sys
 from aiohttp import web
 from opentelemetry import trace
-from services.protocol import tracing
+from services.common import tracing
 import services.gateway.server, services.router.server
 
 assert not any(k.startswith("OTEL_") for k in os.environ)

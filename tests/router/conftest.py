@@ -7,7 +7,7 @@ import pytest_asyncio
 import redis
 import redis.asyncio as aioredis
 
-from services.protocol.redis_schema import KVIndexPublisher, KVIndexReader, connect
+from services.common.redis_index import KVIndexPublisher, KVIndexReader, connect
 from tests.support.redis_server import RedisServer
 
 

@@ -11,7 +11,7 @@ import kmock
 import pytest
 import pytest_asyncio
 
-from services.protocol.redis_schema import KVIndexPublisher
+from services.common.redis_index import KVIndexPublisher
 from services.router.discovery import KubernetesDiscovery, default_api_client, endpoints_of
 from tests.router.util import heartbeat, route, route_raw, router_client
 from tests.support.tcp_proxy import TcpProxy

@@ -12,8 +12,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from services.common.redis_index import KVIndexPublisher, connect
 from services.protocol.messages import RouteRequest, RouteResponse
-from services.protocol.redis_schema import KVIndexPublisher, connect
 from tests.router.util import MODEL, chain, heartbeat, stored
 from tests.support.redis_server import free_port
 

@@ -4,22 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import math
-from dataclasses import dataclass
-from enum import Enum
 
 import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.connection import Connection
 
-from services.protocol.redis_schema import (
-    KVEvent,
-    KVEventKind,
-    KVIndexPublisher,
-    KVIndexReader,
-    RedisKeys,
-    connect,
-    redact_url,
-)
+from services.common.redis_index import KVIndexPublisher, KVIndexReader, connect, redact_url
+from services.protocol.kv_events import KVEvent, KVEventKind
+from services.protocol.redis_schema import RedisKeys
 from tests.router.util import MODEL, chain, heartbeat, removed, stored
 from tests.support.redis_server import RedisServer
 
@@ -51,26 +43,16 @@ async def test_stored_and_removed_events(
     assert await matches(reader, prompt) == {"a": 2, "b": 0}
 
 
-async def test_duck_typed_events_with_str_enum_kind(
+async def test_events_are_the_engines_own_type(
     publisher: KVIndexPublisher, reader: KVIndexReader
 ) -> None:
-    class EngineKind(str, Enum):
-        STORED = "stored"
-
-    @dataclass
-    class EngineEvent:  # what an engine might define itself
-        kind: object
-        block_hashes: list[bytes]
-
     prompt = chain(3)
     await publisher.publish_heartbeat(heartbeat("a"))
-    await publisher.apply_events("a", MODEL, [EngineEvent(EngineKind.STORED, prompt[:2])])
-    await publisher.apply_events("a", MODEL, [EngineEvent("stored", prompt[2:])])
+    await publisher.apply_events("a", MODEL, [KVEvent(KVEventKind.STORED, tuple(prompt[:2]))])
+    await publisher.apply_events("a", MODEL, [stored(prompt[2:])])
     assert await matches(reader, prompt) == {"a": 3}
-    with pytest.raises(ValueError, match="kind must be"):
-        await publisher.apply_events("a", MODEL, [EngineEvent("evicted", [])])
     with pytest.raises(ValueError, match="16 raw bytes"):
-        await publisher.apply_events("a", MODEL, [EngineEvent("stored", [b"x" * 15])])
+        await publisher.apply_events("a", MODEL, [KVEvent(KVEventKind.STORED, (b"x" * 15,))])
 
 
 async def test_prefix_closed_matching(publisher: KVIndexPublisher, reader: KVIndexReader) -> None:

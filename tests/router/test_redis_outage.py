@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from services.protocol.redis_schema import KVIndexPublisher, connect
+from services.common.redis_index import KVIndexPublisher, connect
 from tests.router.util import MODEL, chain, heartbeat, route, router_client, stored
 from tests.support.redis_server import RedisServer
 

@@ -19,6 +19,7 @@ import requests
 from hypothesis import given
 from hypothesis import strategies as st
 
+from services.common.redis_index import KVIndexPublisher, connect
 from services.protocol.messages import (
     MAX_EXCLUDE,
     MAX_NAME_CHARS,
@@ -26,7 +27,6 @@ from services.protocol.messages import (
     RouteRequest,
     RouteResponse,
 )
-from services.protocol.redis_schema import KVIndexPublisher, connect
 from services.router.server import MAX_BODY_BYTES
 from tests.router.util import MODEL, chain, heartbeat
 from tests.support.msgpack_fuzz import (

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import redis
 
-from services.protocol.redis_schema import KVIndexPublisher
+from services.common.redis_index import KVIndexPublisher
 from tests.router.util import (
     MODEL,
     chain,

@@ -10,8 +10,8 @@ from typing import Any
 from aiohttp.test_utils import TestClient, TestServer
 
 from services.protocol.block_hash import BlockHash, BlockHasher
+from services.protocol.kv_events import KVEvent, KVEventKind
 from services.protocol.messages import EngineHeartbeat, RouteRequest, RouteResponse
-from services.protocol.redis_schema import KVEvent, KVEventKind
 from services.router.config import RouterConfig
 from services.router.server import MSGPACK, create_app
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from services.common.redis_index import REDIS_CA_CERT_ENV, connect
 from services.protocol.block_hash import BlockHasher
-from services.protocol.redis_schema import REDIS_CA_CERT_ENV, connect
 from tests.security.conftest import (
     cached_tokens,
     complete,

