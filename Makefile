@@ -8,7 +8,7 @@ ENGINES ?= 1
 MODEL ?=
 PYTEST_ARGS ?=
 
-.PHONY: install model redis test serve bench loadtest clean
+.PHONY: install model redis lint test serve bench loadtest clean
 
 install: $(STAMP) model redis
 
@@ -29,6 +29,10 @@ $(STAMP): pyproject.toml
 model: $(STAMP)
 	$(PY) -m services.engine.models.default
 
+# ruff with the rules of the pinned version (pyproject.toml: line length 100); CI runs it first.
+lint: install
+	$(PY) -m ruff check .
+
 test: install
 	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
@@ -40,7 +44,11 @@ bench: install
 
 # Against a running `make serve`: headless locust, CSVs + PNG report in loadtest/results/.
 LOADTEST_ARGS ?= --run-time 60s --users 8
-loadtest: install
+load# ruff with the rules of the pinned version (pyproject.toml: line length 100); CI runs it first.
+lint: install
+	$(PY) -m ruff check .
+
+test: install
 	$(PY) loadtest/run.py $(LOADTEST_ARGS)
 
 clean:

@@ -17,7 +17,7 @@ at a time (``--requests`` each):
 
 "added" is the gateway's latency percentile minus the direct call's. Then requests/s through
 the gateway with ``--concurrency`` clients for ``--throughput-s`` seconds. Finally
-``services.router.index.measure_lookup_latency`` on the same Redis, 128 engines, as the index
+``benchmarks.lookup_latency.measure_lookup_latency`` on the same Redis, 128 engines, as the index
 grows to 1M blocks (128 x 8192), 128-block prompts.
 
 Targets: gateway + router add < 5 ms at p50; lookup p99 < 2 ms at 1M indexed blocks.
@@ -310,7 +310,7 @@ def _params():
 
 
 async def lookup_latency(args: argparse.Namespace) -> list:
-    from services.router.index import measure_lookup_latency
+    from benchmarks.lookup_latency import measure_lookup_latency
     from tests.support.redis_server import RedisServer
 
     out = []

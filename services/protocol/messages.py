@@ -215,8 +215,8 @@ class EngineHeartbeat(Message):
     total_blocks: int
     timestamp: float  # engine wall clock, unix seconds (informational; TTLs use Redis time)
     max_model_len: int | None = None  # longest prompt + output the engine accepts, if known
-    # Recent engine step time (moving average, milliseconds; 0: not measured yet). Routers use
-    # it to see that an engine is slower than its peers, not just busier.
+    # Median wall time of the engine's recent steps (milliseconds; 0: not measured yet).
+    # Routers use it to see that an engine is slower than its peers, not just busier.
     step_ms: float = 0.0
 
     def __post_init__(self) -> None:

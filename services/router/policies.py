@@ -158,10 +158,6 @@ _REGISTRY: dict[PolicyName, PolicyFactory] = {
 }
 
 
-def register_policy(name: PolicyName, factory: PolicyFactory) -> None:
-    _REGISTRY[name] = factory
-
-
 def make_policy(name: PolicyName | str, config: RouterConfig | None = None) -> RoutingPolicy:
     try:
         key = PolicyName(name)

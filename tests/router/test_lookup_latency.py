@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import redis.asyncio as aioredis
 
-from services.router.index import measure_lookup_latency
+from benchmarks.lookup_latency import measure_lookup_latency
 
 pytestmark = pytest.mark.asyncio
 
