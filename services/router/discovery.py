@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -27,7 +28,7 @@ from urllib.parse import urlsplit
 from services.protocol.messages import EngineHeartbeat
 
 if TYPE_CHECKING:
-    from kubernetes.client import ApiClient
+    from kubernetes.client import ApiClient, Configuration
 
 logger = logging.getLogger(__name__)
 
@@ -153,18 +154,61 @@ def default_namespace() -> str:
 
 
 def default_api_client(api_url: str | None = None) -> ApiClient:
+    """A client configured like kubectl: in-cluster config in a pod, else the kubeconfig.
+
+    ``api_url`` replaces only the host, so the CA and credentials of that config still apply
+    (a bare configuration would fail TLS verification, then get 401). With ``api_url`` and no
+    config at all, the client talks to ``api_url`` bare: the ``kubectl proxy`` case, where the
+    proxy adds the credentials."""
     # Imported here: the client is large and only a Kubernetes-discovering router needs it.
     from kubernetes import client, config
 
-    if api_url:
+    cfg = _load_configuration()
+    if cfg is None:
+        if not api_url:
+            raise config.ConfigException(
+                "no in-cluster config and no kubeconfig found; set --k8s-api-url or KUBECONFIG"
+            )
+        logger.info("no in-cluster config or kubeconfig, using api_url=%s bare", api_url)
         cfg = client.Configuration()
-        cfg.host = api_url
-        return client.ApiClient(cfg)
+    if api_url:
+        _override_host(cfg, api_url)
+    return client.ApiClient(cfg)
+
+
+def _override_host(cfg: Configuration, host: str) -> None:
+    """Point ``cfg`` at ``host``. The loaders' token-refresh hook runs before every request and
+    writes the loaded host back, so it is wrapped to put ``host`` back after it."""
+    cfg.host = host
+    refresh = cfg.refresh_api_key_hook
+    if refresh is None:
+        return
+
+    def refresh_keeping_host(c: Configuration) -> None:
+        refresh(c)
+        c.host = host
+
+    cfg.refresh_api_key_hook = refresh_keeping_host
+
+
+def _load_configuration() -> Configuration | None:
+    """In-cluster config, else the kubeconfig, in a fresh Configuration (the library's global
+    default is left alone); None when neither exists."""
+    from kubernetes import client, config
+
     try:
-        config.load_incluster_config()
+        cfg = client.Configuration()
+        config.load_incluster_config(client_configuration=cfg)
+        return cfg
     except config.ConfigException:
-        config.load_kube_config()
-    return client.ApiClient()
+        pass
+    try:
+        cfg = client.Configuration()
+        # KUBECONFIG is read now: the library's own default froze it when it was imported.
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"), client_configuration=cfg)
+        return cfg
+    except config.ConfigException:
+        return None
 
 
 class _Gone(Exception):

@@ -25,7 +25,11 @@ from services.engine.models import default as default_module
 from services.engine.models.config import ModelConfig, RopeConfig, parse_rope
 from services.engine.models.layers import CausalLM, rope_inv_freq
 from services.engine.models.loader import load_model
-from services.engine.models.registry import supported_architectures
+from services.engine.models.registry import (
+    MODEL_TYPES,
+    supported_architectures,
+    supported_model_types,
+)
 
 ATOL = 1e-4
 BLOCK_SIZE = 16
@@ -268,6 +272,60 @@ def test_unsupported_architecture_is_rejected(tmp_path) -> None:
         assert name in supported_architectures()
 
 
+@pytest.mark.parametrize(
+    ("architecture", "overrides"),
+    [pytest.param(arch, overrides, id=name) for name, arch, overrides in VARIANTS
+     if name in MODEL_TYPES],
+)  # fmt: skip
+def test_config_without_architectures_loads_by_model_type(
+    tiny_model_dir, tmp_path, architecture: str, overrides: dict
+) -> None:
+    src = tiny_model_dir(architecture, **overrides)
+    _copy_config(src, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["architectures"]  # model_type stays, as transformers wrote it
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").symlink_to(src / "model.safetensors")
+
+    model = load_model(tmp_path, attn_backend=TorchAttentionBackend())
+    assert model.config.architecture == architecture
+    ids = _random_ids(256, 19, seed=6)
+    (logits,) = _step(model, _kv_caches(model), [ids], [0], [len(ids)], [[3, 1]])
+    with_arch = _our_model(str(src))
+    (expected,) = _step(with_arch, _kv_caches(with_arch), [ids], [0], [len(ids)], [[3, 1]])
+    assert torch.equal(logits, expected)
+
+
+def test_model_types_agree_with_transformers() -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    assert set(MODEL_TYPES) == {"llama", "mistral", "qwen2", "qwen3"}
+    for model_type, architecture in MODEL_TYPES.items():
+        assert MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type] == architecture
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"model_type": "gpt2"}, "model_type 'gpt2'"),
+        ({"model_type": None}, "model_type None"),
+        ({"architectures": [], "model_type": "bert"}, "model_type 'bert'"),
+        # A known backbone under another head is not a causal LM: model_type does not rescue it.
+        ({"architectures": ["LlamaForSequenceClassification"]}, "LlamaForSequenceClassification"),
+    ],
+)
+def test_unidentified_model_lists_what_is_supported(overrides: dict, named: str) -> None:
+    raw = _raw_config(**overrides)
+    if "architectures" not in overrides:
+        del raw["architectures"]
+    with pytest.raises(ValueError, match="unsupported") as info:
+        ModelConfig.from_hf_dict(raw)
+    message = str(info.value)
+    assert named in message
+    for name in supported_architectures() + supported_model_types():
+        assert name in message
+
+
 def test_missing_tensor_is_rejected(tiny_model_dir, tmp_path) -> None:
     src = tiny_model_dir("LlamaForCausalLM")
     _copy_config(src, tmp_path)
@@ -386,7 +444,7 @@ def test_sliding_window_caps_the_context() -> None:
     [
         ({"num_key_value_heads": 3}, "multiple"),
         ({"hidden_size": None}, "hidden_size"),
-        ({"architectures": []}, "architectures"),
+        ({"architectures": [], "model_type": "gpt2"}, "gpt2"),
         ({"vocab_size": 0}, "vocab_size"),
         ({"hidden_act": "gelu"}, "hidden_act"),
     ],

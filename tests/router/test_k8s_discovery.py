@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import kmock
 import pytest
 import pytest_asyncio
+from kubernetes.config import ConfigException, incluster_config
 
 from services.common.redis_index import KVIndexPublisher
 from services.router.discovery import KubernetesDiscovery, default_api_client, endpoints_of
@@ -41,6 +44,15 @@ def endpoint_slice(name: str, *endpoints: dict[str, Any], service: str = SERVICE
         "ports": [{"name": "metrics", "port": 9000}, {"name": "http", "port": 8000}],
         "endpoints": list(endpoints),
     }
+
+
+@pytest.fixture(autouse=True)
+def no_kube_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Neither in-cluster config nor a kubeconfig, whatever the machine running the tests has;
+    a test that wants one sets it up again."""
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-kubeconfig"))
+    monkeypatch.delenv(incluster_config.SERVICE_HOST_ENV_NAME, raising=False)
+    monkeypatch.delenv(incluster_config.SERVICE_PORT_ENV_NAME, raising=False)
 
 
 @pytest_asyncio.fixture
@@ -181,6 +193,113 @@ async def _wait_routable(client: Any, expected: set[str]) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"routed to {seen}, expected {expected}")
         await asyncio.sleep(0.05)
+
+
+def write_kubeconfig(tmp_path: Path, server: str, token: str) -> Path:
+    """A kubeconfig (JSON is valid YAML) with a bearer token and a CA file."""
+    ca = tmp_path / "ca.crt"
+    ca.write_text("-----BEGIN CERTIFICATE-----\nplaceholder\n-----END CERTIFICATE-----\n")
+    kubeconfig = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {"name": "c", "cluster": {"server": server, "certificate-authority": str(ca)}}
+        ],
+        "users": [{"name": "u", "user": {"token": token}}],
+        "contexts": [{"name": "ctx", "context": {"cluster": "c", "user": "u"}}],
+        "current-context": "ctx",
+    }
+    path = tmp_path / "kubeconfig"
+    path.write_text(json.dumps(kubeconfig))
+    return path
+
+
+def fake_incluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, token: str) -> Path:
+    """What a pod sees: the service env vars and the service account's token and CA files."""
+    token_file, ca = tmp_path / "sa-token", tmp_path / "sa-ca.crt"
+    token_file.write_text(token)
+    ca.write_text("-----BEGIN CERTIFICATE-----\nplaceholder\n-----END CERTIFICATE-----\n")
+    monkeypatch.setenv(incluster_config.SERVICE_HOST_ENV_NAME, "10.96.0.1")
+    monkeypatch.setenv(incluster_config.SERVICE_PORT_ENV_NAME, "443")
+    monkeypatch.setattr(incluster_config, "SERVICE_TOKEN_FILENAME", str(token_file))
+    monkeypatch.setattr(incluster_config, "SERVICE_CERT_FILENAME", str(ca))
+    return ca
+
+
+async def sent_authorizations(k8s: kmock.KubernetesEmulator, api_url: str) -> set[str | None]:
+    """Runs a discovery through ``default_api_client(api_url)`` until it has listed; returns
+    the Authorization headers the API server received."""
+    d = KubernetesDiscovery(
+        SERVICE, NS, api_client_factory=lambda: default_api_client(api_url), backoff_max_s=0.2
+    )
+    await d.start()
+    try:
+        await eventually(lambda: d.synced)
+    finally:
+        await d.stop()
+    return {
+        next((v for k, v in r.headers.items() if k.lower() == "authorization"), None)
+        for r in k8s
+        if r.namespace == NS
+    }
+
+
+async def test_api_url_keeps_the_kubeconfig_ca_and_token(
+    k8s: kmock.KubernetesEmulator, proxy: TcpProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kubeconfig = write_kubeconfig(tmp_path, "https://kubernetes.invalid:6443", "kc-token")
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+
+    api = default_api_client(proxy.url)
+    cfg = api.configuration
+    assert cfg.host == proxy.url
+    assert cfg.ssl_ca_cert == str(tmp_path / "ca.crt")
+    assert cfg.get_api_key_with_prefix("BearerToken") == "Bearer kc-token"
+    assert cfg.host == proxy.url, "the token-refresh hook must not restore the kubeconfig host"
+    api.close()
+    # Only the overriding host is ever contacted (kubernetes.invalid would never sync), and with
+    # the kubeconfig's token.
+    assert await sent_authorizations(k8s, proxy.url) == {"Bearer kc-token"}
+
+
+async def test_api_url_keeps_the_in_cluster_ca_and_token(
+    k8s: kmock.KubernetesEmulator, proxy: TcpProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ca = fake_incluster(tmp_path, monkeypatch, "sa-token")
+    # In-cluster config wins over a kubeconfig, as in kubectl.
+    monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path, "https://x.invalid", "kc")))
+
+    api = default_api_client(proxy.url)
+    assert api.configuration.ssl_ca_cert == str(ca)
+    api.close()
+    assert await sent_authorizations(k8s, proxy.url) == {"bearer sa-token"}
+
+
+async def test_without_api_url_the_loaded_host_is_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kubeconfig = write_kubeconfig(tmp_path, "https://kubernetes.example:6443", "kc-token")
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    api = default_api_client()
+    assert api.configuration.host == "https://kubernetes.example:6443"
+    assert api.configuration.ssl_ca_cert == str(tmp_path / "ca.crt")
+    api.close()
+
+
+async def test_api_url_without_any_config_is_used_bare_like_kubectl_proxy(
+    k8s: kmock.KubernetesEmulator, proxy: TcpProxy
+) -> None:
+    api = default_api_client(proxy.url)
+    assert api.configuration.host == proxy.url
+    assert api.configuration.ssl_ca_cert is None
+    assert api.configuration.api_key == {}
+    api.close()
+    assert await sent_authorizations(k8s, proxy.url) == {None}
+
+
+async def test_no_api_url_and_no_config_is_a_clear_error() -> None:
+    with pytest.raises(ConfigException, match="--k8s-api-url or KUBECONFIG"):
+        default_api_client()
 
 
 async def test_endpoints_of_handles_ipv6_ports_and_foreign_slices() -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from services.engine.models.registry import get_arch_spec
+from services.engine.models.registry import get_arch_spec, resolve_architecture
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class RopeConfig:
 class ModelConfig:
     """What the engine needs to know about a decoder-only model."""
 
-    architecture: str  # HF ``architectures[0]``, e.g. "LlamaForCausalLM"
+    architecture: str  # HF ``architectures[0]`` (else from model_type), e.g. "LlamaForCausalLM"
     model_type: str
     vocab_size: int
     hidden_size: int
@@ -128,11 +128,9 @@ class ModelConfig:
         cls, raw: dict[str, Any], generation: dict[str, Any] | None = None
     ) -> ModelConfig:
         """Builds a config from parsed ``config.json`` (+ ``generation_config.json``) dicts."""
-        architectures = raw.get("architectures") or []
-        if not architectures:
-            raise ValueError("config.json has no 'architectures' entry")
-        architecture = architectures[0]
-        spec = get_arch_spec(architecture)  # raises ValueError for unsupported ones
+        # Raises ValueError, naming the supported ones, when neither names a supported model.
+        architecture = resolve_architecture(raw.get("architectures"), raw.get("model_type"))
+        spec = get_arch_spec(architecture)
         hidden = _required_int(raw, "hidden_size")
         heads = _required_int(raw, "num_attention_heads")
         attention_bias = bool(raw.get("attention_bias", False))

@@ -1,7 +1,12 @@
-"""The one list of supported architectures: HF ``architectures[0]`` -> implementation + quirks."""
+"""The one list of supported architectures: HF ``architectures[0]`` -> implementation + quirks.
+
+A config.json without ``architectures`` is matched by its ``model_type`` instead, as
+transformers does; the model types come from the same list.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.engine.models.layers import CausalLM
@@ -13,6 +18,7 @@ class ArchSpec:
     """How one HF architecture maps onto our implementation."""
 
     model_class: type[CausalLM]
+    model_type: str  # HF ``model_type`` of this architecture's config.json, e.g. "llama"
     # Fixed by the architecture; None means "follow config.json's attention_bias".
     qkv_bias: bool | None = None
     o_proj_bias: bool | None = None
@@ -21,26 +27,56 @@ class ArchSpec:
 
 # Llama, Mistral, Qwen2 and Qwen3 share one decoder; they differ only in these switches.
 ARCHITECTURES: dict[str, ArchSpec] = {
-    "LlamaForCausalLM": ArchSpec(LlamaForCausalLM),
-    "MistralForCausalLM": ArchSpec(LlamaForCausalLM, qkv_bias=False, o_proj_bias=False),
-    "Qwen2ForCausalLM": ArchSpec(LlamaForCausalLM, qkv_bias=True, o_proj_bias=False),
-    "Qwen3ForCausalLM": ArchSpec(LlamaForCausalLM, qk_norm=True),
+    "LlamaForCausalLM": ArchSpec(LlamaForCausalLM, "llama"),
+    "MistralForCausalLM": ArchSpec(LlamaForCausalLM, "mistral", qkv_bias=False, o_proj_bias=False),
+    "Qwen2ForCausalLM": ArchSpec(LlamaForCausalLM, "qwen2", qkv_bias=True, o_proj_bias=False),
+    "Qwen3ForCausalLM": ArchSpec(LlamaForCausalLM, "qwen3", qk_norm=True),
 }
+
+# model_type -> architecture, for configs that name no architecture.
+MODEL_TYPES: dict[str, str] = {spec.model_type: name for name, spec in ARCHITECTURES.items()}
 
 
 def supported_architectures() -> tuple[str, ...]:
     return tuple(ARCHITECTURES)
 
 
+def supported_model_types() -> tuple[str, ...]:
+    return tuple(MODEL_TYPES)
+
+
+def resolve_architecture(architectures: Sequence[str] | None, model_type: str | None) -> str:
+    """The architecture a config.json names: ``architectures[0]``, else, when that entry is
+    missing or empty, the one its ``model_type`` maps to. Raises ValueError naming what is
+    supported.
+
+    An unsupported ``architectures[0]`` is an error even when ``model_type`` is known: it names
+    another head on the same backbone (``LlamaForSequenceClassification`` is model_type "llama"),
+    which is not a causal LM."""
+    if architectures:
+        get_arch_spec(architectures[0])
+        return architectures[0]
+    name = MODEL_TYPES.get(model_type or "")
+    if name is None:
+        raise ValueError(
+            _unsupported(f"model_type {model_type!r} (config.json has no architectures)")
+        )
+    return name
+
+
 def get_arch_spec(architecture: str) -> ArchSpec:
     """Returns the spec for ``architecture`` or raises ValueError naming the supported ones."""
     spec = ARCHITECTURES.get(architecture)
     if spec is None:
-        raise ValueError(
-            f"unsupported model architecture {architecture!r}; "
-            f"supported: {', '.join(ARCHITECTURES)}"
-        )
+        raise ValueError(_unsupported(f"model architecture {architecture!r}"))
     return spec
+
+
+def _unsupported(what: str) -> str:
+    return (
+        f"unsupported {what}; supported architectures: {', '.join(ARCHITECTURES)}; "
+        f"model types (used when config.json has no architectures): {', '.join(MODEL_TYPES)}"
+    )
 
 
 def get_model_class(architecture: str) -> type[CausalLM]:
