@@ -6,25 +6,42 @@ from dataclasses import dataclass
 
 import torch
 
+from services.common.cli import flag
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str | None = None  # HF directory; None = the default model (converted on first use)
-    served_model_name: str | None = None  # the name clients use; defaults to the directory name
-    dtype: str = "auto"  # auto = float32 on the CPU, bfloat16 on a GPU
-    device: str = "auto"  # auto = cuda when available
-    block_size: int = 16
-    num_blocks: int | None = None  # fixes the KV pool size; else sized from kv_cache_memory
-    kv_cache_memory: int | None = None  # bytes for the KV pool; None = a default per device
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 1024  # per-step token budget (prefill is chunked to fit)
-    max_model_len: int | None = None  # None = the model's max_position_embeddings
-    enable_prefix_caching: bool = True
-    attention_backend: str | None = None  # None = automatic (triton on CUDA, torch on CPU)
-    hash_algorithm: str = "xxh3_128"
-    seed: int = 0
+    model: str | None = flag(
+        None, help="HF model directory (default: the default model, converted on first use)"
+    )
+    served_model_name: str | None = flag(
+        None, help="the model name clients use (default: the directory's name)"
+    )
+    dtype: str = flag(
+        "auto", help="float32, bfloat16 or float16; auto = float32 on the CPU, bfloat16 on a GPU"
+    )
+    device: str = flag("auto", help="cpu, cuda or cuda:N; auto = cuda when available")
+    block_size: int = flag(16, help="tokens per KV block")
+    num_blocks: int | None = flag(
+        None, help="KV blocks in the pool (default: sized from --kv-cache-memory)"
+    )
+    kv_cache_memory: int | None = flag(
+        None, help="bytes for the KV pool (default: 2 GiB on the CPU, 85% of free GPU memory)"
+    )
+    max_num_seqs: int = flag(128, help="requests in one batch")
+    max_num_batched_tokens: int = flag(
+        1024, help="tokens per step; longer prompts are prefilled in chunks"
+    )
+    max_model_len: int | None = flag(
+        None, help="context limit (default: the model's max_position_embeddings)"
+    )
+    enable_prefix_caching: bool = flag(True, help="automatic prefix caching")
+    attention_backend: str | None = flag(
+        None, help="torch or triton (default: triton on CUDA, torch on the CPU)"
+    )
+    hash_algorithm: str = flag("xxh3_128", help="xxh3_128 or sha256: the prefix-cache block hash")
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:

@@ -1,17 +1,18 @@
 """Router configuration: one dataclass; every field is one CLI flag (``--redis-url`` for
-``redis_url``), built from the fields themselves so the two cannot drift apart."""
+``redis_url``), built from the fields themselves by ``services.common.cli`` so the two cannot
+drift apart."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import typing
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 from urllib.parse import urlsplit
 
+from services.common import cli
+from services.common.cli import flag
 from services.common.redis_index import redact_url
 from services.protocol.redis_schema import (
     DEFAULT_MAX_BLOCKS_PER_ENGINE,
@@ -28,84 +29,79 @@ class PolicyName(str, Enum):
     ROUND_ROBIN = "round-robin"
 
 
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
+PROG = "python -m services.router"
+DESCRIPTION = "Pagoda prefix-aware router: picks an engine for each prompt."
 
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
-    host: str = field(default="0.0.0.0", metadata=_help("address to listen on"))
-    port: int = field(default=8100, metadata=_help("port to listen on"))
-    redis_url: str = field(
-        default="redis://127.0.0.1:6379/0",
-        metadata=_help(
-            "Redis URL: redis://[:password@]host:port/db, rediss:// for TLS, unix:///path"
+    host: str = flag("0.0.0.0", help="address to listen on")
+    port: int = flag(8100, help="port to listen on")
+    redis_url: str = flag(
+        "redis://127.0.0.1:6379/0",
+        help="Redis URL: redis://[:password@]host:port/db, rediss:// for TLS, unix:///path",
+    )
+    redis_namespace: str = flag(DEFAULT_NAMESPACE, help="prefix of every Redis key")
+    redis_timeout_s: float = flag(0.25, help="Redis connect/read timeout per attempt")
+    redis_retry_s: float = flag(
+        1.0,
+        help="after a Redis error, route from the fallback this long before retrying",
+    )
+    engines: tuple[str, ...] = flag(
+        (),
+        help="static engine URLs, comma separated (instead of Kubernetes discovery)",
+        metavar="URL",
+    )
+    k8s_service: str | None = flag(None, help="discover engines from this Service's EndpointSlices")
+    k8s_namespace: str | None = flag(
+        None,
+        help="namespace of --k8s-service (default: the pod's own, else 'default')",
+    )
+    k8s_port_name: str | None = flag(
+        None,
+        help="EndpointSlice port name to use (default: 'http' if any, else the first)",
+    )
+    k8s_scheme: str = flag("http", help="URL scheme of discovered engines")
+    k8s_api_url: str | None = flag(
+        None,
+        help=(
+            "Kubernetes API URL; replaces only the host of the in-cluster config, else of the"
+            " kubeconfig, keeping their CA and credentials (with neither: used bare, as for"
+            " 'kubectl proxy'). Default: the host of that config"
         ),
     )
-    redis_namespace: str = field(
-        default=DEFAULT_NAMESPACE, metadata=_help("prefix of every Redis key")
+    k8s_backoff_max_s: float = flag(30.0, help="longest wait between watch restarts")
+    policy: PolicyName = flag(PolicyName.PREFIX, help="routing policy")
+    load_weight: float = flag(
+        0.5,
+        help="prefix policy: weight of load (0..1 of the busiest) vs matched ratio",
     )
-    redis_timeout_s: float = field(
-        default=0.25, metadata=_help("Redis connect/read timeout per attempt")
+    hot_spot_ratio: float = flag(
+        2.0,
+        help="prefix policy: balance when the chosen engine is this many times busier",
     )
-    redis_retry_s: float = field(
-        default=1.0,
-        metadata=_help("after a Redis error, route from the fallback this long before retrying"),
-    )
-    engines: tuple[str, ...] = field(
-        default=(),
-        metadata=_help("static engine URLs, comma separated (instead of Kubernetes discovery)"),
-    )
-    k8s_service: str | None = field(
-        default=None, metadata=_help("discover engines from this Service's EndpointSlices")
-    )
-    k8s_namespace: str | None = field(
-        default=None,
-        metadata=_help("namespace of --k8s-service (default: the pod's own, else 'default')"),
-    )
-    k8s_port_name: str | None = field(
-        default=None,
-        metadata=_help("EndpointSlice port name to use (default: 'http' if any, else the first)"),
-    )
-    k8s_scheme: str = field(default="http", metadata=_help("URL scheme of discovered engines"))
-    k8s_api_url: str | None = field(
-        default=None,
-        metadata=_help("Kubernetes API URL (default: in-cluster config, else ~/.kube/config)"),
-    )
-    k8s_backoff_max_s: float = field(
-        default=30.0, metadata=_help("longest wait between watch restarts")
-    )
-    policy: PolicyName = field(default=PolicyName.PREFIX, metadata=_help("routing policy"))
-    load_weight: float = field(
-        default=0.5,
-        metadata=_help("prefix policy: weight of load (0..1 of the busiest) vs matched ratio"),
-    )
-    hot_spot_ratio: float = field(
-        default=2.0,
-        metadata=_help("prefix policy: balance when the chosen engine is this many times busier"),
-    )
-    hot_spot_min_load: int = field(
+    hot_spot_min_load: int = flag(
         # 4 diverted ~10% of agent turns away from their cache at 128 engines (fleet benchmark);
         # 6 keeps max/mean load near 1.15 while prefix TTFT beats round-robin 3x.
         default=6,
-        metadata=_help("...than the least busy one and has at least this running+waiting+pending"),
+        help="...than the least busy one and has at least this running+waiting+pending",
     )
-    provisional_ttl_s: float = field(
-        default=DEFAULT_PROVISIONAL_TTL_S,
-        metadata=_help("how long a routing write-back claims the prompt's blocks"),
+    provisional_ttl_s: float = flag(
+        DEFAULT_PROVISIONAL_TTL_S,
+        help="how long a routing write-back claims the prompt's blocks",
     )
-    pending_ttl_s: float = field(
-        default=DEFAULT_PENDING_TTL_S,
-        metadata=_help("how long a routed request counts as load before a heartbeat"),
+    pending_ttl_s: float = flag(
+        DEFAULT_PENDING_TTL_S,
+        help="how long a routed request counts as load before a heartbeat",
     )
-    max_blocks_per_engine: int = field(
-        default=DEFAULT_MAX_BLOCKS_PER_ENGINE,
-        metadata=_help("cap of an engine's entries in the Redis block index"),
+    max_blocks_per_engine: int = flag(
+        DEFAULT_MAX_BLOCKS_PER_ENGINE,
+        help="cap of an engine's entries in the Redis block index",
     )
-    fallback_max_age_s: float = field(
-        default=300.0, metadata=_help("Redis down: route by heartbeats seen at most this long ago")
+    fallback_max_age_s: float = flag(
+        300.0, help="Redis down: route by heartbeats seen at most this long ago"
     )
-    log_level: str = field(default="INFO", metadata=_help("logging level"))
+    log_level: str = flag("INFO", help="logging level")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -148,12 +144,7 @@ class RouterConfig:
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None) -> RouterConfig:
-        ns = build_parser().parse_args(argv)
-        try:
-            return cls(**vars(ns))
-        except ValueError as exc:
-            build_parser().error(str(exc))
-            raise  # unreachable: error() exits
+        return cli.config_from_args(cls, argv, prog=PROG, description=DESCRIPTION)
 
 
 def _enum(cls: type[Enum], value: Any, name: str) -> Any:
@@ -164,31 +155,5 @@ def _enum(cls: type[Enum], value: Any, name: str) -> Any:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}") from None
 
 
-def _csv(text: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in text.split(",") if part.strip())
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m services.router",
-        description="Pagoda prefix-aware router: picks an engine for each prompt.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    hints = typing.get_type_hints(RouterConfig)
-    for f in dataclasses.fields(RouterConfig):
-        hint = hints[f.name]
-        flag = "--" + f.name.replace("_", "-")
-        kwargs: dict[str, Any] = {"default": f.default, "help": f.metadata["help"], "dest": f.name}
-        if isinstance(hint, type) and issubclass(hint, Enum):
-            kwargs["choices"] = [m.value for m in hint]
-            kwargs["default"] = f.default.value
-        elif hint == tuple[str, ...]:
-            kwargs["type"] = _csv
-            kwargs["metavar"] = "URL,..."
-            kwargs["default"] = ()
-        elif hint in (int, float):
-            kwargs["type"] = hint
-        else:  # str and str | None
-            kwargs["type"] = str
-        parser.add_argument(flag, **kwargs)
-    return parser
+    return cli.build_parser(RouterConfig, prog=PROG, description=DESCRIPTION)

@@ -273,7 +273,7 @@ def test_services_accept_the_flags_the_chart_passes(scenario: Render) -> None:
 
 
 def test_engines_accept_their_flags(scenario: Render) -> None:
-    from services.engine.server import build_parser
+    from services.engine.server_config import build_parser
 
     parser = build_parser()
     for name in model_names(scenario):

@@ -1,0 +1,69 @@
+"""The engine server's own configuration and its command line: every field of ``EngineConfig``
+and of ``ServerConfig`` is one flag (``--num-blocks``, ``--redis-url``)."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.common import cli
+from services.common.cli import flag
+from services.engine.config import EngineConfig
+
+PROG = "python -m services.engine.server"
+DESCRIPTION = "Pagoda engine server: the model, its KV cache and the internal streaming API."
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    host: str = flag("127.0.0.1", help="address to listen on")
+    port: int = flag(8200, help="port to listen on")
+    engine_id: str | None = flag(None, help="the engine's id in Redis (default: hostname-port)")
+    advertise_url: str | None = flag(
+        None, help="how gateways reach this engine (default: http://HOST:PORT)"
+    )
+    redis_url: str | None = flag(
+        None, help="Redis for heartbeats and KV events (default: none, no routing index)"
+    )
+    heartbeat_interval_s: float = flag(1.0, help="seconds between heartbeats (sooner when requests arrive or finish)")
+    heartbeat_ttl_s: float = flag(5.0, help="seconds a heartbeat stays live in Redis")
+    drain_timeout_s: float = flag(
+        30.0, help="on SIGTERM, seconds the requests in flight get to finish"
+    )
+    debug_step_delay_s: float = flag(
+        0.0, help="fault injection for tests and drills: seconds slept before every step"
+    )
+    log_level: str = flag("INFO", help="logging level")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        for name in ("heartbeat_interval_s", "heartbeat_ttl_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("drain_timeout_s", "debug_step_delay_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.log_level.upper() not in _LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(_LOG_LEVELS)}")
+
+    def resolved_engine_id(self) -> str:
+        return self.engine_id or f"{socket.gethostname()}-{self.port}"
+
+    def resolved_url(self) -> str:
+        return self.advertise_url or f"http://{self.host}:{self.port}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return cli.build_parser(EngineConfig, ServerConfig, prog=PROG, description=DESCRIPTION)
+
+
+def configs_from_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, ServerConfig]:
+    """Both configs from one command line; a bad flag or value exits 2 with its message."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    engine = cli.from_namespace(EngineConfig, ns, parser)
+    return engine, cli.from_namespace(ServerConfig, ns, parser)
