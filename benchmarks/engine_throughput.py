@@ -30,10 +30,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from services.engine import LLM, SamplingParams  # noqa: E402
-from services.engine.models.default import default_model_path  # noqa: E402
+from services.engine import LLM, SamplingParams
+from services.engine.models.default import default_model_path
 
 
 def make_workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
@@ -154,7 +154,7 @@ def run_vllm(python: str, model: str, work, dtype: str, prefix: bool = True) -> 
         script.write_text(VLLM_SCRIPT)
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_HOST_IP": "127.0.0.1"}
         out = subprocess.run([python, str(script), str(cfg)], env=env, capture_output=True,
-                             text=True, timeout=1800)
+                             text=True, timeout=1800, check=False)
         for line in out.stdout.splitlines():
             if line.startswith("RESULT "):
                 return json.loads(line[7:])

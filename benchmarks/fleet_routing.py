@@ -1,7 +1,7 @@
 """Fleet routing benchmark: one multi-tenant trace routed by `prefix`, `least-loaded` and
 `round-robin` (plus an oracle), over simulated fleets of 8, 32 and 128 engines.
 
-    .venv/bin/python benchmarks/fleet_routing.py                  # 8, 32, 128 engines (~3 min)
+    .venv/bin/python benchmarks/fleet_routing.py                  # 8, 32, 128 engines (~10 min)
     .venv/bin/python benchmarks/fleet_routing.py --engines 8      # a quick look (~10 s)
     .venv/bin/python benchmarks/fleet_routing.py --engines 128 --duration 60  # steady state
     .venv/bin/python benchmarks/fleet_routing.py --trace agent    # agent sessions only
@@ -9,8 +9,10 @@
 
 Simulated mode: the REAL router (``services.router.routing.Router``: Redis index lookup, policy,
 write-back) against a REAL redis-server started here; every engine is a model
-(``benchmarks/fleet_sim``): the REAL ``BlockManager`` (prefix caching, LRU eviction, a KV
-capacity) and a step-time cost model (prefill tokens not cached + decodes), in simulated time.
+(``benchmarks/fleet_sim``): the REAL ``Scheduler`` (continuous batching, chunked prefill,
+preemption, its own ``update`` after each step) over the REAL ``BlockManager`` (prefix caching,
+LRU eviction, a KV capacity), with a step-time cost model (prefill tokens not cached + decodes)
+in place of the model, in simulated time.
 The engines publish heartbeats and KV events through the real ``KVIndexPublisher`` once per
 simulated second, as the real engine does, so the router sees only what it would see.
 

@@ -1,29 +1,31 @@
-"""A model of one engine: the real ``BlockManager`` and a step-time cost model.
+"""A model of one engine: the real ``Scheduler`` and ``BlockManager``, and a step-time cost model.
 
-Each simulated step mirrors the real scheduler (``services.engine.scheduler``): one token
-budget per step, running requests first (a decode takes one token, a prefill chunk the rest),
-then waiting requests in FCFS order while blocks, the budget and ``max_num_seqs`` allow, each
-admission a real prefix-cache lookup (``get_computed_blocks`` + ``allocate_slots``). A step
-lasts
+Each simulated step is the real engine's step without the model: ``Scheduler.schedule()`` (one
+token budget per step, running requests first, chunked prefill, FCFS admission with a real
+prefix-cache lookup, preemption by recompute when blocks run out), a step time from the cost
+model, then ``Scheduler.update()`` with the session's own next tokens as the sampled ones (so a
+finished turn leaves exactly the KV that the session's next prompt hits). A step lasts
 
     step_overhead_s + prefill_s_per_token x prefill tokens + decode_s_per_seq x decodes
 
-Differences from the real engine, on purpose: a request reserves the blocks of its whole
-prompt + output when admitted (so nothing is ever preempted), and steps that only decode are
-fused into one event up to the next request that finishes (an arrival cuts it short at the
-next step boundary), which keeps large fleets cheap to simulate.
+One shortcut, to keep large fleets cheap to simulate: consecutive decode-only steps with nothing
+waiting are one event, up to the next request that finishes or as far as the free blocks surely
+last (an arrival cuts it short at the next step boundary). Their schedule/update calls run
+together when the event ends, so the router sees that stretch's KV events at its end.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from benchmarks.fleet_sim.trace import Session
+from benchmarks.fleet_sim.trace import MODEL, Session
 from services.engine.block_manager import BlockManager
-from services.protocol.block_hash import BlockHash
+from services.engine.request import Request
+from services.engine.scheduler import Scheduler, SchedulerOutput
+from services.protocol.block_hash import BlockHash, BlockHasher
 from services.protocol.kv_events import KVEvent, KVEventKind
+from services.protocol.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,13 +84,6 @@ class SimRequest:
         return self.first_token_s - self.arrival_s
 
 
-@dataclass(slots=True, eq=False)
-class _Active:
-    req: SimRequest
-    prefill_left: int
-    decode_left: int
-
-
 @dataclass(slots=True)
 class EngineStats:
     served: int = 0
@@ -97,7 +92,9 @@ class EngineStats:
     steps: int = 0
 
 
-Scheduler = Callable[[float, Callable[[], None]], None]
+ScheduleAt = Callable[[float, Callable[[], None]], None]
+# Every simulated request: max_tokens comes from the trace, and no token ends it early.
+_PARAMS = SamplingParams(max_tokens=None, ignore_eos=True)
 
 
 class SimEngine:
@@ -110,7 +107,7 @@ class SimEngine:
         engine_id: str,
         spec: EngineSpec,
         cost: CostModel,
-        schedule: Scheduler,
+        schedule: ScheduleAt,
         on_finish: Callable[[SimRequest, float], None],
     ) -> None:
         self.engine_id = engine_id
@@ -118,10 +115,18 @@ class SimEngine:
         self.spec = spec
         self.cost = cost
         self.bm = BlockManager(spec.num_blocks, spec.block_size)
+        # No request outgrows the pool (the simulation checks), so the pool is the context.
+        self.scheduler = Scheduler(
+            self.bm,
+            spec.max_num_seqs,
+            spec.max_num_batched_tokens,
+            spec.num_blocks * spec.block_size,
+        )
+        self._hasher = BlockHasher(MODEL, spec.block_size)
         self._schedule = schedule
         self._on_finish = on_finish
-        self.waiting: deque[SimRequest] = deque()
-        self.running: list[_Active] = []
+        self._sims: dict[str, SimRequest] = {}
+        self._arrived: list[Request] = []  # submitted during a step: scheduled from the next one
         self.stats = EngineStats()
         # Exact mirror of the prefix cache (from the block manager's own events): the oracle.
         self.cached: set[BlockHash] = set()
@@ -130,23 +135,22 @@ class SimEngine:
         self.published: tuple[int, int] = (0, 0)  # (running, waiting) of the last heartbeat
         self._busy = False
         self._version = 0
+        self._out = SchedulerOutput()  # the step in flight (the first of a fused stretch)
+        self._steps = 0  # steps in the event in flight: > 1 for a fused decode-only stretch
         self._step_start = 0.0
         self._step_end = 0.0
         self._per_step = 0.0
-        self._fused = 0  # > 0: a fused decode-only step of this many steps is in flight
-        self._prefill: list[tuple[_Active, int]] = []
-        self._decode: list[_Active] = []
         self._last_change = 0.0
 
     # -- queries ------------------------------------------------------------------------------
 
     @property
     def num_running(self) -> int:
-        return len(self.running)
+        return len(self.scheduler.running)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.scheduler.waiting) + len(self._arrived)
 
     def exact_match(self, hashes: list[BlockHash]) -> int:
         """Leading blocks of ``hashes`` in the prefix cache right now."""
@@ -163,87 +167,73 @@ class SimEngine:
     def submit(self, req: SimRequest, now: float) -> None:
         self._account(now)
         req.engine_id = self.engine_id
-        self.waiting.append(req)
+        self._sims[req.rid] = req
+        self._arrived.append(self._request(req))
         self.routed_since_publish += 1
         if not self._busy:
             self._start_step(now)
-        elif self._fused:
+        elif self._steps > 1:
             self._cut_fused(now)
 
     def finish_accounting(self, now: float) -> None:
         self._account(now)
 
+    def _request(self, req: SimRequest) -> Request:
+        s = req.session
+        return Request(
+            req.rid,
+            s.tokens[: req.prompt_len],
+            _PARAMS,
+            self._hasher,
+            req.output_len,
+            block_hashes=list(req.prompt_hashes),  # the trace's chain: nothing to rehash
+        )
+
     # -- steps --------------------------------------------------------------------------------
 
     def _account(self, now: float) -> None:
         self.stats.load_integral += (now - self._last_change) * (
-            len(self.running) + len(self.waiting)
+            self.num_running + self.num_waiting
         )
         self._last_change = now
 
     def _start_step(self, now: float) -> None:
-        spec = self.spec
-        budget = spec.max_num_batched_tokens
-        prefill: list[tuple[_Active, int]] = []
-        decode: list[_Active] = []
-        for act in self.running:
-            if budget <= 0:
-                break
-            if act.prefill_left:
-                n = min(act.prefill_left, budget)
-                prefill.append((act, n))
-                budget -= n
-            else:
-                decode.append(act)
-                budget -= 1
-        while self.waiting and budget > 0 and len(self.running) < spec.max_num_seqs:
-            act = self._admit(self.waiting[0])
-            if act is None:
-                break  # FCFS: the head waits for blocks
-            self.waiting.popleft()
-            self.running.append(act)
-            n = min(act.prefill_left, budget)
-            prefill.append((act, n))
-            budget -= n
+        for r in self._arrived:
+            self.scheduler.add(r)
+        self._arrived.clear()
+        out = self.scheduler.schedule()
         self._drain_events()  # admissions may have evicted cached blocks
-        if not prefill and not decode:
-            self._busy = False
+        self._busy = not out.is_empty
+        if not self._busy:
             return
-        self._busy = True
-        self._prefill, self._decode = prefill, decode
-        self._step_start = now
-        if prefill:
-            self._fused = 0
-            self._per_step = self.cost.step_s(sum(n for _, n in prefill), len(decode))
-            self._step_end = now + self._per_step
-        else:
-            self._per_step = self.cost.step_s(0, len(decode))
-            self._fused = min(a.decode_left for a in decode)
-            self._step_end = now + self._fused * self._per_step
+        prefill, decodes = _work(out)
+        self._out, self._step_start = out, now
+        self._per_step = self.cost.step_s(prefill, decodes)
+        self._steps = 1 if prefill else self._fusable(out)
+        self._end_at(now + self._steps * self._per_step)
+
+    def _fusable(self, out: SchedulerOutput) -> int:
+        """Decode-only steps, this one first, that surely run alike: nothing waits, every
+        running request decodes, no request finishes before the last one, and the free blocks
+        cover every decode's growth (so nothing is preempted)."""
+        n = len(out.scheduled)
+        if self.scheduler.waiting or n < self.num_running:
+            return 1
+        left = min(s.request.max_tokens - s.request.num_output_tokens for s in out.scheduled)
+        spare = self.bm.num_free_blocks // n * self.spec.block_size + 1
+        return max(1, min(left, spare))
+
+    def _end_at(self, t: float) -> None:
+        self._step_end = t
         self._version += 1
         version = self._version
-        self._schedule(self._step_end, lambda: self._end_step(version))
+        self._schedule(t, lambda: self._end_step(version))
 
     def _cut_fused(self, now: float) -> None:
         done = int((now - self._step_start) / self._per_step) + 1
-        if done < self._fused:
-            self._fused = done
-            self._step_end = self._step_start + done * self._per_step
-            self._version += 1
-            version = self._version
-            self._schedule(self._step_end, lambda: self._end_step(version))
-
-    def _admit(self, req: SimRequest) -> _Active | None:
-        bm = self.bm
-        tokens = req.session.tokens
-        hashes = req.prompt_hashes
-        prompt = tokens[: req.prompt_len]
-        hits, num_cached = bm.get_computed_blocks(prompt, hashes)
-        if not bm.allocate_slots(req.rid, req.prompt_len + req.output_len, hits):
-            return None
-        bm.record_prefix_lookup(req.prompt_len, num_cached)
-        req.cached_tokens = num_cached
-        return _Active(req, req.prompt_len - num_cached, req.output_len)
+        if done < self._steps:
+            self._steps = done
+            self._end_at(self._step_start + done * self._per_step)
 
     def _end_step(self, version: int) -> None:
         if version != self._version:
@@ -251,49 +241,31 @@ class SimEngine:
         now = self._step_end
         self._account(now)
         self.stats.busy_s += now - self._step_start
-        bs = self.spec.block_size
-        if self._fused:
-            self.stats.steps += self._fused
-            for act in self._decode:
-                act.decode_left -= self._fused
-        else:
-            self.stats.steps += 1
-            for act in self._decode:
-                act.decode_left -= 1
-            for act, n in self._prefill:
-                act.prefill_left -= n
-                req = act.req
-                computed = req.prompt_len - act.prefill_left
-                s = req.session
-                self.bm.cache_full_blocks(
-                    req.rid, s.tokens[: req.prompt_len], s.hashes[: req.prompt_len // bs], computed
-                )
-                if act.prefill_left == 0:
-                    req.first_token_s = now  # the step that ends a prefill samples token 1
-                    act.decode_left -= 1
-        still: list[_Active] = []
-        for act in self.running:
-            if act.prefill_left == 0 and act.decode_left <= 0:
-                self._retire(act, now)
-            else:
-                still.append(act)
-        self.running = still
+        self.stats.steps += self._steps
+        self._apply(self._out, now)
+        for _ in range(self._steps - 1):  # the rest of a fused stretch
+            out = self.scheduler.schedule()
+            assert not out.preempted and out.num_batched_tokens == len(self._out.scheduled)
+            self._apply(out, now)
         self._drain_events()
         self._start_step(now)
 
-    def _retire(self, act: _Active, now: float) -> None:
-        req = act.req
-        s = req.session
-        total = req.prompt_len + req.output_len
-        # The last sampled token is never fed back, so its KV is not computed.
-        computed = total - 1
-        self.bm.cache_full_blocks(
-            req.rid, s.tokens[:total], s.hashes[: computed // self.spec.block_size], computed
-        )
-        self.bm.free(req.rid)
-        req.finish_s = now
+    def _apply(self, out: SchedulerOutput, now: float) -> None:
+        """The real scheduler's update, fed each session's next tokens as the sampled ones."""
+        tokens = [_next_token(self._sims, s.request) for s in out.scheduled if s.completes_sequence]
+        for req in self.scheduler.update(out, tokens):
+            sim = self._sims[req.request_id]
+            if req.num_output_tokens == 1:
+                sim.first_token_s = now
+            if req.status.is_finished:
+                self._retire(sim, req, now)
+
+    def _retire(self, sim: SimRequest, req: Request, now: float) -> None:
+        del self._sims[sim.rid]
+        sim.cached_tokens = req.num_cached_tokens
+        sim.finish_s = now
         self.stats.served += 1
-        self._on_finish(req, now)
+        self._on_finish(sim, now)
 
     def _drain_events(self) -> None:
         events = self.bm.take_events()
@@ -306,6 +278,23 @@ class SimEngine:
             else:
                 cached.difference_update(ev.block_hashes)
         self.unpublished.extend(events)
+
+
+def _work(out: SchedulerOutput) -> tuple[int, int]:
+    """A step's (prefill tokens, decodes): a decode is one new token past the prompt."""
+    prefill = decodes = 0
+    for s in out.scheduled:
+        req = s.request
+        if s.num_new_tokens == 1 and req.num_computed_tokens >= req.num_prompt_tokens:
+            decodes += 1
+        else:
+            prefill += s.num_new_tokens
+    return prefill, decodes
+
+
+def _next_token(sims: dict[str, SimRequest], req: Request) -> int:
+    """The token the session has after the request's sequence: what the model "samples"."""
+    return sims[req.request_id].session.tokens[req.num_tokens]
 
 
 @dataclass(slots=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "LLMEngine", "RequestOutput"]
+__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
 
 if TYPE_CHECKING:
     from services.engine.config import EngineConfig

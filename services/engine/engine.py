@@ -6,8 +6,7 @@ Not thread-safe: one thread owns an engine (the offline ``LLM``, or the server's
 from __future__ import annotations
 
 import logging
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from services.engine.block_manager import BlockManager
@@ -15,9 +14,9 @@ from services.engine.config import EngineConfig
 from services.engine.model_runner import ModelRunner
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import make_generator
-from services.engine.scheduler import Scheduler, SchedulerOutput
+from services.engine.scheduler import Scheduler
 from services.protocol.block_hash import BlockHasher, HashAlgorithm
-from services.protocol.engine_api import TokenLogprobs
+from services.protocol.engine_api import BadRequest, TokenLogprobs
 from services.protocol.kv_events import KVEvent
 from services.protocol.sampling_params import SamplingParams
 
@@ -53,7 +52,6 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
-    extra: dict = field(default_factory=dict)
 
 
 _MAX_HASHERS = 4096  # one per cache salt seen; rebuilt on demand, so clearing is safe
@@ -77,7 +75,10 @@ class LLMEngine:
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
         )
         self.requests: dict[str, Request] = {}
         self._hashers: dict[str | None, BlockHasher] = {}
@@ -116,7 +117,7 @@ class LLMEngine:
         cache_salt: str | None = None,
     ) -> Request:
         if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in the engine")
+            raise BadRequest(f"request_id {request_id!r} is already in the engine", "request_id")
         max_tokens = self.check_request(prompt_token_ids, params)
         req = Request(
             request_id=request_id,
@@ -132,30 +133,38 @@ class LLMEngine:
         return req
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Returns the request's max_tokens, or raises ``BadRequest`` (a ValueError: a 400 on
+        the server) naming the field at fault: the limits only the loaded model knows."""
         n = len(prompt_token_ids)
         if n == 0:
-            raise ValueError("prompt must contain at least one token")
+            raise BadRequest("prompt_token_ids must contain at least one token", "prompt_token_ids")
         vocab = self.runner.model_config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+            raise BadRequest(
+                f"prompt_token_ids must be in [0, {vocab}) for this model", "prompt_token_ids"
+            )
         if n >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {n} tokens; the model's context is {self.max_model_len} tokens "
-                "and at least one must be left to generate"
+            raise BadRequest(
+                f"prompt_token_ids has {n} tokens; the model's context is {self.max_model_len} "
+                "tokens and at least one must be left to generate",
+                "prompt_token_ids",
             )
         room = self.max_model_len - n
         max_tokens = room if params.max_tokens is None else params.max_tokens
         if max_tokens > room:
-            raise ValueError(
+            raise BadRequest(
                 f"max_tokens={max_tokens} is too large: the prompt has {n} tokens and the "
-                f"context is {self.max_model_len}; at most {room} can be generated"
+                f"context is {self.max_model_len}; at most {room} can be generated",
+                "max_tokens",
             )
-        bs = self.config.block_size
-        needed = -(-(n + max_tokens) // bs)
+        needed = -(-(n + max_tokens) // self.config.block_size)
         if needed > self.runner.num_blocks:
-            raise ValueError(
-                f"prompt + max_tokens need {needed} KV blocks but the pool has "
-                f"{self.runner.num_blocks}"
+            # Without max_tokens the prompt alone decides how much room is asked for.
+            param = "prompt_token_ids" if params.max_tokens is None else "max_tokens"
+            raise BadRequest(
+                f"{param}: prompt + max_tokens need {needed} KV blocks but the pool has "
+                f"{self.runner.num_blocks}",
+                param,
             )
         return max_tokens
 
@@ -173,53 +182,18 @@ class LLMEngine:
     # -- stepping ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestUpdate]:
+        """One step: schedule -> execute -> the scheduler applies the result."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        result = self.runner.execute(sched)
-        self._advance(sched)
-        now = time.monotonic()
-        updates = []
-        for rid, tok, lp in zip(
-            result.request_ids, result.sampler_output.token_ids, result.sampler_output.logprobs
-        ):
-            req = self.requests[rid]
-            req.append_output_token(tok)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            req.last_token_time = now
-            self._check_stop(req, tok)
-            if req.status.is_finished:
-                self._retire(req)
-            updates.append(self._update(req, [tok], [lp]))
-        return updates
+        out = self.runner.execute(sched).sampler_output
+        sampled = self.scheduler.update(sched, out.token_ids)
+        return [self._sampled(req, lp) for req, lp in zip(sampled, out.logprobs, strict=True)]
 
-    def _advance(self, sched: SchedulerOutput) -> None:
-        """Counts the step's tokens as computed and caches the blocks they filled."""
-        for s in sched.scheduled:
-            req = s.request
-            req.num_computed_tokens += s.num_new_tokens
-            self.block_manager.cache_full_blocks(
-                req.request_id, req.token_ids, req.block_hashes, req.num_computed_tokens
-            )
-
-    def _check_stop(self, req: Request, tok: int) -> None:
-        p = req.params
-        n_out = req.num_output_tokens
-        if n_out >= p.min_tokens:
-            if not p.ignore_eos and tok in req.eos_token_ids:
-                req.status = RequestStatus.FINISHED_STOPPED
-                return
-            if tok in p.stop_token_ids:
-                req.status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = tok
-                return
-        if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            req.status = RequestStatus.FINISHED_LENGTH
-
-    def _retire(self, req: Request) -> None:
-        self.scheduler.finish(req)
-        del self.requests[req.request_id]
+    def _sampled(self, req: Request, lp: TokenLogprobs | None) -> RequestUpdate:
+        if req.status.is_finished:  # the scheduler has already freed its blocks
+            del self.requests[req.request_id]
+        return self._update(req, [req.output_token_ids[-1]], [lp])
 
     def _update(
         self, req: Request, toks: list[int], lps: list[TokenLogprobs | None]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.engine.attention.contract import check_kv_caches, check_step
 from services.engine.attention.metadata import build_attention_metadata
 from services.engine.attention.selector import get_attention_backend
 from services.engine.config import EngineConfig
@@ -22,9 +23,9 @@ _GPU_MEMORY_FRACTION = 0.85
 
 @dataclass(slots=True)
 class StepResult:
-    """Sampled tokens, one per scheduled request that completed its sequence this step."""
+    """Sampled tokens, one per scheduled request that completes its sequence this step, in
+    schedule order (what ``Scheduler.update`` takes)."""
 
-    request_ids: list[str]
     sampler_output: SamplerOutput
 
 
@@ -75,13 +76,22 @@ class ModelRunner:
     def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         mc = self.model_config
         shape = (num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
-        return [
+        caches = [
             (
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
                 torch.zeros(shape, dtype=self.dtype, device=self.device),
             )
             for _ in range(mc.num_layers)
         ]
+        # The caches' half of the attention contract, once (no layer checks it again).
+        check_kv_caches(
+            caches,
+            num_heads=mc.num_heads,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            dtype=self.dtype,
+        )
+        return caches
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -100,13 +110,14 @@ class ModelRunner:
         meta, positions = build_attention_metadata(
             block_tables, seq_lens, query_lens, self.block_size, self.device
         )
+        check_step(meta, len(input_ids), self.kv_caches[0][0])  # once per step, not per layer
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         hidden = self.model(ids, positions, self.kv_caches, meta)
 
         # Logits only where a token is sampled: the last new token of completed sequences.
         rows = [i for i, s in enumerate(sched.scheduled) if s.completes_sequence]
         if not rows:
-            return StepResult([], SamplerOutput(token_ids=[], logprobs=[]))
+            return StepResult(SamplerOutput(token_ids=[], logprobs=[]))
         ends = meta.cu_seqlens_q[1:].to(torch.long) - 1
         last = ends[torch.tensor(rows, dtype=torch.long, device=self.device)]
         logits = self.model.compute_logits(hidden.index_select(0, last))
@@ -121,4 +132,4 @@ class ModelRunner:
             )
             for r in reqs
         ]
-        return StepResult([r.request_id for r in reqs], self.sampler(logits, sampling_rows))
+        return StepResult(self.sampler(logits, sampling_rows))

@@ -15,7 +15,7 @@ import logging
 import time
 
 from services.common.redis_index import KVIndexPublisher
-from services.engine.core_loop import EngineCore
+from services.engine.engine_thread import EngineThread
 from services.protocol.messages import EngineHeartbeat
 
 logger = logging.getLogger(__name__)
@@ -24,7 +24,7 @@ _MAX_EVENTS_PER_TICK = 50_000
 
 
 class EnginePublisher:
-    def __init__(self, server_config, core: EngineCore) -> None:
+    def __init__(self, server_config, core: EngineThread) -> None:
         self.cfg = server_config
         self.core = core
         self.engine_id = server_config.resolved_engine_id()
@@ -69,7 +69,7 @@ class EnginePublisher:
             if self._failing:
                 logger.info("redis reachable again; publishing resumed")
             self._failing = False
-        except Exception as exc:  # Redis down: keep serving, retry next tick
+        except Exception as exc:  # noqa: BLE001 -- whatever Redis does, keep serving; retry
             if not self._failing:
                 logger.warning("redis publish failed: %s", exc)
             self._failing = True
@@ -81,7 +81,7 @@ class EnginePublisher:
             return
         try:
             await self.publisher.remove_engine(self.engine_id, engine.model_name)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 -- leaving must not fail the shutdown
             logger.warning("redis remove_engine failed: %s", exc)
 
     async def close(self) -> None:

@@ -51,11 +51,9 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None
-    logprobs: list = field(default_factory=list)
     # Timestamps (monotonic seconds) for metrics and traces.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
-    last_token_time: float | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -6,6 +6,10 @@ waiting ones in arrival order (FCFS, never skipping the head). A prompt that doe
 the remaining budget is prefilled in chunks over several steps. When KV blocks run out the
 most recently admitted running request is preempted by recompute: its blocks are freed and it
 goes back to the front of the queue, to be recomputed (mostly from the prefix cache) later.
+
+One step is ``schedule()`` -> the model runs -> ``update()``: the scheduler decides who samples
+and applies the result (tokens computed and cached, sampled tokens appended, stop checks,
+finished requests freed), as vLLM's ``update_from_output`` and nano-vllm's ``postprocess``.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from services.engine.block_manager import BlockManager
@@ -26,11 +31,9 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
     block_table: list[int]
-
-    @property
-    def completes_sequence(self) -> bool:
-        """True when this step reaches the last known token, so its logits are sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    # Decided by schedule(): this step reaches the last known token, so a token is sampled
+    # from its logits (False for every chunk of a chunked prefill but the last).
+    completes_sequence: bool
 
 
 @dataclass(slots=True)
@@ -50,10 +53,12 @@ class Scheduler:
         block_manager: BlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        max_model_len: int,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len  # prompt + output never grows past it
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -69,10 +74,6 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.block_manager.free(request.request_id)
-
-    def finish(self, request: Request) -> None:
-        self.running.remove(request)
         self.block_manager.free(request.request_id)
 
     def has_unfinished(self) -> bool:
@@ -95,9 +96,7 @@ class Scheduler:
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._allocate_or_preempt(req, num_new, out):
                 break  # req itself was preempted: everything after it is gone too
-            out.scheduled.append(
-                ScheduledRequest(req, num_new, self.block_manager.get_block_table(req.request_id))
-            )
+            out.scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
             i += 1
         return budget
@@ -141,7 +140,59 @@ class Scheduler:
                 req.first_scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(
-                ScheduledRequest(req, num_new, self.block_manager.get_block_table(req.request_id))
-            )
+            out.scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
+
+    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+        samples = req.num_computed_tokens + num_new == req.num_tokens
+        table = self.block_manager.get_block_table(req.request_id)
+        return ScheduledRequest(req, num_new, table, samples)
+
+    # -- the step's result ------------------------------------------------------------------
+
+    def update(self, sched: SchedulerOutput, token_ids: Sequence[int]) -> list[Request]:
+        """Applies a step: counts its tokens as computed, caches the blocks they filled, then
+        appends ``token_ids`` (one per request scheduled with ``completes_sequence``, in
+        schedule order), runs the stop checks and frees the requests that finished.
+
+        Returns the requests that got a token, in the order of ``token_ids``; each one's new
+        token is its last output token, and ``status`` says whether it finished.
+        """
+        sampled = [s.request for s in sched.scheduled if s.completes_sequence]
+        assert len(token_ids) == len(sampled), (len(token_ids), len(sampled))
+        self._advance(sched)
+        now = time.monotonic()
+        for req, tok in zip(sampled, token_ids):
+            self._append(req, tok, now)
+        return sampled
+
+    def _advance(self, sched: SchedulerOutput) -> None:
+        for s in sched.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            self.block_manager.cache_full_blocks(
+                req.request_id, req.token_ids, req.block_hashes, req.num_computed_tokens
+            )
+
+    def _append(self, req: Request, tok: int, now: float) -> None:
+        req.append_output_token(tok)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        self._check_stop(req, tok)
+        if req.status.is_finished:
+            self.running.remove(req)
+            self.block_manager.free(req.request_id)
+
+    def _check_stop(self, req: Request, tok: int) -> None:
+        p = req.params
+        n_out = req.num_output_tokens
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and tok in req.eos_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                return
+            if tok in p.stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = tok
+                return
+        if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH

@@ -5,16 +5,14 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
 import os
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from aiohttp import web
 from opentelemetry import trace
@@ -24,33 +22,13 @@ from services.common import tracing
 from services.common.default_model import DEFAULT_MODEL_NAME
 from services.common.http_errors import json_error, json_errors
 from services.engine.config import EngineConfig
-from services.engine.core_loop import EngineCore
 from services.engine.engine import RequestUpdate
+from services.engine.engine_thread import EngineThread, InternalEngineError
 from services.engine.metrics import EngineMetrics
+from services.engine.server_config import ServerConfig, configs_from_args
 from services.protocol import engine_api
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8200
-    engine_id: str | None = None  # default: hostname-port
-    advertise_url: str | None = None  # how gateways reach this engine; default http://host:port
-    redis_url: str | None = None
-    heartbeat_interval_s: float = 1.0
-    heartbeat_ttl_s: float = 5.0
-    drain_timeout_s: float = 30.0
-    # Fault injection for tests and drills: seconds slept before every engine step.
-    debug_step_delay_s: float = 0.0
-    log_level: str = "INFO"
-
-    def resolved_engine_id(self) -> str:
-        return self.engine_id or f"{socket.gethostname()}-{self.port}"
-
-    def resolved_url(self) -> str:
-        return self.advertise_url or f"http://{self.host}:{self.port}"
 
 
 @dataclass(slots=True)
@@ -67,7 +45,7 @@ class Lifecycle:
 _MIN_HEARTBEAT_GAP_S = 0.05
 _CUT_AFTER_DRAIN_S = 0.5  # early heartbeats are at most 20 per second
 
-CORE = web.AppKey("core", EngineCore)
+CORE = web.AppKey("core", EngineThread)
 LIFECYCLE = web.AppKey("lifecycle", Lifecycle)
 METRICS = web.AppKey("metrics", EngineMetrics)
 SERVER_CONFIG = web.AppKey("server_config", ServerConfig)
@@ -92,7 +70,7 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig) -> web.
 
 def _engine_ctx(engine_config: EngineConfig):
     async def ctx(app: web.Application) -> AsyncIterator[None]:
-        core = EngineCore(engine_config, app[SERVER_CONFIG].debug_step_delay_s)
+        core = EngineThread(engine_config, app[SERVER_CONFIG].debug_step_delay_s)
         app[CORE] = core
         name = engine_config.served_model_name or os.path.basename(
             (engine_config.model or DEFAULT_MODEL_NAME).rstrip("/")
@@ -188,8 +166,11 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     try:
         req = engine_api.GenerateRequest.from_msgpack(body)
         core.engine.check_request(req.prompt_token_ids, req.params)
-    except ValueError as exc:  # BadRequest, or the engine's own limits (vocab, context, pool)
-        return json_error(400, str(exc), engine_api.param_of(exc))
+    except engine_api.BadRequest as exc:  # the client's input (body, params, model limits)
+        return json_error(400, str(exc), exc.param)
+    except Exception as exc:  # anything else is an engine bug, never the client's 400
+        logger.exception("checking a request failed")
+        return _internal_error(exc)
     rid = f"{req.request_id}-{uuid.uuid4().hex[:8]}"  # unique even if a client reuses ids
     span = trace.get_current_span()  # the server span of tracing.server_span_middleware
     if span.is_recording():
@@ -206,9 +187,12 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     try:
         core.submit(rid, req.prompt_token_ids, req.params, req.cache_salt, updates.put_nowait)
         first = await updates.get()
-        if isinstance(first, ValueError):
+        if isinstance(first, engine_api.BadRequest):
             finished = True
-            return json_error(400, str(first), engine_api.param_of(first))
+            return json_error(400, str(first), first.param)
+        if isinstance(first, InternalEngineError):  # logged where it was raised
+            finished = True
+            return _internal_error(first)
         if isinstance(first, Exception):  # the step failed: the caller may try another engine
             finished = True
             return json_error(503, str(first))
@@ -223,6 +207,14 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         if not finished:  # client went away, or we failed: free the KV blocks now
             core.abort(rid)
     return resp
+
+
+def _internal_error(exc: Exception) -> web.Response:
+    """A 500 for an engine bug; the caller may try another engine (the gateway does)."""
+    message = str(exc)
+    if not message.startswith("internal engine error"):
+        message = f"internal engine error: {type(exc).__name__}: {message}"
+    return json_error(500, message)
 
 
 async def _stream(
@@ -352,41 +344,8 @@ async def _publish_loop(app: web.Application) -> None:
 # -- CLI --------------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m services.engine.server",
-                                 description="Pagoda engine server")
-    for cls in (EngineConfig, ServerConfig):
-        for f in fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            if f.type in ("bool",) or isinstance(f.default, bool):
-                ap.add_argument(flag, type=_parse_bool, default=f.default,
-                                help=f"(default: {f.default})")
-            else:
-                kind = _arg_type(f.type)
-                ap.add_argument(flag, type=kind, default=f.default, help=f"(default: {f.default})")
-    return ap
-
-
-def _parse_bool(s: str) -> bool:
-    if s.lower() in ("1", "true", "yes", "on"):
-        return True
-    if s.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected a boolean, got {s!r}")
-
-
-def _arg_type(annotation: str):
-    if annotation.startswith("int"):
-        return int
-    if annotation.startswith("float"):
-        return float
-    return str
-
-
 def main(argv: list[str] | None = None) -> None:
-    args = vars(build_parser().parse_args(argv))
-    engine_config = EngineConfig(**{f.name: args[f.name] for f in fields(EngineConfig)})
-    server_config = ServerConfig(**{f.name: args[f.name] for f in fields(ServerConfig)})
+    engine_config, server_config = configs_from_args(argv)  # flags: server_config.py
     logging.basicConfig(level=server_config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     app = create_app(engine_config, server_config)

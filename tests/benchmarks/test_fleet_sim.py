@@ -13,6 +13,7 @@ from benchmarks.fleet_sim import (
     OracleRouting,
     RedisRouting,
     SimConfig,
+    SimEngine,
     Simulation,
     TraceConfig,
     make_trace,
@@ -97,3 +98,54 @@ def test_engine_model_reuses_the_prefix_cache() -> None:
     # The first turn's prompt and output (609 computed tokens: 38 full blocks) are cached.
     assert second.cached_tokens == 38 * 16
     assert second.ttft_s == pytest.approx(0.01 + (1000 - 608) * 0.001)
+
+
+def _one_engine(trace, spec: EngineSpec):
+    async def go():
+        sim = Simulation(trace, 1, OracleRouting(), SimConfig(spec=spec))
+        result = await sim.run()
+        return sim, result
+
+    return asyncio.run(go())
+
+
+TIGHT = TraceConfig(duration_s=2.0, requests_per_engine_s=20.0, length_scale=0.3, seed=4)
+TIGHT_SPEC = EngineSpec(num_blocks=160, max_num_batched_tokens=256)
+
+
+def test_engine_model_is_the_real_scheduler() -> None:
+    """A KV pool too small for the load: the real scheduler chunks prefills and preempts, and
+    every request still finishes with its whole output, leaving no block held."""
+    trace = make_trace(TIGHT, 1)
+    sim, result = _one_engine(trace, TIGHT_SPEC)
+    (engine,) = sim.engines
+    assert result.requests == trace.num_requests == engine.stats.served
+    assert engine.scheduler.num_preemptions > 0
+    assert not engine.scheduler.has_unfinished() and engine.bm.num_free_blocks == 160
+    assert all(r.finish_s >= r.first_token_s > r.arrival_s for r in sim.requests)
+
+
+def test_fused_decode_steps_change_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode-only steps run as one event give the timings of running them one by one, even
+    with preemptions around them."""
+    trace = make_trace(TIGHT, 1)
+    events: list[int] = []
+    end_step = SimEngine._end_step
+
+    def counted(self: SimEngine, version: int) -> None:
+        events.append(version)
+        end_step(self, version)
+
+    monkeypatch.setattr(SimEngine, "_end_step", counted)
+    fused_sim, fused = _one_engine(trace, TIGHT_SPEC)
+    num_fused_events = len(events)
+    monkeypatch.setattr(SimEngine, "_fusable", lambda self, out: 1)
+    stepped_sim, stepped = _one_engine(trace, TIGHT_SPEC)
+    assert num_fused_events < len(events) - num_fused_events  # fusing did happen
+    (a,), (b,) = fused_sim.engines, stepped_sim.engines
+    assert a.stats.steps == b.stats.steps
+    assert a.scheduler.num_preemptions == b.scheduler.num_preemptions > 0
+    assert fused.ttfts == pytest.approx(stepped.ttfts)
+    finishes = [r.finish_s for r in fused_sim.requests]
+    assert finishes == pytest.approx([r.finish_s for r in stepped_sim.requests])
+    assert fused.hit_rate == stepped.hit_rate

@@ -35,7 +35,7 @@ def wait_for_model(stack: Stack, timeout: float = 30.0) -> None:
 
 def free_blocks(engine_url: str) -> float:
     text = urllib.request.urlopen(engine_url + "/metrics", timeout=5).read().decode()
-    return float(re.search(r"^pagoda:kv_free_blocks\{[^}]*\} (\S+)$", text, re.M).group(1))
+    return float(re.search(r"^pagoda:kv_free_blocks\{[^}]*\} (\S+)$", text, re.MULTILINE).group(1))
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +80,7 @@ def test_errors_have_openai_shape(ready: Stack) -> None:
 def prefix_workload(seed: int, prefixes: int, follow_ups: int) -> list[tuple[int, str]]:
     """Distinct long prefixes (about 200 tokens), each followed by requests that extend it."""
     rng = random.Random(seed)
-    words = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
-             "november oscar papa quebec romeo sierra tango uniform victor whiskey").split()
+    words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform", "victor", "whiskey"]
     out = []
     for p in range(prefixes):
         base = " ".join(rng.choice(words) for _ in range(180))

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
 
-from services.engine.attention import torch_backend
+from services.engine.attention import contract, torch_backend
 from services.engine.attention.base import AttentionMetadata
+from services.engine.attention.contract import (
+    AttentionContractError,
+    check_kv_caches,
+    check_step,
+)
 from services.engine.attention.metadata import build_attention_metadata
 from services.engine.attention.torch_backend import TorchAttentionBackend
 
@@ -237,61 +242,123 @@ def test_store_kv_empty_is_a_no_op() -> None:
     assert not k_cache.any()
 
 
-# ---------------------------------------------------------------------- bad input
+# ---------------------------------------------------------------------- the contract
+#
+# Nothing above validates per call: the runner checks the caches once when it allocates them
+# (check_kv_caches) and each step's metadata once (check_step). What the backends used to
+# reject per layer is rejected there, as an internal error (never a client's ValueError).
 
 
-def _store_args() -> dict[str, torch.Tensor]:
-    return {
-        "key": torch.zeros(3, 2, 16),
-        "value": torch.zeros(3, 2, 16),
-        "k_cache": torch.zeros(4, 8, 2, 16),
-        "v_cache": torch.zeros(4, 8, 2, 16),
-        "slot_mapping": torch.tensor([0, 1, 2]),
-    }
+def _caches(**shape: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    dims = {"num_blocks": 4, "block_size": 8, "num_kv_heads": 2, "head_dim": 16, **shape}
+    return [(torch.zeros(*dims.values()), torch.zeros(*dims.values())) for _ in range(3)]
+
+
+LAYOUT = {"num_heads": 6, "num_kv_heads": 2, "head_dim": 16, "dtype": torch.float32}
+
+
+def test_check_kv_caches_accepts_what_the_runner_allocates() -> None:
+    check_kv_caches(_caches(), **LAYOUT)
+
+
+def _swap(caches: list, layer: int, which: int, cache: torch.Tensor) -> list:
+    pair = list(caches[layer])
+    pair[which] = cache
+    return [*caches[:layer], tuple(pair), *caches[layer + 1 :]]
 
 
 @pytest.mark.parametrize(
-    ("field", "bad"),
+    ("name", "caches", "layout"),
     [
-        ("key", torch.zeros(3, 32)),
-        ("value", torch.zeros(3, 2, 8)),
-        ("key", torch.zeros(3, 4, 16)),
-        ("v_cache", torch.zeros(4, 8, 2, 8)),
-        ("k_cache", torch.zeros(4, 8, 32)),
-        ("slot_mapping", torch.tensor([0, 1])),
-        ("slot_mapping", torch.tensor([0.0, 1.0, 2.0])),
+        ("model has more kv heads than the cache", _caches(), {"num_kv_heads": 4}),
+        ("model head_dim differs", _caches(), {"head_dim": 32}),
+        ("heads not a multiple of kv heads", _caches(), {"num_heads": 5}),
+        ("model dtype differs", _caches(), {"dtype": torch.bfloat16}),
+        ("dtype no backend takes", _caches(), {"dtype": torch.float64}),
+        ("3-D cache", [(c.flatten(2), c.flatten(2)) for c, _ in _caches()], {}),
+        ("v_cache head_dim differs", _swap(_caches(), 0, 1, torch.zeros(4, 8, 2, 8)), {}),
+        ("a later layer differs", _swap(_caches(), 2, 0, torch.zeros(5, 8, 2, 16)), {}),
+        (
+            "non-contiguous cache",
+            _swap(_caches(), 1, 0, torch.zeros(4, 2, 8, 16).transpose(1, 2)),
+            {},
+        ),
+        ("cache dtype differs", _swap(_caches(), 1, 1, torch.zeros(4, 8, 2, 16).double()), {}),
+        ("no layers", [], {}),
     ],
 )
-def test_store_kv_rejects_bad_shapes(field: str, bad: torch.Tensor) -> None:
-    args = _store_args()
-    args[field] = bad
-    with pytest.raises(ValueError):
-        TorchAttentionBackend().store_kv(**args)
+def test_check_kv_caches_rejects(name: str, caches: list, layout: dict) -> None:
+    with pytest.raises(AttentionContractError) as err:
+        check_kv_caches(caches, **{**LAYOUT, **layout})
+    assert not isinstance(err.value, ValueError)  # an engine bug, never a client's 400
 
 
-def test_forward_rejects_bad_shapes() -> None:
-    batch = make_batch([10, 5], [1, 5], num_heads=6, num_kv_heads=2, head_dim=32)
-    backend = TorchAttentionBackend()
-    q, kc, vc, meta = batch.query, batch.k_cache, batch.v_cache, batch.meta
-    bad_calls = {
-        "2-D query": (q.flatten(1), kc, vc, meta),
-        "head_dim mismatch": (q[..., :16], kc, vc, meta),
-        "heads not a multiple": (q[:, :5], kc, vc, meta),
-        "token count": (q[:-1], kc, vc, meta),
-        "cache shapes differ": (q, kc, vc[:, :, :1], meta),
-        "non-contiguous cache": (q, kc.transpose(1, 2), vc.transpose(1, 2), meta),
-        "dtype mismatch": (q.double(), kc, vc, meta),
-        "block size": (q, kc.view(-1, 8, 2, 32), vc.view(-1, 8, 2, 32), meta),
+def test_check_step_accepts_real_metadata() -> None:
+    batch = make_batch([10, 5, 33], [1, 5, 2], block_size=16)
+    check_step(batch.meta, 8, batch.k_cache)
+
+
+def _bad_steps() -> dict[str, tuple[AttentionMetadata, int, torch.Tensor]]:
+    batch = make_batch([40, 5], [1, 5], block_size=16)
+    meta, kc = batch.meta, batch.k_cache
+
+    def edited(**fields: object) -> AttentionMetadata:
+        return replace(meta, **fields)
+
+    return {
+        "token count": (meta, 5, kc),
+        "block size": (meta, 6, kc.view(-1, 8, *kc.shape[2:])),
+        "block table too short": (edited(block_tables=meta.block_tables[:, :2]), 6, kc),
+        "block table rows": (edited(block_tables=meta.block_tables[:1]), 6, kc),
+        "block table dtype": (edited(block_tables=meta.block_tables.float()), 6, kc),
+        "query_len > seq_len": (edited(query_lens=[1, 6], max_seqlen_q=6), 7, kc),
+        "query_len 0": (edited(query_lens=[0, 5], seq_lens=[40, 5]), 5, kc),
+        "seq_lens count": (edited(seq_lens=[40]), 6, kc),
+        "slot_mapping count": (edited(slot_mapping=meta.slot_mapping[:5]), 6, kc),
+        "slot_mapping dtype": (edited(slot_mapping=meta.slot_mapping.float()), 6, kc),
+        "cu_seqlens_q count": (edited(cu_seqlens_q=meta.cu_seqlens_q[:2]), 6, kc),
+        "context_lens count": (edited(context_lens=meta.context_lens[:1]), 6, kc),
+        "max_seqlen_k": (edited(max_seqlen_k=30), 6, kc),
     }
-    for name, args in bad_calls.items():
-        with pytest.raises(ValueError):
-            backend.forward(*args, scale=0.1)
-            pytest.fail(name)
 
 
-def test_forward_rejects_too_short_block_table() -> None:
-    batch = make_batch([40], [1], block_size=16)
-    meta = batch.meta
-    meta.block_tables = meta.block_tables[:, :2]  # 40 tokens need 3 blocks
-    with pytest.raises(ValueError, match="block"):
-        TorchAttentionBackend().forward(batch.query, batch.k_cache, batch.v_cache, meta, 0.1)
+@pytest.mark.parametrize("name", list(_bad_steps()))
+def test_check_step_rejects(name: str) -> None:
+    meta, num_tokens, k_cache = _bad_steps()[name]
+    with pytest.raises(AttentionContractError) as err:
+        check_step(meta, num_tokens, k_cache)
+    assert not isinstance(err.value, ValueError)
+
+
+def test_build_metadata_rejects_a_block_table_too_short_for_its_request() -> None:
+    # The padded metadata cannot show it (the other table is long enough), so build checks.
+    with pytest.raises(AttentionContractError, match="block table"):
+        build_attention_metadata([[0, 1], [2, 3, 4]], [40, 40], [1, 1], 16)
+
+
+def test_the_runner_checks_the_contract_once_per_step(
+    tiny_model_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One check_step per step whatever the layer count, and the backend checks nothing."""
+    from services.engine import model_runner
+    from services.engine.config import EngineConfig
+    from services.engine.engine import LLMEngine
+    from services.protocol.sampling_params import SamplingParams
+
+    path = tiny_model_dir("LlamaForCausalLM", num_hidden_layers=3)
+    engine = LLMEngine(EngineConfig(model=str(path), num_blocks=16))
+    calls: list[int] = []
+
+    def counting(meta: AttentionMetadata, num_tokens: int, k_cache: torch.Tensor) -> None:
+        calls.append(num_tokens)
+        contract.check_step(meta, num_tokens, k_cache)
+
+    monkeypatch.setattr(model_runner, "check_step", counting)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", [1, 2, 3, 4, 5], params)
+    engine.add_request("b", [6, 7], params)
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    assert calls == [7, 2, 2][:steps] and steps == 3

@@ -1,17 +1,25 @@
 """The engine server as a real process: streaming msgpack API, abort on disconnect, metrics,
-bad input refused without harming the loop, heartbeats and KV events in a real Redis."""
+bad input refused without harming the loop, heartbeats and KV events in a real Redis. In
+process: only the client's errors are 400s; an engine bug is a 500."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import signal
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
 
 import aiohttp
 import msgpack
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 
 from services.common.redis_index import KVIndexReader, connect
+from services.engine.config import EngineConfig
+from services.engine.server import CORE, ServerConfig, create_app
 from services.protocol import engine_api
 from services.protocol.sampling_params import SamplingParams
 from tests.support.redis_server import RedisServer
@@ -43,19 +51,18 @@ def gen_body(rid: str, prompt: list[int], **params) -> bytes:
 async def generate(url: str, body: bytes) -> list[engine_api.StreamFrame]:
     frames = []
     dec = engine_api.FrameDecoder()
-    async with aiohttp.ClientSession() as s:
-        async with s.post(url + engine_api.GENERATE_PATH, data=body) as r:
-            assert r.status == 200, await r.text()
-            async for chunk in r.content.iter_any():
-                frames.extend(dec.feed(chunk))
+    async with aiohttp.ClientSession() as s, s.post(url + engine_api.GENERATE_PATH,
+                                                    data=body) as r:
+        assert r.status == 200, await r.text()
+        async for chunk in r.content.iter_any():
+            frames.extend(dec.feed(chunk))
     return frames
 
 
 async def metric(url: str, name: str) -> float:
-    async with aiohttp.ClientSession() as s:
-        async with s.get(url + "/metrics") as r:
-            text = await r.text()
-    m = re.search(rf"^{re.escape(name)}{{[^}}]*}} ([0-9.e+-]+)$", text, re.M)
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        text = await r.text()
+    m = re.search(rf"^{re.escape(name)}{{[^}}]*}} ([0-9.e+-]+)$", text, re.MULTILINE)
     assert m, f"{name} missing from /metrics"
     return float(m.group(1))
 
@@ -78,11 +85,11 @@ def test_stream_tokens_and_usage(engine) -> None:
 
 def test_bad_requests_are_400_and_the_engine_keeps_serving(engine) -> None:
     async def post(data: bytes) -> int:
-        async with aiohttp.ClientSession() as s:
-            async with s.post(engine.url + engine_api.GENERATE_PATH, data=data) as r:
-                body = await r.json()
-                assert "error" in body
-                return r.status
+        async with aiohttp.ClientSession() as s, s.post(
+                engine.url + engine_api.GENERATE_PATH, data=data) as r:
+            body = await r.json()
+            assert "error" in body
+            return r.status
 
     assert asyncio.run(post(b"\xc1garbage")) == 400
     assert asyncio.run(post(msgpack.packb({"request_id": "x"}))) == 400
@@ -148,9 +155,8 @@ def test_unknown_paths_and_methods_get_json_errors(engine) -> None:
 
 def test_metrics_use_vllm_names(engine) -> None:
     async def run() -> str:
-        async with aiohttp.ClientSession() as s:
-            async with s.get(engine.url + "/metrics") as r:
-                return await r.text()
+        async with aiohttp.ClientSession() as s, s.get(engine.url + "/metrics") as r:
+            return await r.text()
 
     text = asyncio.run(run())
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
@@ -211,14 +217,14 @@ def test_sigterm_leaves_routing_first_then_drains(default_model_path, redis_serv
             frames: list[engine_api.StreamFrame] = []
             dec = engine_api.FrameDecoder()
             body = gen_body("drain", list(range(500, 540)), max_tokens=48, ignore_eos=True)
-            async with aiohttp.ClientSession() as s:
-                async with s.post(proc.url + engine_api.GENERATE_PATH, data=body) as r:
-                    frames.extend(dec.feed(await r.content.readany()))
-                    proc.proc.send_signal(signal.SIGTERM)
-                    left = False
-                    async for chunk in r.content.iter_any():
-                        frames.extend(dec.feed(chunk))
-                        left = left or "e-drain" not in await live_ids(reader)
+            async with aiohttp.ClientSession() as s, s.post(
+                    proc.url + engine_api.GENERATE_PATH, data=body) as r:
+                frames.extend(dec.feed(await r.content.readany()))
+                proc.proc.send_signal(signal.SIGTERM)
+                left = False
+                async for chunk in r.content.iter_any():
+                    frames.extend(dec.feed(chunk))
+                    left = left or "e-drain" not in await live_ids(reader)
             assert left or "e-drain" not in await live_ids(reader)
             return frames
         finally:
@@ -231,3 +237,96 @@ def test_sigterm_leaves_routing_first_then_drains(default_model_path, redis_serv
         assert proc.proc.wait(30) == 0
     finally:
         proc.kill()
+
+
+# -- in process: a 400 is the client's fault, anything else is the engine's -------------------
+
+
+@contextlib.asynccontextmanager
+async def engine_app(model_dir: Path) -> AsyncIterator[TestClient]:
+    """The engine app on a tiny random model (vocabulary 256), context 64, loaded and ready."""
+    config = EngineConfig(model=str(model_dir), num_blocks=16, max_model_len=64)
+    app = create_app(config, ServerConfig(engine_id="e-in-process"))
+    async with TestClient(TestServer(app)) as client:
+        for _ in range(600):
+            if (await client.get("/health")).status == 200:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the engine did not load")
+        yield client
+
+
+def small(prompt: list[int], max_tokens: int = 3) -> bytes:
+    return gen_body("r", prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+async def post_generate(client: TestClient, body: bytes) -> tuple[int, dict[str, Any] | None]:
+    """Posts a request; returns (status, error JSON), or (200, None) after reading the stream."""
+    resp = await client.post(engine_api.GENERATE_PATH, data=body)
+    if resp.status != 200:
+        return resp.status, (await resp.json())["error"]
+    frames = engine_api.FrameDecoder().feed(await resp.read())
+    assert isinstance(frames[-1], engine_api.FinishedFrame), frames
+    return 200, None
+
+
+def raising(exc: Exception) -> Callable[..., Any]:
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise exc
+
+    return fail
+
+
+def test_client_errors_are_400_naming_the_param(tiny_model_dir) -> None:
+    async def run() -> None:
+        async with engine_app(tiny_model_dir("LlamaForCausalLM")) as client:
+            cases = [
+                (small([1, 256]), "prompt_token_ids"),  # past the vocabulary
+                (small([5] * 64), "prompt_token_ids"),  # fills the context
+                (small([5] * 10, max_tokens=60), "max_tokens"),  # past the context
+                (  # refused by the parser
+                    msgpack.packb(
+                        {"request_id": "r", "prompt_token_ids": [5], "params": {"top_k": -5}}
+                    ),
+                    "top_k",
+                ),
+            ]
+            for body, param in cases:
+                status, err = await post_generate(client, body)
+                assert status == 400, err
+                assert (err["param"], err["type"]) == (param, "invalid_request_error"), err
+                assert err["message"].startswith(param), err
+            assert (await post_generate(client, small([5, 6, 7])))[0] == 200
+
+    asyncio.run(run())
+
+
+def test_an_engine_failure_is_a_500_never_a_400(tiny_model_dir) -> None:
+    """A plain ValueError from inside the engine is a bug, not bad input: 500, naming itself
+    an internal engine error; the engine thread survives it. A BadRequest raised on the engine
+    thread is still the client's 400."""
+
+    async def run() -> None:
+        async with engine_app(tiny_model_dir("LlamaForCausalLM")) as client:
+            engine = client.server.app[CORE].engine
+            for method, exc, expected in [
+                ("check_request", ValueError("max_tokens slipped"), 500),  # the handler's check
+                ("check_request", RuntimeError("boom"), 500),
+                ("add_request", ValueError("prompt broke an invariant"), 500),  # engine thread
+                ("add_request", engine_api.BadRequest("max_tokens: no", "max_tokens"), 400),
+            ]:
+                with pytest.MonkeyPatch.context() as mp:
+                    mp.setattr(engine, method, raising(exc))
+                    status, err = await post_generate(client, small([5, 6, 7]))
+                assert status == expected, (method, exc, err)
+                if expected == 500:
+                    assert err["message"].startswith("internal engine error"), err
+                    assert err["type"] != "invalid_request_error" and err["param"] is None, err
+                else:
+                    assert err["param"] == "max_tokens", err
+                # Nothing leaked, nothing died: the next request streams to the end.
+                assert (await post_generate(client, small([5, 6, 7])))[0] == 200
+            assert client.server.app[CORE].num_in_flight == 0
+
+    asyncio.run(run())

@@ -8,8 +8,8 @@ nothing. So the kernel tests run wherever the kernels really are interpreted (or
 device if there is one), and otherwise ``test_kernels_under_the_interpreter`` re-runs this file
 in a child pytest with the variable set from the start and asserts that it passed.
 
-Input validation, the selector and the backend's plumbing run in the parent: they never launch
-a kernel.
+The attention contract's checks, the selector and the backend's plumbing run in the parent: they
+never launch a kernel.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from services.engine.attention.base import AttentionMetadata
+from services.engine.attention.contract import AttentionContractError, check_kv_caches, check_step
 from services.engine.attention.metadata import build_attention_metadata
 from services.engine.attention.selector import BACKEND_NAMES, get_attention_backend
 from services.engine.attention.torch_backend import TorchAttentionBackend
@@ -308,50 +310,67 @@ def test_fused_add_rms_norm_matches_torch(dtype: torch.dtype) -> None:
 # ---------------------------------------------------------------------- no kernel launched
 
 
-def test_kernel_wrappers_reject_bad_input() -> None:
+def test_what_the_kernels_cannot_take_is_rejected_once_not_per_call() -> None:
+    """The wrappers do not validate per call: the caches are checked once at allocation and the
+    metadata once per step (``attention.contract``), and those checks refuse what the kernels
+    cannot take, as an internal error."""
+    kc = torch.zeros(4, 8, 2, 16)
+    layout = {"num_heads": 6, "num_kv_heads": 2, "head_dim": 16, "dtype": torch.float32}
+    bad_caches = {
+        "head_dim": ([(kc, kc)], {"head_dim": 8}),
+        "heads": ([(kc, kc)], {"num_heads": 5}),
+        "dtype": ([(kc, kc)], {"dtype": torch.float16}),
+        "dtype the kernels lack": ([(kc.double(), kc.double())], {"dtype": torch.float64}),
+        "cache layout": ([(kc[:, :, :1], kc)], {}),
+        "non-contiguous cache": ([(kc.transpose(1, 2), kc.transpose(1, 2))], {}),
+    }
+    for name, (caches, changes) in bad_caches.items():
+        with pytest.raises(AttentionContractError):
+            check_kv_caches(caches, **{**layout, **changes})
+            pytest.fail(f"no AttentionContractError for caches: {name}")
+    meta, _ = build_attention_metadata([[0], [1], [2]], [3, 3, 3], [1, 1, 1], 8)
+    bad_steps = {
+        "one query per sequence": (meta, 2),
+        "table dtype": (replace(meta, block_tables=meta.block_tables.float()), 3),
+        "context_lens": (replace(meta, context_lens=meta.context_lens[:2]), 3),
+        "cu_seqlens": (replace(meta, cu_seqlens_q=meta.cu_seqlens_q[:3]), 3),
+        "table rows strided": (
+            replace(meta, block_tables=meta.block_tables.repeat(1, 2)[:, ::2]),
+            3,
+        ),
+        "slot count": (replace(meta, slot_mapping=meta.slot_mapping[:2]), 3),
+    }
+    for name, (step_meta, num_tokens) in bad_steps.items():
+        with pytest.raises(AttentionContractError):
+            check_step(step_meta, num_tokens, kc)
+            pytest.fail(f"no AttentionContractError for step: {name}")
+
+
+def test_kernel_wrappers_keep_only_memory_guards() -> None:
+    """What remains per call: asserts on the strides the kernels index, and the split knob."""
     q = torch.zeros(3, 6, 16)
     kc = torch.zeros(4, 8, 2, 16)
     tables = torch.zeros(3, 2, dtype=torch.int32)
     lens = torch.ones(3, dtype=torch.int32)
-    cu = torch.arange(4, dtype=torch.int32)
     decode = paged_attention.paged_decode_attention
-    prefill = paged_attention.paged_prefill_attention
-    bad_calls = {
-        "decode: head_dim": lambda: decode(q[..., :8], kc, kc, tables, lens, 1.0),
-        "decode: heads": lambda: decode(q[:, :5], kc, kc, tables, lens, 1.0),
-        "decode: one query per sequence": lambda: decode(q[:2], kc, kc, tables, lens, 1.0),
-        "decode: dtype": lambda: decode(q.half(), kc, kc, tables, lens, 1.0),
-        "decode: cache layout": lambda: decode(q, kc[:, :, :1], kc, tables, lens, 1.0),
-        "decode: table dtype": lambda: decode(q, kc, kc, tables.float(), lens, 1.0),
-        "decode: context_lens": lambda: decode(q, kc, kc, tables, lens[:2], 1.0),
-        "decode: num_splits": lambda: decode(q, kc, kc, tables, lens, 1.0, num_splits=0),
-        "prefill: cu_seqlens": lambda: prefill(q, kc, kc, tables, lens, cu[:3], 1, 1.0),
-        "prefill: non-contiguous cache": lambda: prefill(
-            q, kc.transpose(1, 2), kc.transpose(1, 2), tables, lens, cu, 1, 1.0
-        ),
-        "store: key heads": lambda: kv_store.store_kv(
-            torch.zeros(3, 4, 16), torch.zeros(3, 4, 16), kc, kc, torch.zeros(3).long()
-        ),
-        "store: slot count": lambda: kv_store.store_kv(
-            torch.zeros(3, 2, 16), torch.zeros(3, 2, 16), kc, kc, torch.zeros(2).long()
-        ),
-        "store: head_dim stride": lambda: kv_store.store_kv(
+    with pytest.raises(AssertionError):
+        decode(q[:2], kc, kc, tables, lens, 1.0)
+    with pytest.raises(AssertionError):
+        decode(torch.zeros(3, 16, 6).transpose(1, 2), kc, kc, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="num_splits"):
+        decode(q, kc, kc, tables, lens, 1.0, num_splits=0)
+    with pytest.raises(AssertionError):
+        kv_store.store_kv(
             torch.zeros(3, 16, 2).transpose(1, 2),
             torch.zeros(3, 2, 16),
             kc,
             kc,
             torch.zeros(3).long(),
-        ),
-        "rms_norm: weight": lambda: rmsnorm.rms_norm(torch.zeros(2, 8), torch.zeros(7), 1e-6),
-        "rms_norm: eps": lambda: rmsnorm.rms_norm(torch.zeros(2, 8), torch.zeros(8), 0.0),
-        "fused: residual": lambda: rmsnorm.fused_add_rms_norm(
-            torch.zeros(2, 8), torch.zeros(3, 8), torch.zeros(8), 1e-6
-        ),
-    }
-    for name, call in bad_calls.items():
-        with pytest.raises(ValueError):
-            call()
-            pytest.fail(f"no ValueError for {name}")
+        )
+    with pytest.raises(AssertionError):
+        rmsnorm.rms_norm(torch.zeros(2, 8), torch.zeros(7), 1e-6)
+    with pytest.raises(AssertionError):
+        rmsnorm.fused_add_rms_norm(torch.zeros(2, 8), torch.zeros(3, 8), torch.zeros(8), 1e-6)
 
 
 def test_selector_picks_torch_off_cuda() -> None:

@@ -39,7 +39,8 @@ class ServiceProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         # stderr goes to a file, not a pipe: nobody drains a pipe during a long test, and a
         # full pipe would block the service on its next log line.
-        self._log = tempfile.NamedTemporaryFile(prefix=f"pagoda-{module}-", suffix=".log")
+        self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 -- lives as long as the service
+            prefix=f"pagoda-{module}-", suffix=".log")
 
     @property
     def url(self) -> str:

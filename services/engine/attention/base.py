@@ -16,6 +16,9 @@ request i is stored in slot ``block_tables[i, p // block_size] * block_size + p 
 
 KV cache per layer: ``k_cache`` and ``v_cache``, each ``[num_blocks, block_size, num_kv_heads,
 head_dim]`` (contiguous), preallocated once.
+
+The contract is checked where it is set up, not per layer: the caches once when allocated,
+each step's metadata once before the model runs (``attention.contract``). Backends trust both.
 """
 
 from __future__ import annotations

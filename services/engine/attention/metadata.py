@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from services.engine.attention.base import AttentionMetadata
+from services.engine.attention.contract import AttentionContractError
 
 
 def build_attention_metadata(
@@ -21,13 +22,13 @@ def build_attention_metadata(
 
     ``seq_lens[i]`` counts request i's tokens in KV after this step (cached + new);
     ``query_lens[i]`` how many of them are new (computed this step, always the last ones).
+    The inputs come from the scheduler, not from a client: the runner checks the result with
+    ``contract.check_step`` (lengths, token count, block size); only what the padded metadata
+    can no longer show, a block table too short for its own request, is checked here.
     """
-    if not (len(block_tables) == len(seq_lens) == len(query_lens)):
-        raise ValueError("block_tables, seq_lens and query_lens must have one entry per request")
+    assert len(block_tables) == len(seq_lens) == len(query_lens), "one entry per request"
     q = np.asarray(query_lens, dtype=np.int64)
     k = np.asarray(seq_lens, dtype=np.int64)
-    if (q <= 0).any() or (q > k).any():
-        raise ValueError("every request needs 0 < query_len <= seq_len")
     num_tokens = int(q.sum())
     # Absolute position of each new token: seq_len - q_len + j.
     starts = np.repeat(k - q, q)
@@ -40,7 +41,7 @@ def build_attention_metadata(
     owner = np.repeat(np.arange(len(q)), q)
     block_idx = positions // block_size
     if (block_idx >= np.array([len(bt) for bt in block_tables])[owner]).any():
-        raise ValueError("a block table is too short for its sequence length")
+        raise AttentionContractError("a block table is too short for its sequence length")
     slots = tables[owner, block_idx] * block_size + positions % block_size
     cu_q = np.zeros(len(q) + 1, dtype=np.int32)
     cu_q[1:] = np.cumsum(q)

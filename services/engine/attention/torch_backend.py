@@ -30,6 +30,10 @@ The per-step bookkeeping (which requests decode, gather indices, masks, bag rows
 on the metadata, which every layer of a step shares, so it is built once and reused until a
 different metadata object arrives. Padding keys are masked, never skipped, so the cache must
 hold finite values everywhere (the runner allocates it zeroed).
+
+Nothing here validates its arguments: the runner checks the caches once when it allocates them
+and each step's metadata once before the model runs (``attention.contract``), so the per-layer
+path does no checking at all.
 """
 
 from __future__ import annotations
@@ -115,7 +119,6 @@ class TorchAttentionBackend:
         slot_mapping: torch.Tensor,
     ) -> None:
         """Writes ``key[t]``/``value[t]`` into cache slot ``slot_mapping[t]``; slots < 0 skip."""
-        check_store_kv_args(key, value, k_cache, v_cache, slot_mapping)
         if key.shape[0] == 0:
             return
         slots = slot_mapping.to(torch.int64)
@@ -138,12 +141,7 @@ class TorchAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         """Causal attention of every request's new queries over its whole paged context."""
-        check_forward_args(query, k_cache, v_cache, meta)
         plan = self._plan_for(meta, query.device)
-        if query.shape[0] != plan.num_tokens:
-            raise ValueError(
-                f"query has {query.shape[0]} tokens but the metadata schedules {plan.num_tokens}"
-            )
         if plan.num_tokens == 0:
             return torch.empty_like(query)
         if plan.decode is not None and plan.decode.token_index is None:
@@ -175,96 +173,12 @@ class TorchAttentionBackend:
         return plan
 
 
-# ---------------------------------------------------------------------- validation
-
-
-def check_store_kv_args(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Raises ValueError unless the shapes fit ``AttentionBackend.store_kv``."""
-    _check_caches(k_cache, v_cache)
-    if key.dim() != 3 or key.shape != value.shape:
-        raise ValueError(
-            "key and value must both be [num_tokens, num_kv_heads, head_dim], got "
-            f"{tuple(key.shape)} and {tuple(value.shape)}"
-        )
-    if key.shape[1:] != k_cache.shape[2:]:
-        raise ValueError(
-            f"key heads/head_dim {tuple(key.shape[1:])} do not match the cache's "
-            f"{tuple(k_cache.shape[2:])}"
-        )
-    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
-        raise ValueError(
-            f"slot_mapping must be [num_tokens={key.shape[0]}], got {tuple(slot_mapping.shape)}"
-        )
-    if slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
-
-
-def check_forward_args(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
-) -> None:
-    """Raises ValueError unless the shapes fit ``AttentionBackend.forward``."""
-    _check_caches(k_cache, v_cache)
-    if query.dim() != 3:
-        raise ValueError(
-            f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}"
-        )
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    if query.shape[2] != head_dim:
-        raise ValueError(f"query head_dim {query.shape[2]} != cache head_dim {head_dim}")
-    if query.shape[1] % num_kv_heads != 0:
-        raise ValueError(
-            f"num_heads ({query.shape[1]}) must be a multiple of num_kv_heads ({num_kv_heads})"
-        )
-    if query.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype:
-        raise ValueError(
-            f"query and caches must share a dtype, got {query.dtype}, {k_cache.dtype}, "
-            f"{v_cache.dtype}"
-        )
-    if k_cache.shape[1] != meta.block_size:
-        raise ValueError(
-            f"cache block size {k_cache.shape[1]} != metadata block_size {meta.block_size}"
-        )
-
-
-def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
-            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous")
-
-
 # ---------------------------------------------------------------------- per-step plan
 
 
 def _build_plan(meta: AttentionMetadata, device: torch.device) -> _StepPlan:
-    if len(meta.seq_lens) != len(meta.query_lens):
-        raise ValueError("metadata seq_lens and query_lens must have one entry per request")
-    if meta.block_tables.dim() != 2 or meta.block_tables.shape[0] != meta.num_seqs:
-        raise ValueError(
-            f"block_tables must be [num_seqs={meta.num_seqs}, max_blocks], "
-            f"got {tuple(meta.block_tables.shape)}"
-        )
+    # The metadata passed ``contract.check_step`` (lengths, block table width, block size).
     bs = meta.block_size
-    max_blocks = meta.block_tables.shape[1]
-    for q_len, seq_len in zip(meta.query_lens, meta.seq_lens, strict=True):
-        if not 0 < q_len <= seq_len:
-            raise ValueError(
-                f"every request needs 0 < query_len <= seq_len, got {q_len}, {seq_len}"
-            )
-        if -(-seq_len // bs) > max_blocks:
-            raise ValueError(
-                f"a sequence of {seq_len} tokens needs more than the {max_blocks} blocks "
-                "the block table holds"
-            )
     tables = meta.block_tables.to(device)
     decode_rows = [i for i, q_len in enumerate(meta.query_lens) if q_len == 1]
     starts = _cumsum0(meta.query_lens)

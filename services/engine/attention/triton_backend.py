@@ -3,6 +3,9 @@
 Decode-only steps use the GQA-grouped decode kernel (split over the context when the batch is
 too small to fill the GPU); any step with a multi-token request uses the varlen prefill kernel,
 which handles the step's single-token requests as one-row queries.
+
+No per-layer checks: the runner checks the caches at allocation and each step's metadata once
+(``attention.contract``); the kernels rely on that.
 """
 
 from __future__ import annotations
@@ -36,15 +39,6 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        if k_cache.dim() == 4 and k_cache.shape[1] != meta.block_size:
-            raise ValueError(
-                f"cache block size {k_cache.shape[1]} != metadata block_size {meta.block_size}"
-            )
-        num_tokens = sum(meta.query_lens)
-        if query.dim() >= 1 and query.shape[0] != num_tokens:
-            raise ValueError(
-                f"query has {query.shape[0]} tokens but the metadata schedules {num_tokens}"
-            )
         if meta.is_decode_only:
             return paged_attention.paged_decode_attention(
                 query,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.attention.torch_backend import check_store_kv_args
 from services.engine.kernels import require_triton
 
 try:
@@ -62,12 +61,14 @@ def store_kv(
 ) -> None:
     """Writes ``key[t]``/``value[t]`` into cache slot ``slot_mapping[t]``; slots < 0 skip.
 
-    ``key``/``value``: ``[num_tokens, num_kv_heads, head_dim]``, any token/head strides (the
-    model passes views of its fused qkv projection) but a unit stride over head_dim.
-    ``k_cache``/``v_cache``: contiguous ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+    ``key``/``value``: ``[num_tokens, num_kv_heads, head_dim]`` in the cache's dtype, any
+    token/head strides (the model passes views of its fused qkv projection) but a unit stride
+    over head_dim. ``k_cache``/``v_cache``: contiguous ``[num_blocks, block_size, num_kv_heads,
+    head_dim]``. Not validated here: the caches are checked once when allocated and the slot
+    mapping once per step (``attention.contract``).
     """
     require_triton()
-    _check_store_args(key, value, k_cache, v_cache, slot_mapping)
+    assert key.stride(2) == 1 and value.stride(2) == 1, "key/value need a unit head_dim stride"
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
@@ -86,25 +87,3 @@ def store_kv(
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
     )
-
-
-def _check_store_args(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    # The shapes are the attention contract's (shared with the torch backend); what follows
-    # is what the kernel itself needs: unit strides, one dtype, one device.
-    check_store_kv_args(key, value, k_cache, v_cache, slot_mapping)
-    if key.stride(2) != 1 or value.stride(2) != 1:
-        raise ValueError("key and value need a unit stride over head_dim")
-    if key.dtype != k_cache.dtype or value.dtype != v_cache.dtype:
-        raise ValueError(
-            f"key/value dtype ({key.dtype}, {value.dtype}) must match the cache's "
-            f"({k_cache.dtype}, {v_cache.dtype})"
-        )
-    devices = {t.device for t in (key, value, k_cache, v_cache, slot_mapping)}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")

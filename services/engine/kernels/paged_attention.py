@@ -19,7 +19,9 @@ Prefill, one program per (sequence, query head, tile of BLOCK_M new tokens). The
 the LAST q_len of the context, so row j sits at position ``context_len - q_len + j`` and sees
 keys ``0 ..`` that position; tiles past the row's diagonal are never loaded.
 
-The torch reference is ``TorchAttentionBackend.forward``.
+The torch reference is ``TorchAttentionBackend.forward``. The wrappers validate nothing per
+call: the caches are checked once when allocated and each step's metadata once before the model
+runs (``attention.contract``); only the asserts that guard memory the kernels index remain.
 """
 
 from __future__ import annotations
@@ -269,12 +271,13 @@ def paged_decode_attention(
     ``block_tables``: ``[num_seqs, max_blocks]``; ``context_lens``: ``[num_seqs]`` (>= 1, the
     new token included). ``max_context_len`` (a host int, e.g. ``meta.max_seqlen_k``) sizes
     the context split; without it the block table's width bounds it. ``num_splits`` overrides
-    the heuristic (tests use it to exercise both paths).
+    the heuristic (tests use it to exercise both paths). The caches and the metadata tensors
+    must satisfy ``attention.contract`` (checked once, not here).
     """
     require_triton()
-    num_seqs = _check_common(query, k_cache, v_cache, block_tables, context_lens)
-    if query.shape[0] != num_seqs:
-        raise ValueError(f"decode needs one query per sequence: {query.shape[0]} != {num_seqs}")
+    num_seqs = block_tables.shape[0]
+    assert query.shape[0] == num_seqs, "decode takes one query per sequence"
+    assert query.stride(2) == 1, "query needs a unit stride over head_dim"
     out = _output(query, out)
     if num_seqs == 0:
         return out
@@ -355,18 +358,12 @@ def paged_prefill_attention(
 
     ``query``: ``[num_tokens, num_heads, head_dim]`` flattened over sequences, split by
     ``cu_seqlens_q`` (``[num_seqs + 1]``); ``max_seqlen_q`` (host int) sizes the grid. Handles
-    any mix of prefills, chunks over a cached prefix and single-token decodes.
+    any mix of prefills, chunks over a cached prefix and single-token decodes. The caches and
+    the metadata tensors must satisfy ``attention.contract`` (checked once, not here).
     """
     require_triton()
-    num_seqs = _check_common(query, k_cache, v_cache, block_tables, context_lens)
-    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] != num_seqs + 1:
-        raise ValueError(
-            f"cu_seqlens_q must be [num_seqs + 1 = {num_seqs + 1}], got {tuple(cu_seqlens_q.shape)}"
-        )
-    if cu_seqlens_q.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"cu_seqlens_q must be int32 or int64, got {cu_seqlens_q.dtype}")
-    if max_seqlen_q < 0:
-        raise ValueError(f"max_seqlen_q must be >= 0, got {max_seqlen_q}")
+    num_seqs = block_tables.shape[0]
+    assert query.stride(2) == 1, "query needs a unit stride over head_dim"
     out = _output(query, out)
     if num_seqs == 0 or max_seqlen_q == 0:
         return out
@@ -423,58 +420,10 @@ def _plan_splits(
     return math.ceil(max_context_len / split_len), split_len
 
 
-def _check_common(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-) -> int:
-    """Validates what both kernels share; returns the number of sequences."""
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
-            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous")
-    if query.dim() != 3 or query.shape[2] != k_cache.shape[3]:
-        raise ValueError(
-            f"query must be [num_tokens, num_heads, {k_cache.shape[3]}], got {tuple(query.shape)}"
-        )
-    if query.stride(2) != 1:
-        raise ValueError("query needs a unit stride over head_dim")
-    if query.shape[1] % k_cache.shape[2] != 0:
-        raise ValueError(
-            f"num_heads ({query.shape[1]}) must be a multiple of num_kv_heads ({k_cache.shape[2]})"
-        )
-    if query.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype:
-        raise ValueError(
-            f"query and caches must share a dtype, got {query.dtype}, {k_cache.dtype}, "
-            f"{v_cache.dtype}"
-        )
-    if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"unsupported dtype {query.dtype}; use fp16, bf16 or fp32")
-    if block_tables.dim() != 2 or block_tables.stride(1) != 1:
-        raise ValueError(
-            "block_tables must be a 2-D [num_seqs, max_blocks] tensor, rows unit-stride"
-        )
-    if block_tables.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"block_tables must be int32 or int64, got {block_tables.dtype}")
-    num_seqs = block_tables.shape[0]
-    if context_lens.dim() != 1 or context_lens.shape[0] != num_seqs:
-        raise ValueError(
-            f"context_lens must be [num_seqs = {num_seqs}], got {tuple(context_lens.shape)}"
-        )
-    devices = {t.device for t in (query, k_cache, v_cache, block_tables, context_lens)}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    return num_seqs
-
-
 def _output(query: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     if out is None:
         return torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    if out.shape != query.shape or out.dtype != query.dtype or out.stride(2) != 1:
-        raise ValueError("out must match query's shape and dtype, with a unit stride over head_dim")
+    assert out.shape == query.shape and out.dtype == query.dtype and out.stride(2) == 1, (
+        "out must match query's shape and dtype, with a unit stride over head_dim"
+    )
     return out

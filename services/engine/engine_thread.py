@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from services.engine.config import EngineConfig
 from services.engine.engine import EngineStats, LLMEngine, RequestUpdate
+from services.protocol.engine_api import BadRequest
 from services.protocol.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -26,6 +27,10 @@ logger = logging.getLogger(__name__)
 Sink = Callable[[RequestUpdate | Exception], None]
 _IDLE_WAIT_S = 0.05
 _STEP_WINDOW = 32  # recent steps whose median is ``step_ms``
+
+
+class InternalEngineError(RuntimeError):
+    """A request failed on an engine bug, not on its input: a 500, never a 400."""
 
 
 @dataclass(slots=True)
@@ -47,7 +52,9 @@ class _Resync:
     """Re-announce the whole prefix cache through ``kv_events``."""
 
 
-class EngineCore:
+class EngineThread:
+    """The engine's own thread and the event loop's handle on it (submit, abort, stats)."""
+
     def __init__(self, config: EngineConfig, step_delay_s: float = 0.0) -> None:
         if not step_delay_s >= 0:
             raise ValueError(f"step_delay_s must be >= 0, got {step_delay_s!r}")
@@ -168,12 +175,13 @@ class EngineCore:
             return
         try:
             engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, cmd.cache_salt)
-        except ValueError as exc:
+        except BadRequest as exc:  # the client's input: a 400 naming the field
             self._post(cmd.sink, exc)
             return
         except Exception as exc:  # a bug must fail this request, never the engine thread
             logger.exception("add_request failed request_id=%s", cmd.request_id)
-            self._post(cmd.sink, RuntimeError(f"engine failed to add the request: {exc}"))
+            error = InternalEngineError(f"internal engine error adding the request: {exc}")
+            self._post(cmd.sink, error)
             return
         self._sinks[cmd.request_id] = cmd.sink
 
