@@ -44,11 +44,7 @@ bench: install
 
 # Against a running `make serve`: headless locust, CSVs + PNG report in loadtest/results/.
 LOADTEST_ARGS ?= --run-time 60s --users 8
-load# ruff with the rules of the pinned version (pyproject.toml: line length 100); CI runs it first.
-lint: install
-	$(PY) -m ruff check .
-
-test: install
+loadtest: install
 	$(PY) loadtest/run.py $(LOADTEST_ARGS)
 
 clean:
