@@ -8,9 +8,9 @@ ENGINES ?= 1
 MODEL ?=
 PYTEST_ARGS ?=
 
-.PHONY: install model redis lint test serve bench loadtest clean
+.PHONY: install model kernels redis lint test serve bench loadtest clean
 
-install: $(STAMP) model redis
+install: $(STAMP) model kernels redis
 
 # The tests and `make serve` start a real redis-server on loopback.
 redis:
@@ -28,6 +28,10 @@ $(STAMP): pyproject.toml
 # Converts the shipped GGUF into a cached HF safetensors directory once (idempotent).
 model: $(STAMP)
 	$(PY) -m services.engine.models.default
+
+# Compiles the CPU kernels into the venv once (about a minute; later runs find them built).
+kernels: $(STAMP)
+	$(PY) -m services.engine.cpu_ops
 
 # ruff with the rules of the pinned version (pyproject.toml: line length 100); CI runs it first.
 lint: install

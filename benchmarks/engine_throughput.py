@@ -36,6 +36,20 @@ from services.engine import LLM, SamplingParams
 from services.engine.models.default import default_model_path
 
 
+def machine_line() -> str:
+    """The CPU, its ISA flags that matter for these kernels, and the cores this process may
+    use: every figure printed after it is from this machine."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
+                  if ln.startswith("model name")), "unknown CPU")
+    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines()
+                  if ln.startswith("flags")), [])
+    isa = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+           if f in flags]
+    return (f"machine: {model}; cores usable: {len(os.sched_getaffinity(0))}; "
+            f"ISA: {' '.join(isa) or 'none of avx2/avx512'}; torch {torch.__version__}")
+
+
 def make_workload(n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     return [
@@ -152,7 +166,8 @@ def run_vllm(python: str, model: str, work, dtype: str, prefix: bool = True) -> 
                                    "prefix": prefix}))
         script = Path(d, "run_vllm.py")
         script.write_text(VLLM_SCRIPT)
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_HOST_IP": "127.0.0.1"}
+        env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_HOST_IP": "127.0.0.1",
+               "VLLM_CPU_OMP_THREADS_BIND": f"0-{len(os.sched_getaffinity(0)) - 1}"}
         out = subprocess.run([python, str(script), str(cfg)], env=env, capture_output=True,
                              text=True, timeout=1800, check=False)
         for line in out.stdout.splitlines():
@@ -172,6 +187,7 @@ def main() -> None:
     ap.add_argument("--sections", default="pagoda,hf,prefix,kv,batch1",
                     help="comma list of: pagoda, hf, prefix, kv, batch1 (vllm runs with --peer)")
     args = ap.parse_args()
+    print(machine_line(), flush=True)
     sections = set(args.sections.split(","))
     model = args.model or str(default_model_path())
     vocab = json.loads(Path(model, "config.json").read_text())["vocab_size"]

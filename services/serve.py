@@ -47,6 +47,16 @@ def ensure_redis_server() -> str:
     return path
 
 
+def engine_cores(cores: list[int], engines: int) -> list[set[int]]:
+    """Splits the cores this process may use between ``engines`` engines, one disjoint share
+    each (so their threads never fight over a core); with more engines than cores, one core
+    each, shared round-robin."""
+    if engines >= len(cores):
+        return [{cores[i % len(cores)]} for i in range(engines)]
+    share = len(cores) // engines
+    return [set(cores[i * share : (i + 1) * share]) for i in range(engines)]
+
+
 def wait_http(url: str, timeout: float, proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -89,9 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     model_name = model_dir.name
     procs: list[tuple[str, subprocess.Popen]] = []
 
-    def start(name: str, cmd: list[str]) -> subprocess.Popen:
-        logger.info("starting %s", name)
+    def start(name: str, cmd: list[str], cpus: set[int] | None = None) -> subprocess.Popen:
+        logger.info("starting %s%s", name, f" on cores {sorted(cpus)}" if cpus else "")
         p = subprocess.Popen(cmd, env=os.environ.copy())
+        if cpus is not None:
+            # At once, while the child is still starting: the threads torch starts later
+            # inherit it.
+            os.sched_setaffinity(p.pid, cpus)
         procs.append((name, p))
         return p
 
@@ -112,17 +126,15 @@ def main(argv: list[str] | None = None) -> int:
         start("redis", [ensure_redis_server(), "--port", str(redis_port), "--bind", "127.0.0.1",
                         "--save", "", "--appendonly", "no", "--loglevel", "warning"])
         redis_url = f"redis://127.0.0.1:{redis_port}/0"
-        threads = max(1, (os.cpu_count() or 1) // args.engines)
         engine_urls = []
-        for i in range(args.engines):
+        for i, cpus in enumerate(engine_cores(sorted(os.sched_getaffinity(0)), args.engines)):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             engine_urls.append(url)
-            env_threads = {"OMP_NUM_THREADS": str(threads)}
-            os.environ.update(env_threads)
             p = start(f"engine-{i}", [_PY, "-m", "services.engine.server", "--port", str(port),
                                       "--model", str(model_dir), "--engine-id", f"engine-{i}",
-                                      "--redis-url", redis_url])
+                                      "--redis-url", redis_url, "--cpu-threads", str(len(cpus))],
+                      cpus=cpus if args.engines > 1 else None)
             wait_http(f"{url}/health", 600, p)
         router_port = free_port()
         p = start("router", [_PY, "-m", "services.router", "--host", "127.0.0.1",

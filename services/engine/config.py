@@ -39,9 +39,16 @@ class EngineConfig:
     )
     enable_prefix_caching: bool = flag(True, help="automatic prefix caching")
     attention_backend: str | None = flag(
-        None, help="torch or triton (default: triton on CUDA, torch on the CPU)"
+        None,
+        help="cpu, torch or triton (default: triton on CUDA; on the CPU the C++ kernels when "
+        "built, else torch)",
     )
     hash_algorithm: str = flag("xxh3_128", help="xxh3_128 or sha256: the prefix-cache block hash")
+    cpu_threads: int | None = flag(
+        None,
+        help="threads for the CPU math (default: $OMP_NUM_THREADS, else every core this "
+        "process may use: its affinity, capped by a cgroup CPU quota)",
+    )
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -50,7 +57,7 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             _require_positive(name, getattr(self, name))
-        for name in ("num_blocks", "kv_cache_memory", "max_model_len"):
+        for name in ("num_blocks", "kv_cache_memory", "max_model_len", "cpu_threads"):
             if getattr(self, name) is not None:
                 _require_positive(name, getattr(self, name))
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.engine import cpu_threads
 from services.engine.attention.contract import check_kv_caches, check_step
 from services.engine.attention.metadata import build_attention_metadata
 from services.engine.attention.selector import get_attention_backend
@@ -34,8 +35,12 @@ class ModelRunner:
         self.config = config
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()
+        if self.device.type == "cpu":
+            cpu_threads.configure(config.cpu_threads)  # once, before the first GEMM
         self.attn_backend = get_attention_backend(self.device, config.attention_backend)
         self.model = load_model(model_path, self.dtype, self.device, self.attn_backend)
+        if self.device.type == "cpu":
+            self.model.pack_weights()  # oneDNN's layout, once (see models.onednn)
         self.model_config = self.model.config
         self.block_size = config.block_size
         self.num_blocks = self._decide_num_blocks()
@@ -75,11 +80,9 @@ class ModelRunner:
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         mc = self.model_config
-        shape = (num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
         caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            self.attn_backend.allocate_kv_cache(
+                num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
             )
             for _ in range(mc.num_layers)
         ]

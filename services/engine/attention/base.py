@@ -14,8 +14,9 @@ Keys and values of every context token live in the paged cache: token at absolut
 request i is stored in slot ``block_tables[i, p // block_size] * block_size + p % block_size``.
 ``slot_mapping[t]`` is that slot for new token t (the backend writes the new K/V there first).
 
-KV cache per layer: ``k_cache`` and ``v_cache``, each ``[num_blocks, block_size, num_kv_heads,
-head_dim]`` (contiguous), preallocated once.
+KV cache per layer: ``k_cache`` and ``v_cache``, each logically ``[num_blocks, block_size,
+num_kv_heads, head_dim]``, preallocated once by the backend: contiguous, except that the CPU
+backend stores each block's keys transposed per head (the key tensor is then a permuted view).
 
 The contract is checked where it is set up, not per layer: the caches once when allocated,
 each step's metadata once before the model runs (``attention.contract``). Backends trust both.
@@ -54,10 +55,38 @@ class AttentionMetadata:
         return self.max_seqlen_q == 1
 
 
+def allocate_plain_kv_cache(
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's zeroed, contiguous ``k_cache`` and ``v_cache``. Zeroed, not empty: padded
+    reads must see finite values."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return (torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device))
+
+
 class AttentionBackend(Protocol):
     """Writes new K/V into the paged cache and computes attention for a flattened batch."""
 
     name: str
+
+    def allocate_kv_cache(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's zeroed caches, logically ``[num_blocks, block_size, num_kv_heads,
+        head_dim]``; the backend chooses the storage order (``contract.check_kv_caches``)."""
+        ...
 
     def store_kv(
         self,

@@ -3,8 +3,9 @@
 Two checks, both internal (only an engine bug can fail them, never a client's input):
 
 * ``check_kv_caches`` once, when the runner allocates the KV cache: every layer's ``k_cache`` and
-  ``v_cache`` is a contiguous ``[num_blocks, block_size, num_kv_heads, head_dim]`` tensor laid out
-  alike, in the model's dtype and head layout, all on one device;
+  ``v_cache`` is a logical ``[num_blocks, block_size, num_kv_heads, head_dim]`` tensor laid out
+  alike (contiguous, or the CPU kernels' per-head layout), in the model's
+  dtype and head layout, all on one device;
 * ``check_step`` once per step, on the step's ``AttentionMetadata``: it is consistent with itself,
   with the step's token count and with the caches.
 
@@ -61,14 +62,31 @@ def check_kv_caches(
                 raise AttentionContractError(
                     f"{where} is {tuple(cache.shape)}, not {tuple(first.shape)} like layer 0"
                 )
-            if not cache.is_contiguous():
-                raise AttentionContractError(f"{where} must be contiguous")
+            if cache.stride() != kv_caches[0][0 if name == "k_cache" else 1].stride():
+                raise AttentionContractError(f"{where} is laid out unlike layer 0")
+            if not (cache.is_contiguous() or cpu_kernel_layout(cache, keys=name == "k_cache")):
+                raise AttentionContractError(
+                    f"{where} must be contiguous or in the CPU kernels' per-head layout"
+                )
             if cache.dtype != dtype:
                 raise AttentionContractError(f"{where} is {cache.dtype}, not the model's {dtype}")
             if cache.device != first.device:
                 raise AttentionContractError(
                     f"{where} is on {cache.device}, layer 0 on {first.device}"
                 )
+
+
+def cpu_kernel_layout(cache: torch.Tensor, keys: bool) -> bool:
+    """Whether a logical ``[blocks, block_size, kv_heads, head_dim]`` cache is stored per block
+    and head, as the CPU kernels read it: keys ``[blocks, kv_heads, head_dim, block_size]``,
+    values ``[blocks, kv_heads, block_size, head_dim]``."""
+    if cache.dim() != 4:
+        return False
+    _, bs, heads, dim = cache.shape
+    block = heads * dim * bs
+    if keys:
+        return cache.stride() == (block, 1, dim * bs, bs)
+    return cache.stride() == (block, dim, bs * dim, 1)
 
 
 def check_step(meta: AttentionMetadata, num_tokens: int, k_cache: torch.Tensor) -> None:

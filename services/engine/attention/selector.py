@@ -1,4 +1,5 @@
-"""Picks the attention backend: Triton on CUDA when it imports, torch everywhere else."""
+"""Picks the attention backend: Triton on CUDA when it imports, the C++ kernels on the CPU when
+they are built, torch everywhere else."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import logging
 import torch
 
 from services.engine.attention.base import AttentionBackend
+from services.engine.attention.cpu_backend import CpuAttentionBackend
 from services.engine.attention.torch_backend import TorchAttentionBackend
+from services.engine.cpu_ops import ops
 from services.engine.kernels import interpreter_enabled, triton_available
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAMES = ("torch", "triton")
+BACKEND_NAMES = ("torch", "triton", "cpu")
 
 
 def get_attention_backend(device: torch.device | str, name: str | None = None) -> AttentionBackend:
@@ -27,6 +30,13 @@ def get_attention_backend(device: torch.device | str, name: str | None = None) -
     key = name.strip().lower()
     if key == "torch":
         return TorchAttentionBackend()
+    if key == "cpu":
+        if device.type != "cpu" or ops() is None:
+            raise ValueError(
+                f"attention backend 'cpu' needs a CPU device and the built CPU kernels "
+                f"(`python -m services.engine.cpu_ops`), not {device}"
+            )
+        return CpuAttentionBackend()
     if key == "triton":
         _check_triton_usable(device)
         # Imported here so CPU-only engines never import triton at all.
@@ -37,6 +47,8 @@ def get_attention_backend(device: torch.device | str, name: str | None = None) -
 
 
 def _automatic_choice(device: torch.device) -> str:
+    if device.type == "cpu" and ops() is not None:
+        return "cpu"
     if device.type != "cuda":
         return "torch"
     if triton_available():

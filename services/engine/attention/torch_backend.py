@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.engine.attention.base import AttentionMetadata
+from services.engine.attention.base import AttentionMetadata, allocate_plain_kv_cache
 
 # Decode batches at least this large (and float32) use the bag path; see the module docstring.
 BAG_PATH_MIN_SEQS = 4
@@ -71,6 +71,8 @@ class _DecodeGroup:
     seq_lens: torch.Tensor  # [B] int64
     max_len: int  # keys per request after padding is trimmed
     mask: torch.Tensor | None  # [B, 1, 1, max_len] key < seq_len; None when all lengths equal
+    tables: torch.Tensor  # [B, num_blocks] int32 block tables (the CPU kernel reads these)
+    seq_lens32: torch.Tensor  # [B] int32
     bags: _BagLayout | None = None  # built on first use by the bag path
 
     @property
@@ -107,6 +109,18 @@ class TorchAttentionBackend:
 
     def __init__(self) -> None:
         self._plan: _StepPlan | None = None
+
+    def allocate_kv_cache(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return allocate_plain_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype,
+                                       device)
 
     # ------------------------------------------------------------------ store
 
@@ -145,17 +159,28 @@ class TorchAttentionBackend:
         if plan.num_tokens == 0:
             return torch.empty_like(query)
         if plan.decode is not None and plan.decode.token_index is None:
-            return _decode_attention(query, k_cache, v_cache, plan.decode, scale)
+            return self._decode(query, k_cache, v_cache, plan.decode, scale)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if plan.decode is not None:
             idx = plan.decode.token_index
             q = query.index_select(0, idx)
-            out.index_copy_(0, idx, _decode_attention(q, k_cache, v_cache, plan.decode, scale))
+            out.index_copy_(0, idx, self._decode(q, k_cache, v_cache, plan.decode, scale))
         for item in plan.prefills:
             out[item.q_start : item.q_end] = _prefill_attention(
                 query[item.q_start : item.q_end], k_cache, v_cache, item, scale
             )
         return out
+
+    def _decode(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        group: _DecodeGroup,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention of the step's single-token requests (``query``: ``[B, H, D]``)."""
+        return _decode_attention(query, k_cache, v_cache, group, scale)
 
     def _plan_for(self, meta: AttentionMetadata, device: torch.device) -> _StepPlan:
         plan = self._plan
@@ -239,6 +264,8 @@ def _decode_group(
         seq_lens=lens_t,
         max_len=max_len,
         mask=mask,
+        tables=sub.to(torch.int32),
+        seq_lens32=lens_t.to(torch.int32),
     )
 
 

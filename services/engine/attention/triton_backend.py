@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.attention.base import AttentionMetadata
+from services.engine.attention.base import AttentionMetadata, allocate_plain_kv_cache
 from services.engine.kernels import kv_store, paged_attention
 
 
@@ -20,6 +20,18 @@ class TritonAttentionBackend:
     """Paged attention with Triton kernels (CUDA tensors, or CPU under ``TRITON_INTERPRET=1``)."""
 
     name = "triton"
+
+    def allocate_kv_cache(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return allocate_plain_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype,
+                                       device)
 
     def store_kv(
         self,

@@ -6,9 +6,8 @@ bookkeeping would only slow the CPU hot path down if a caller forgot ``inference
 
 from __future__ import annotations
 
-import functools
 import math
-from pathlib import Path
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,7 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.engine.attention.base import AttentionMetadata
+from services.engine.cpu_ops import kernels_for
 from services.engine.kernels import triton_available
+from services.engine.models.onednn import PackedWeight, can_pack, pack, packed_linear
 
 if TYPE_CHECKING:
     from services.engine.models.config import ModelConfig, RopeConfig
@@ -53,6 +54,12 @@ class CausalLM(nn.Module):
     def reset_buffers(self) -> None:
         """Recomputes non-persistent buffers (after ``to_empty`` from the meta device)."""
 
+    def pack_weights(self) -> None:
+        """Packs every projection for oneDNN (CPU); a no-op where packing does not apply."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+
 
 # --------------------------------------------------------------------------- RMSNorm
 
@@ -72,8 +79,9 @@ class RMSNorm(nn.Module):
     ``norm(x)`` returns the normalised x; ``norm(x, residual)`` adds x into ``residual`` IN
     PLACE and returns ``(normalised(residual), residual)``, so decoder layers carry the
     residual stream without an extra pass or allocation. CUDA tensors use the Triton kernel
-    when Triton is installed (the selector makes the same choice for attention); everything
-    else runs the torch implementation.
+    when Triton is installed (the selector makes the same choice for attention), CPU tensors
+    the C++ kernel (``services.engine.cpu_ops``) when it is built; everything else runs the
+    torch implementation.
     """
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype = torch.float32) -> None:
@@ -91,6 +99,10 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return rms_norm(x, self.weight, self.eps)
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        kernels = kernels_for(x)
+        if kernels is not None and x.dim() == 2:
+            out = kernels.rms_norm(x, residual, self.weight, self.eps)  # residual += x inside
+            return out if residual is None else (out, residual)
         if residual is None:
             return rms_norm_torch(x, self.weight, self.eps)
         residual.add_(x)
@@ -122,7 +134,11 @@ class HeadRMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """``y = x W^T + b``; a fused projection records the sizes of the weights stacked in it."""
+    """``y = x W^T + b``; a fused projection records the sizes of the weights stacked in it.
+
+    On the CPU the runner calls ``pack()`` once the weights are loaded: the weight moves into
+    oneDNN's blocked layout (``onednn``) and the plain copy is dropped.
+    """
 
     def __init__(
         self,
@@ -135,37 +151,17 @@ class Linear(nn.Module):
         self.shard_sizes = shard_sizes  # rows of each stacked HF weight, in order
         self.weight = empty_param(sum(shard_sizes), in_features, dtype=dtype)
         self.bias = empty_param(sum(shard_sizes), dtype=dtype) if bias else None
+        self.packed: PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        if self.packed is not None:
+            return packed_linear(x, self.packed)
+        return F.linear(x, self.weight, self.bias)
 
-
-# CPUs without native bf16 dot products (AVX2, AVX-512 without BF16) run bf16 GEMMs an order of
-# magnitude slower than fp32 ones. There, a bf16 model keeps bf16 weights (half the memory and
-# half the bytes a memory-bound matrix-vector product reads) but multiplies batches of rows in
-# fp32: the per-call upcast of the weights is cheap next to the GEMM once rows >= this.
-_BF16_UPCAST_MIN_ROWS = 8
-
-
-@functools.cache
-def cpu_has_native_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if (
-        weight.dtype == torch.bfloat16
-        and not weight.is_cuda
-        and x.shape[0] >= _BF16_UPCAST_MIN_ROWS
-        and not cpu_has_native_bf16()
-    ):
-        b = None if bias is None else bias.float()
-        return F.linear(x.float(), weight.float(), b).to(torch.bfloat16)
-    return F.linear(x, weight, bias)
+    def pack(self) -> None:
+        if self.packed is None and can_pack(self.weight):
+            self.packed = pack(self.weight, self.bias)
+            self.weight = self.bias = None  # the packed copy is the only one needed
 
 
 class Embedding(nn.Module):
@@ -181,6 +177,9 @@ class Embedding(nn.Module):
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU on a fused ``[gate | up]`` projection."""
+    kernels = kernels_for(gate_up)
+    if kernels is not None and gate_up.dim() == 2:
+        return kernels.silu_and_mul(gate_up)
     half = gate_up.shape[-1] // 2
     return F.silu(gate_up[..., :half]) * gate_up[..., half:]
 
@@ -220,7 +219,8 @@ class RotaryEmbedding(nn.Module):
 
     ``cos_sin[p, 0]`` is ``cos(p * f)`` over the full head_dim (the half-frequencies repeated);
     ``cos_sin[p, 1]`` is ``sin(p * f)`` with its first half negated, so that rotating is
-    ``x * cos + roll(x, d/2) * signed_sin`` (see ``apply_rotary``): four kernels per call.
+    ``x * cos + roll(x, d/2) * signed_sin`` (see ``apply_rotary``): four torch ops per call, or
+    one pass of the CPU kernel.
     """
 
     def __init__(
@@ -246,18 +246,34 @@ class RotaryEmbedding(nn.Module):
         table = torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)), dim=1)
         self.cos_sin.copy_(table)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns cos and signed sin for ``positions``, each ``[T, 1, head_dim]``."""
+    def forward(self, positions: torch.Tensor) -> RopeStep:
+        """The rotation of one step's tokens (shared by every layer of the step)."""
+        if kernels_for(positions) is not None:
+            return RopeStep(positions, self.cos_sin)  # the kernel reads the table in place
         cs = self.cos_sin.index_select(0, positions)
-        return cs[:, 0:1], cs[:, 1:2]
+        return RopeStep(positions, self.cos_sin, cs[:, 0:1], cs[:, 1:2])
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on ``x`` ``[T, heads, head_dim]``; returns a new tensor.
+@dataclass(frozen=True, slots=True)
+class RopeStep:
+    positions: torch.Tensor  # [T] int64
+    table: torch.Tensor  # RotaryEmbedding.cos_sin
+    cos: torch.Tensor | None = None  # [T, 1, head_dim], gathered for the torch path
+    signed_sin: torch.Tensor | None = None
+
+
+def apply_rotary(x: torch.Tensor, rope: RopeStep) -> torch.Tensor:
+    """Rotate-half RoPE on ``x`` ``[T, heads, head_dim]``: in place by the CPU kernel, else a
+    new tensor.
 
     ``roll`` by d/2 gives ``[x2, x1]``; times ``[-sin, sin]`` that is HF's ``rotate_half(x) * sin``.
     Multiply and add stay separate ops (not ``addcmul``): a fused multiply-add rounds once
     instead of twice, and that alone moved SmolLM2's logits by ~7e-5 away from the reference.
     """
-    rolled = torch.roll(x, x.shape[-1] // 2, dims=-1).mul_(signed_sin)
-    return (x * cos).add_(rolled)
+    if rope.cos is None:
+        kernels = kernels_for(x)
+        assert kernels is not None  # RotaryEmbedding chose the kernel for this step
+        kernels.rotary_(x, rope.table, rope.positions)
+        return x
+    rolled = torch.roll(x, x.shape[-1] // 2, dims=-1).mul_(rope.signed_sin)
+    return (x * rope.cos).add_(rolled)

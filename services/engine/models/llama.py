@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from services.engine.attention.base import AttentionBackend, AttentionMetadata
@@ -21,11 +22,12 @@ from services.engine.models.layers import (
     KVCache,
     Linear,
     RMSNorm,
+    RopeStep,
     RotaryEmbedding,
     apply_rotary,
-    linear,
     silu_and_mul,
 )
+from services.engine.models.onednn import PackedWeight, can_pack, pack, packed_linear
 
 if TYPE_CHECKING:
     from services.engine.models.config import ModelConfig
@@ -63,8 +65,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RopeStep,
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -75,7 +76,7 @@ class LlamaAttention(nn.Module):
         v = qkv[:, self.qk_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm is not None:
             qk = self.qk_norm(qk)
-        qk = apply_rotary(qk, cos, sin)
+        qk = apply_rotary(qk, rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         k_cache, v_cache = kv_cache
         self.backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -110,8 +111,7 @@ class LlamaDecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RopeStep,
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,7 +123,7 @@ class LlamaDecoderLayer(nn.Module):
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        h = self.self_attn(h, rope, kv_cache, meta)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -151,11 +151,11 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
-        cos, sin = self.rotary(positions)  # one gather per step, shared by all layers
+        rope = self.rotary(positions)  # once per step, shared by all layers
         h = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h, residual = layer(h, residual, cos, sin, kv_cache, meta)
+            h, residual = layer(h, residual, rope, kv_cache, meta)
         h, _ = self.norm(h, residual)
         return h
 
@@ -178,6 +178,7 @@ class LlamaForCausalLM(CausalLM):
             self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = Linear(config.hidden_size, (config.vocab_size,), False, dtype)
+        self._tied_head: PackedWeight | None = None
 
     def forward(
         self,
@@ -191,7 +192,18 @@ class LlamaForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden``: ``[N, hidden]`` (only the rows that need logits); returns float32."""
-        return linear(hidden, self.lm_head.weight, None).float()
+        if self._tied_head is not None:
+            return packed_linear(hidden, self._tied_head).float()
+        if isinstance(self.lm_head, Linear):
+            return self.lm_head(hidden).float()
+        return F.linear(hidden, self.lm_head.weight).float()
+
+    def pack_weights(self) -> None:
+        super().pack_weights()
+        # A tied head shares the embedding table, which lookups still need as it is: the head
+        # gets a packed copy of its own.
+        if self.config.tie_word_embeddings and can_pack(self.lm_head.weight):
+            self._tied_head = pack(self.lm_head.weight)
 
     def stacked_params(self) -> dict[str, tuple[str, ...]]:
         return {

@@ -1,0 +1,71 @@
+"""Pagoda's CPU kernels (``csrc/cpu_ops.cpp``), compiled once per environment.
+
+``make install`` builds them (``python -m services.engine.cpu_ops``, about a minute); later
+imports load the cached library from the virtualenv. ``ops()`` returns the loaded module, or
+None when they cannot be used (no compiler, a non-x86 CPU, ``PAGODA_CPU_OPS=0``): callers then
+take the torch implementation, which is also each kernel's reference in the tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENV_SWITCH = "PAGODA_CPU_OPS"  # "0" turns the kernels off (the torch paths run instead)
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+_NAME = "pagoda_cpu_ops"
+_CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno"]
+
+
+def build_dir() -> Path:
+    """Next to the interpreter's packages, so a new virtualenv (a new torch) builds afresh."""
+    version = torch.__version__.replace("+", "_")
+    return Path(sys.prefix) / "pagoda-ext" / f"{_NAME}-torch{version}"
+
+
+@functools.cache
+def ops() -> ModuleType | None:
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    try:
+        return _load(verbose=False)
+    except Exception as exc:  # noqa: BLE001 -- any build failure means: use the torch paths
+        logger.warning("CPU kernels unavailable (%s: %s); using the torch implementations",
+                       type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return None
+
+
+def kernels_for(x: torch.Tensor) -> ModuleType | None:
+    """The kernels for ``x``'s ops, or None (not a CPU tensor, or the kernels are not built)."""
+    return ops() if x.device.type == "cpu" else None
+
+
+def _load(verbose: bool) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(
+        name=_NAME,
+        sources=[str(_SOURCE)],
+        extra_cflags=_CFLAGS,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(directory),
+        verbose=verbose,
+    )
+
+
+def main() -> None:
+    """Builds (or finds) the kernels and says where they are."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    module = _load(verbose=False)
+    print(f"{_NAME}: {module.__file__}")
+

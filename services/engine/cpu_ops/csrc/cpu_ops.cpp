@@ -1,0 +1,580 @@
+// Pagoda's CPU kernels: paged decode attention, RMSNorm (with the fused residual add), RoPE
+// and SiLU-and-mul, for float32 and bfloat16 tensors.
+//
+// Why by hand: on a small model the step is a few hundred small ops, each a pass over memory
+// and a dispatch; these fuse the passes (a norm is one read and one write, not five) and read
+// the paged KV cache in place (no gather into a padded copy). Every kernel has a torch
+// reference in services/engine (the tests compare them), and rounds where that reference
+// rounds: bfloat16 results are rounded at the same points as the torch ops they replace, and
+// RoPE is compiled without fused multiply-adds, since the reference rounds both products.
+//
+// Vectorisation: the hot loops are plain loops the compiler vectorises; each kernel's row
+// function is cloned for AVX-512 (x86-64-v4), AVX2+FMA (x86-64-v3) and baseline x86-64, and
+// the loader picks the clone the CPU supports when the library is loaded. Threads: ATen's
+// intra-op pool (at::parallel_for), so torch.set_num_threads governs these kernels too.
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define PAGODA_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define PAGODA_CLONES
+#endif
+
+namespace {
+
+using bf16_t = uint16_t;
+
+inline float bf16_to_f(bf16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Round to nearest even, as torch does (NaN stays NaN: a quiet bit is kept).
+inline bf16_t f_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<bf16_t>((bits >> 16) | 0x40u);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<bf16_t>(bits >> 16);
+}
+
+inline float round_bf16(float f) { return bf16_to_f(f_to_bf16(f)); }
+
+template <typename T>
+inline float load(const T* p, int64_t i);
+template <>
+inline float load<float>(const float* p, int64_t i) { return p[i]; }
+template <>
+inline float load<bf16_t>(const bf16_t* p, int64_t i) { return bf16_to_f(p[i]); }
+
+template <typename T>
+inline void store(T* p, int64_t i, float v);
+template <>
+inline void store<float>(float* p, int64_t i, float v) { p[i] = v; }
+template <>
+inline void store<bf16_t>(bf16_t* p, int64_t i, float v) { p[i] = f_to_bf16(v); }
+
+// The value a torch op in T's dtype produces from a float result: itself in float32, rounded
+// in bfloat16.
+template <typename T>
+inline float as_t(float v);
+template <>
+inline float as_t<float>(float v) { return v; }
+template <>
+inline float as_t<bf16_t>(float v) { return round_bf16(v); }
+
+// exp(x) for float32 in plain arithmetic, so loops that call it vectorise (std::exp does not
+// without -ffast-math): x = n ln2 + r with |r| <= ln2 / 2, a degree-7 polynomial for e^r and
+// 2^n through the exponent bits (Cephes' expf). Within 1 ulp of exp; inputs are clamped to
+// [-87.3, 88.7], where float32 exp underflows and overflows.
+#pragma omp declare simd
+inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.3f), 88.7f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // Cody-Waite ln2 split
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+void check_cpu(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+}
+
+bool is_bf16(const torch::Tensor& t) { return t.scalar_type() == at::kBFloat16; }
+
+void check_float_like(const torch::Tensor& t, const char* name) {
+  check_cpu(t, name);
+  TORCH_CHECK(t.scalar_type() == at::kFloat || is_bf16(t), name, " must be float32 or bfloat16");
+}
+
+// ---------------------------------------------------------------------------------- KV cache
+//
+// The layout these kernels read (``CpuAttentionBackend.allocate_kv_cache``): logically both
+// caches are [num_blocks, block_size, kv_heads, head_dim], but the key cache is stored with each
+// block's keys transposed per head, so the scores of a block's keys are one vector FMA per
+// head_dim element, with no horizontal sums:
+//
+//     k storage [num_blocks, kv_heads, head_dim, block_size]   (the logical tensors are
+//     v storage [num_blocks, kv_heads, block_size, head_dim]    permuted views of these)
+//
+// so one block of one head is one contiguous run of memory for keys and for values.
+
+bool keys_block_transposed(const torch::Tensor& k) {
+  if (k.dim() != 4) return false;
+  const int64_t bs = k.size(1), heads = k.size(2), dim = k.size(3);
+  return k.stride(1) == 1 && k.stride(3) == bs && k.stride(2) == dim * bs &&
+         k.stride(0) == heads * dim * bs;
+}
+
+bool values_head_major(const torch::Tensor& v) {
+  if (v.dim() != 4) return false;
+  const int64_t bs = v.size(1), heads = v.size(2), dim = v.size(3);
+  return v.stride(3) == 1 && v.stride(1) == dim && v.stride(2) == bs * dim &&
+         v.stride(0) == heads * bs * dim;
+}
+
+bool kernel_layout(const torch::Tensor& k, const torch::Tensor& v) {
+  return keys_block_transposed(k) && values_head_major(v) && k.sizes() == v.sizes();
+}
+
+template <typename T>
+inline void store_token(const T* key, const T* value, T* kc, T* vc, int64_t slot, int64_t bs,
+                        int64_t heads, int64_t dim) {
+  const int64_t blk = slot / bs, off = slot % bs;
+  T* kb = kc + blk * heads * dim * bs + off;
+  T* vb = vc + blk * heads * bs * dim + off * dim;
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t d = 0; d < dim; ++d) kb[(h * dim + d) * bs] = key[h * dim + d];
+    std::memcpy(vb + h * bs * dim, value + h * dim, static_cast<size_t>(dim) * sizeof(T));
+  }
+}
+
+// key/value [T, kv_heads, head_dim] (any token stride, contiguous within a token); slots < 0
+// (padding) are skipped.
+void store_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor k_cache,
+              torch::Tensor v_cache, const torch::Tensor& slot_mapping) {
+  TORCH_CHECK(kernel_layout(k_cache, v_cache), "caches must be in the CPU kernels' layout");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() &&
+                  value.scalar_type() == k_cache.scalar_type(),
+              "key/value must have the caches' dtype");
+  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 &&
+                  value.stride(1) == value.size(2),
+              "key/value must be contiguous within a token");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong, "slot_mapping must be int64");
+  const int64_t tokens = key.size(0), bs = k_cache.size(1), heads = k_cache.size(2),
+                dim = k_cache.size(3);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t ks = key.stride(0), vs = value.stride(0);
+  const bool bf16 = is_bf16(k_cache);
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slots[t] < 0) continue;
+      if (bf16) {
+        store_token(static_cast<const bf16_t*>(key.data_ptr()) + t * ks,
+                    static_cast<const bf16_t*>(value.data_ptr()) + t * vs,
+                    static_cast<bf16_t*>(k_cache.data_ptr()),
+                    static_cast<bf16_t*>(v_cache.data_ptr()), slots[t], bs, heads, dim);
+      } else {
+        store_token(key.data_ptr<float>() + t * ks, value.data_ptr<float>() + t * vs,
+                    k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), slots[t], bs, heads,
+                    dim);
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------- decode
+
+// One (request, KV head): the scores of its query group against every context key, a softmax,
+// then the probability-weighted sum of the values. BS (block size), DIM (head_dim) and G (query
+// heads per KV head) are compile-time for the common shapes, so the accumulators of all G
+// queries live in registers and each key and value row is loaded once for the whole group;
+// 0 means the generic loops.
+// Asks for the next block of this head while the current one is computed: a block of one head
+// is a few KB in a random place of a large cache, too short a run for the hardware prefetcher
+// to find on its own.
+template <typename C>
+inline void prefetch_chunk(const C* p, int64_t elements) {
+  const char* c = reinterpret_cast<const char*>(p);
+  const int64_t bytes = elements * static_cast<int64_t>(sizeof(C));
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+}
+
+template <typename C, int BS, int DIM, int G>
+inline void decode_task(const float* __restrict__ q, const C* __restrict__ kc,
+                        const C* __restrict__ vc, const int32_t* __restrict__ table, int64_t len,
+                        int64_t rt_bs, int64_t kv_heads, int64_t rt_dim, int64_t head,
+                        int64_t rt_group, float scale, float* __restrict__ scores,
+                        float* __restrict__ out) {
+  constexpr int kMaxGroup = 16;
+  const int64_t bs = BS ? BS : rt_bs, dim = DIM ? DIM : rt_dim, group = G ? G : rt_group;
+  const int64_t block = kv_heads * dim * bs;  // elements per cache block, keys or values
+  float qs[kMaxGroup][DIM ? DIM : 512];
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t d = 0; d < dim; ++d) qs[g][d] = q[g * dim + d] * scale;
+  for (int64_t start = 0, blk = 0; start < len; start += bs, ++blk) {
+    const int64_t n = std::min(bs, len - start);
+    const C* kb = kc + static_cast<int64_t>(table[blk]) * block + head * dim * bs;
+    if (start + 2 * bs < len)
+      prefetch_chunk(kc + static_cast<int64_t>(table[blk + 2]) * block + head * dim * bs, dim * bs);
+    float acc[G ? G : kMaxGroup][BS ? BS : 256];
+    for (int64_t g = 0; g < group; ++g)
+#pragma omp simd
+      for (int64_t i = 0; i < bs; ++i) acc[g][i] = 0.f;
+    for (int64_t d = 0; d < dim; ++d) {
+      const C* kd = kb + d * bs;
+      for (int64_t g = 0; g < group; ++g) {
+        const float qd = qs[g][d];
+#pragma omp simd
+        for (int64_t i = 0; i < bs; ++i) acc[g][i] += qd * load(kd, i);
+      }
+    }
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t i = 0; i < n; ++i) scores[g * len + start + i] = acc[g][i];
+  }
+  float inv[kMaxGroup];
+  for (int64_t g = 0; g < group; ++g) {
+    float* row = scores + g * len;
+    float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+    for (int64_t p = 0; p < len; ++p) m = std::max(m, row[p]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t p = 0; p < len; ++p) {
+      row[p] = fast_exp(row[p] - m);
+      sum += row[p];
+    }
+    inv[g] = 1.f / sum;
+  }
+  float acc[G ? G : kMaxGroup][DIM ? DIM : 512];
+  for (int64_t g = 0; g < group; ++g)
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) acc[g][d] = 0.f;
+  for (int64_t start = 0, blk = 0; start < len; start += bs, ++blk) {
+    const int64_t n = std::min(bs, len - start);
+    const C* v = vc + static_cast<int64_t>(table[blk]) * block + head * bs * dim;
+    if (start + 2 * bs < len)
+      prefetch_chunk(vc + static_cast<int64_t>(table[blk + 2]) * block + head * bs * dim, dim * bs);
+    for (int64_t i = 0; i < n; ++i, v += dim) {
+      for (int64_t g = 0; g < group; ++g) {
+        const float w = scores[g * len + start + i];
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) acc[g][d] += w * load(v, d);
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g)
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = acc[g][d] * inv[g];
+}
+
+template <typename C>
+using DecodeFn = void (*)(const float*, const C*, const C*, const int32_t*, int64_t, int64_t,
+                          int64_t, int64_t, int64_t, int64_t, float, float*, float*);
+
+#define PAGODA_DECODE_CLONE(NAME, C, BS, DIM, G)                                                \
+  PAGODA_CLONES void NAME(const float* q, const C* kc, const C* vc, const int32_t* table,     \
+                          int64_t len, int64_t bs, int64_t kv_heads, int64_t dim, int64_t head, \
+                          int64_t group, float scale, float* scores, float* out) {              \
+    decode_task<C, BS, DIM, G>(q, kc, vc, table, len, bs, kv_heads, dim, head, group, scale,   \
+                               scores, out);                                                    \
+  }
+
+// Block size 16 (the engine's default) with head_dim 64 or 128 and query groups of 1-8 (every
+// GQA layout of the supported families); anything else takes the generic loops.
+#define PAGODA_DECODE_GROUPS(C, TAG, DIM)                \
+  PAGODA_DECODE_CLONE(decode_##TAG##_##DIM##_1, C, 16, DIM, 1) \
+  PAGODA_DECODE_CLONE(decode_##TAG##_##DIM##_2, C, 16, DIM, 2) \
+  PAGODA_DECODE_CLONE(decode_##TAG##_##DIM##_3, C, 16, DIM, 3) \
+  PAGODA_DECODE_CLONE(decode_##TAG##_##DIM##_4, C, 16, DIM, 4) \
+  PAGODA_DECODE_CLONE(decode_##TAG##_##DIM##_5, C, 16, DIM, 5) \
+  PAGODA_DECODE_CLONE(decode_##TAG##_##DIM##_6, C, 16, DIM, 6) \
+  PAGODA_DECODE_CLONE(decode_##TAG##_##DIM##_7, C, 16, DIM, 7) \
+  PAGODA_DECODE_CLONE(decode_##TAG##_##DIM##_8, C, 16, DIM, 8)
+
+PAGODA_DECODE_GROUPS(float, f32, 64)
+PAGODA_DECODE_GROUPS(float, f32, 128)
+PAGODA_DECODE_GROUPS(bf16_t, bf16, 64)
+PAGODA_DECODE_GROUPS(bf16_t, bf16, 128)
+PAGODA_DECODE_CLONE(decode_f32_any, float, 0, 0, 0)
+PAGODA_DECODE_CLONE(decode_bf16_any, bf16_t, 0, 0, 0)
+
+#define PAGODA_DECODE_TABLE(TAG, DIM)                                                     \
+  {decode_##TAG##_##DIM##_1, decode_##TAG##_##DIM##_2, decode_##TAG##_##DIM##_3,           \
+   decode_##TAG##_##DIM##_4, decode_##TAG##_##DIM##_5, decode_##TAG##_##DIM##_6,           \
+   decode_##TAG##_##DIM##_7, decode_##TAG##_##DIM##_8}
+
+template <typename C>
+DecodeFn<C> pick_decode(int64_t bs, int64_t dim, int64_t group);
+template <>
+DecodeFn<float> pick_decode<float>(int64_t bs, int64_t dim, int64_t group) {
+  static const DecodeFn<float> d64[] = PAGODA_DECODE_TABLE(f32, 64);
+  static const DecodeFn<float> d128[] = PAGODA_DECODE_TABLE(f32, 128);
+  if (bs == 16 && group >= 1 && group <= 8 && (dim == 64 || dim == 128))
+    return (dim == 64 ? d64 : d128)[group - 1];
+  return decode_f32_any;
+}
+template <>
+DecodeFn<bf16_t> pick_decode<bf16_t>(int64_t bs, int64_t dim, int64_t group) {
+  static const DecodeFn<bf16_t> d64[] = PAGODA_DECODE_TABLE(bf16, 64);
+  static const DecodeFn<bf16_t> d128[] = PAGODA_DECODE_TABLE(bf16, 128);
+  if (bs == 16 && group >= 1 && group <= 8 && (dim == 64 || dim == 128))
+    return (dim == 64 ? d64 : d128)[group - 1];
+  return decode_bf16_any;
+}
+
+template <typename C>
+void decode_batch(const float* q, const C* kc, const C* vc, const int32_t* tables,
+                  int64_t table_stride, const int32_t* lens, float* o, int64_t batch,
+                  int64_t heads, int64_t kv_heads, int64_t dim, int64_t bs, float scale) {
+  const int64_t group = heads / kv_heads;
+  const DecodeFn<C> fn = pick_decode<C>(bs, dim, group);
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv_heads, h = task % kv_heads;
+      const int64_t len = lens[b];
+      scores.resize(static_cast<size_t>(group * len));
+      const int64_t at = (b * heads + h * group) * dim;
+      fn(q + at, kc, vc, tables + b * table_stride, len, bs, kv_heads, dim, h, group, scale,
+         scores.data(), o + at);
+    }
+  });
+}
+
+// query [B, H, D] float32 contiguous; caches in the layout above (float32 or bfloat16);
+// block_tables [B, max_blocks] int32; seq_lens [B] int32. Returns [B, H, D] float32. The
+// runner checked the step's contract once (attention.contract); the checks here are per call
+// (one per layer), not per request.
+torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Tensor& k_cache,
+                                     const torch::Tensor& v_cache,
+                                     const torch::Tensor& block_tables,
+                                     const torch::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat && query.is_contiguous() && query.dim() == 3,
+              "query must be a contiguous float32 [B, H, D] tensor");
+  TORCH_CHECK(kernel_layout(k_cache, v_cache), "caches must be in the CPU kernels' layout");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "caches differ in dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "block_tables and seq_lens must be int32");
+  TORCH_CHECK(block_tables.stride(1) == 1, "block_tables rows must be contiguous");
+  const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
+  const int64_t bs = k_cache.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == dim && heads % kv_heads == 0, "head layout mismatch");
+  TORCH_CHECK(bs <= 256 && dim <= 512 && heads / kv_heads <= 16,
+              "block_size <= 256, head_dim <= 512 and <= 16 query heads per KV head");
+  auto out = torch::empty_like(query);
+  const float s = static_cast<float>(scale);
+  if (is_bf16(k_cache)) {
+    decode_batch(query.data_ptr<float>(), static_cast<const bf16_t*>(k_cache.data_ptr()),
+                 static_cast<const bf16_t*>(v_cache.data_ptr()), block_tables.data_ptr<int32_t>(),
+                 block_tables.stride(0), seq_lens.data_ptr<int32_t>(), out.data_ptr<float>(),
+                 batch, heads, kv_heads, dim, bs, s);
+  } else {
+    decode_batch(query.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                 block_tables.data_ptr<int32_t>(), block_tables.stride(0),
+                 seq_lens.data_ptr<int32_t>(), out.data_ptr<float>(), batch, heads, kv_heads, dim,
+                 bs, s);
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------- RMSNorm
+
+// out = weight * round(x * rsqrt(mean(x^2) + eps)) with the statistics in float32; in
+// bfloat16 the normalised row is rounded before the weight multiply (HF's order), in float32
+// nothing rounds in between. With a residual: residual += x first (rounded to its dtype),
+// and the norm is of the new residual.
+template <typename T>
+inline void norm_row(const T* x, T* residual, const T* weight, T* out, int64_t n, float eps) {
+  const T* src = x;
+  if (residual != nullptr) {
+    for (int64_t i = 0; i < n; ++i) store(residual, i, load(residual, i) + load(x, i));
+    src = residual;
+  }
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = load(src, i);
+    ss += v * v;
+  }
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) store(out, i, load(weight, i) * as_t<T>(load(src, i) * r));
+}
+
+PAGODA_CLONES void norm_row_f32(const float* x, float* res, const float* w, float* out, int64_t n,
+                                float eps) {
+  norm_row(x, res, w, out, n, eps);
+}
+
+PAGODA_CLONES void norm_row_bf16(const bf16_t* x, bf16_t* res, const bf16_t* w, bf16_t* out,
+                                 int64_t n, float eps) {
+  norm_row(x, res, w, out, n, eps);
+}
+
+// x [T, N] (rows contiguous); residual: same shape, updated in place, or None. Returns the
+// normalised rows.
+torch::Tensor rms_norm(const torch::Tensor& x, const c10::optional<torch::Tensor>& residual,
+                       const torch::Tensor& weight, double eps) {
+  check_float_like(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [T, N] with contiguous rows");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() &&
+                  weight.numel() == x.size(1),
+              "weight must be a contiguous [N] vector of x's dtype");
+  const bool has_res = residual.has_value();
+  if (has_res) {
+    TORCH_CHECK(residual->scalar_type() == x.scalar_type() && residual->sizes() == x.sizes() &&
+                    residual->stride(1) == 1,
+                "residual must match x");
+  }
+  const int64_t rows = x.size(0), n = x.size(1);
+  auto out = torch::empty({rows, n}, x.options());
+  const int64_t xs = x.stride(0), rs = has_res ? residual->stride(0) : 0;
+  const float e = static_cast<float>(eps);
+  const bool bf16 = is_bf16(x);
+  char* xp = static_cast<char*>(x.data_ptr());
+  char* rp = has_res ? static_cast<char*>(residual->data_ptr()) : nullptr;
+  char* op = static_cast<char*>(out.data_ptr());
+  const void* wp = weight.data_ptr();
+  const int64_t el = x.element_size();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      void* xr = xp + t * xs * el;
+      void* rr = has_res ? rp + t * rs * el : nullptr;
+      void* orow = op + t * n * el;
+      if (bf16) {
+        norm_row_bf16(static_cast<bf16_t*>(xr), static_cast<bf16_t*>(rr),
+                      static_cast<const bf16_t*>(wp), static_cast<bf16_t*>(orow), n, e);
+      } else {
+        norm_row_f32(static_cast<float*>(xr), static_cast<float*>(rr),
+                     static_cast<const float*>(wp), static_cast<float*>(orow), n, e);
+      }
+    }
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------------------------- RoPE
+
+// Rotate-half RoPE in place on one token's heads: x' = x * cos + roll(x, d/2) * signed_sin,
+// each product and the sum rounded to the dtype (the torch reference's three ops).
+template <typename T>
+inline void rope_row(T* x, int64_t heads, int64_t head_stride, const T* cos, const T* ssin,
+                     int64_t dim, float* tmp) {
+  const int64_t half = dim / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    T* xh = x + h * head_stride;
+    for (int64_t i = 0; i < dim; ++i) tmp[i] = load(xh, i);
+    for (int64_t i = 0; i < dim; ++i) {
+      const float rolled = tmp[i < half ? i + half : i - half];
+      const float a = as_t<T>(tmp[i] * load(cos, i));
+      const float b = as_t<T>(rolled * load(ssin, i));
+      store(xh, i, a + b);
+    }
+  }
+}
+
+// No fused multiply-add here: the reference rounds both products before the sum.
+__attribute__((optimize("fp-contract=off"))) PAGODA_CLONES void rope_row_f32(float* x, int64_t heads, int64_t hs, const float* c,
+                                const float* s, int64_t dim, float* tmp) {
+  rope_row(x, heads, hs, c, s, dim, tmp);
+}
+
+__attribute__((optimize("fp-contract=off"))) PAGODA_CLONES void rope_row_bf16(bf16_t* x, int64_t heads, int64_t hs, const bf16_t* c,
+                                 const bf16_t* s, int64_t dim, float* tmp) {
+  rope_row(x, heads, hs, c, s, dim, tmp);
+}
+
+// x [T, heads, D] (a view: heads and D contiguous within a token, any token stride), rotated
+// in place; cos_sin [max_positions, 2, D] of x's dtype (cos, signed sin); positions [T] int64.
+void rotary_(torch::Tensor x, const torch::Tensor& cos_sin, const torch::Tensor& positions) {
+  check_float_like(x, "x");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x must be [T, heads, D] with contiguous D");
+  TORCH_CHECK(cos_sin.scalar_type() == x.scalar_type() && cos_sin.is_contiguous() &&
+                  cos_sin.dim() == 3 && cos_sin.size(2) == x.size(2),
+              "cos_sin must be a contiguous [P, 2, D] table of x's dtype");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == x.size(0),
+              "positions must be int64 [T]");
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2);
+  TORCH_CHECK(dim % 2 == 0, "head_dim must be even");
+  const int64_t ts = x.stride(0), hs = x.stride(1), max_pos = cos_sin.size(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const bool bf16 = is_bf16(x);
+  const int64_t el = x.element_size();
+  char* xp = static_cast<char*>(x.data_ptr());
+  const char* cs = static_cast<const char*>(cos_sin.data_ptr());
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position out of the RoPE table");
+  }
+  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> tmp(static_cast<size_t>(dim));
+    for (int64_t t = begin; t < end; ++t) {
+      void* row = xp + t * ts * el;
+      const char* c = cs + pos[t] * 2 * dim * el;
+      const char* s = c + dim * el;
+      if (bf16) {
+        rope_row_bf16(static_cast<bf16_t*>(row), heads, hs, reinterpret_cast<const bf16_t*>(c),
+                      reinterpret_cast<const bf16_t*>(s), dim, tmp.data());
+      } else {
+        rope_row_f32(static_cast<float*>(row), heads, hs, reinterpret_cast<const float*>(c),
+                     reinterpret_cast<const float*>(s), dim, tmp.data());
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------- SiLU-and-mul
+
+// out = round(silu(gate)) * up, rounded: F.silu then a multiply, in the dtype.
+template <typename T>
+inline void silu_mul_row(const T* gu, T* out, int64_t half) {
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float g = load(gu, i);
+    const float silu = as_t<T>(g / (1.f + fast_exp(-g)));
+    store(out, i, silu * load(gu, half + i));
+  }
+}
+
+PAGODA_CLONES void silu_mul_row_f32(const float* gu, float* out, int64_t half) {
+  silu_mul_row(gu, out, half);
+}
+
+PAGODA_CLONES void silu_mul_row_bf16(const bf16_t* gu, bf16_t* out, int64_t half) {
+  silu_mul_row(gu, out, half);
+}
+
+// gate_up [T, 2I] with contiguous rows -> [T, I].
+torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
+  check_float_like(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "gate_up must be [T, 2I] with contiguous rows");
+  const int64_t rows = gate_up.size(0), half = gate_up.size(1) / 2, gs = gate_up.stride(0);
+  auto out = torch::empty({rows, half}, gate_up.options());
+  const bool bf16 = is_bf16(gate_up);
+  const int64_t el = gate_up.element_size();
+  const char* gp = static_cast<const char*>(gate_up.data_ptr());
+  char* op = static_cast<char*>(out.data_ptr());
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (bf16) {
+        silu_mul_row_bf16(reinterpret_cast<const bf16_t*>(gp + t * gs * el),
+                          reinterpret_cast<bf16_t*>(op + t * half * el), half);
+      } else {
+        silu_mul_row_f32(reinterpret_cast<const float*>(gp + t * gs * el),
+                         reinterpret_cast<float*>(op + t * half * el), half);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "Paged decode attention: one query token per request, GQA, float32 out");
+  m.def("store_kv", &store_kv, "Writes new K/V into the caches' slots (slots < 0 skipped)");
+  m.def("rms_norm", &rms_norm, "RMSNorm over rows, with an optional in-place residual add");
+  m.def("rotary_", &rotary_, "Rotate-half RoPE in place");
+  m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up on a fused [gate | up] projection");
+}

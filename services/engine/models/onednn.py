@@ -1,0 +1,100 @@
+"""CPU matrix multiplies through oneDNN with weights packed once at load time.
+
+``F.linear`` on the CPU goes to MKL's SGEMM for float32, which on AMD processors does not take
+its AVX-512 code path; oneDNN's brgemm kernels do, on any x86 CPU, for float32 and bfloat16
+(AVX-512-BF16/AMX where present). Packing the weight into oneDNN's blocked layout once, instead
+of on every call, is what makes small-batch decode GEMMs fast too. Measured on a 2-core AMD EPYC
+with AVX-512-BF16 (576 x 1536 weight): float32 at 64-1024 rows, 75-86 GFLOP/s with ``F.linear``
+against 180-340 with the packed weight; bfloat16 at one row, 1.4 ms against 26 us.
+
+CPUs without native bf16 dot products (AVX2, AVX-512 without BF16) run bf16 GEMMs an order of
+magnitude slower than float32 ones: there a bf16 model's weights are packed as float32 and its
+activations are multiplied in float32 (rounded back to bf16 after), as a float32 model.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` (a [out, in] CPU matrix) can be packed for oneDNN."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dim() == 2
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class PackedWeight:
+    """A weight in oneDNN's blocked layout, and the dtype its products are computed in."""
+
+    packed: torch.Tensor  # opaque mkldnn tensor, [out, in]
+    bias: torch.Tensor | None  # in the compute dtype
+    compute_dtype: torch.dtype
+    out_features: int
+
+
+# The batch size oneDNN tunes the packed layout for; every batch size works with it.
+_PACK_BATCH_HINT = 64
+
+
+def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight:
+    assert can_pack(weight), (weight.device, weight.dtype, weight.shape)
+    compute = weight.dtype
+    if compute == torch.bfloat16 and not cpu_has_native_bf16():
+        compute = torch.float32
+    w = weight.detach().to(compute).contiguous()
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH_HINT)
+    b = None if bias is None else bias.detach().to(compute).contiguous()
+    return PackedWeight(packed, b, compute, weight.shape[0])
+
+
+# oneDNN builds (and caches, about a MB each) one primitive per distinct row count, and a step's
+# row count is whatever the scheduler batched: left alone, an engine's memory grows by a GB
+# over its first few thousand steps. So rows go through in chunks of at most _MAX_ROWS, each
+# padded up to one of 19 sizes, finer where rows are few: 19 primitives per weight shape,
+# whatever the traffic.
+_MAX_ROWS = 256
+_ROW_BUCKETS = (1, 2, 4, *range(8, 64, 8), *range(64, 128, 16), *range(128, _MAX_ROWS + 1, 32))
+
+
+def _bucket(rows: int) -> int:
+    return next(b for b in _ROW_BUCKETS if b >= rows)
+
+
+def packed_linear(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """``x @ W^T + b`` (``x``: ``[rows, in]``) with the packed weight; the result has ``x``'s
+    dtype."""
+    rows = x.shape[0]
+    xc = x if x.dtype == w.compute_dtype else x.to(w.compute_dtype)
+    if rows <= _MAX_ROWS:
+        y = _rows(xc, w)
+    else:
+        y = torch.cat([_rows(xc[s : s + _MAX_ROWS], w) for s in range(0, rows, _MAX_ROWS)])
+    return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def _rows(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    rows = x.shape[0]
+    padded = _bucket(rows)
+    if padded != rows:
+        x = F.pad(x, (0, 0, 0, padded - rows))
+    y = torch.ops.mkldnn._linear_pointwise(x, w.packed, w.bias, "none", [], "")
+    return y if padded == rows else y[:rows]

@@ -1,0 +1,239 @@
+"""Pagoda's C++ CPU kernels (``services.engine.cpu_ops``) against their torch references.
+
+Each kernel replaces torch ops on the CPU hot path: the tests hold it to the reference's
+rounding (exact where the reference rounds at the same points, a float32 reduction order
+apart otherwise), for float32 and bfloat16, and over the shapes that pick its specialised and
+generic code (block size 16 with head_dim 64/128 and query groups 1-8; anything else).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.engine.attention import contract, selector
+from services.engine.attention.cpu_backend import CpuAttentionBackend
+from services.engine.attention.metadata import build_attention_metadata
+from services.engine.attention.torch_backend import TorchAttentionBackend
+from services.engine.cpu_ops import ops
+from services.engine.models import onednn
+from services.engine.models.layers import Linear, RopeStep, apply_rotary, rms_norm_torch
+from tests.engine.test_attention_torch import make_batch, naive_attention
+
+kernels = ops()
+pytestmark = pytest.mark.skipif(kernels is None, reason="the CPU kernels did not build here")
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance in units of the last place of ``b``'s dtype (bf16: 2^-7 relative)."""
+    eps = torch.finfo(b.dtype).eps
+    scale = torch.maximum(a.float().abs(), b.float().abs()).clamp_min(1e-30)
+    return int(((a.float() - b.float()).abs() / (scale * eps)).max().round())
+
+
+# ------------------------------------------------------------------------------ elementwise
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_matches_the_torch_reference(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 576, generator=gen).to(dtype)
+    weight = torch.randn(576, generator=gen).to(dtype)
+    got = kernels.rms_norm(x, None, weight, 1e-5)
+    assert _ulps_apart(got, rms_norm_torch(x, weight, 1e-5)) <= 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_adds_the_residual_in_place_first(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(9, 256, generator=gen).to(dtype)
+    residual = torch.randn(9, 256, generator=gen).to(dtype)
+    weight = torch.randn(256, generator=gen).to(dtype)
+    expected_residual = residual + x  # the reference's add_, rounded in dtype
+    got = kernels.rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(residual, expected_residual)
+    assert _ulps_apart(got, rms_norm_torch(expected_residual, weight, 1e-6)) <= 2
+
+
+def test_rms_norm_reads_rows_of_a_strided_view() -> None:
+    base = torch.randn(6, 128)
+    x, weight = base[:, :64], torch.randn(64)
+    assert _ulps_apart(kernels.rms_norm(x, None, weight, 1e-5), rms_norm_torch(x, weight, 1e-5)) <= 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_the_torch_reference(dtype: torch.dtype) -> None:
+    gate_up = (torch.randn(11, 2 * 96) * 6).to(dtype)  # wide range: exp's tails too
+    expected = F.silu(gate_up[:, :96]) * gate_up[:, 96:]
+    assert _ulps_apart(kernels.silu_and_mul(gate_up), expected) <= 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_equals_the_reference_exactly(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(2)
+    tokens, heads, dim = 13, 5, 64
+    qkv = torch.randn(tokens, (heads + 2) * dim, generator=gen).to(dtype)
+    qk = qkv[:, : heads * dim].view(tokens, heads, dim)  # a view with a token stride
+    table = torch.randn(50, 2, dim, generator=gen).to(dtype)
+    positions = torch.randint(0, 50, (tokens,), generator=gen)
+    cs = table.index_select(0, positions)
+    expected = apply_rotary(qk.clone(), RopeStep(positions, table, cs[:, 0:1], cs[:, 1:2]))
+    untouched = qkv[:, heads * dim :].clone()
+    kernels.rotary_(qk, table, positions)
+    assert torch.equal(qk, expected)
+    assert torch.equal(qkv[:, heads * dim :], untouched)  # the rest of the row stays as it was
+
+
+def test_rotary_refuses_a_position_outside_the_table() -> None:
+    with pytest.raises(RuntimeError, match="position"):
+        kernels.rotary_(torch.zeros(2, 1, 8), torch.zeros(4, 2, 8), torch.tensor([0, 4]))
+
+
+# ------------------------------------------------------------------------------ attention
+
+
+def _cpu_caches(batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's caches re-laid in the CPU kernels' storage (same logical contents)."""
+    nb, bs, kv_heads, dim = batch.k_cache.shape
+    k, v = CpuAttentionBackend().allocate_kv_cache(nb, bs, kv_heads, dim, batch.k_cache.dtype,
+                                                  torch.device("cpu"))
+    k.copy_(batch.k_cache)
+    v.copy_(batch.v_cache)
+    return k, v
+
+
+SHAPES = [  # (num_heads, num_kv_heads, head_dim, block_size): specialised and generic paths
+    (9, 3, 64, 16),
+    (8, 8, 64, 16),
+    (16, 2, 128, 16),
+    (32, 4, 128, 16),
+    (6, 2, 32, 16),
+    (4, 1, 64, 8),
+    (12, 1, 64, 32),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "bs"), SHAPES)
+def test_decode_matches_dense_attention(dtype, heads, kv_heads, dim, bs) -> None:
+    # Lengths on and around block edges, a single token, and a long context.
+    lens = [1, bs - 1, bs, bs + 1, 3 * bs + 5, 300]
+    batch = make_batch(lens, [1] * len(lens), block_size=bs, num_heads=heads,
+                       num_kv_heads=kv_heads, head_dim=dim, dtype=dtype, seed=heads + dim)
+    k, v = _cpu_caches(batch)
+    got = CpuAttentionBackend().forward(batch.query, k, v, batch.meta, 0.3)
+    expected = naive_attention(batch, 0.3)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), expected.double(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mixed_step_equals_the_torch_backend(dtype: torch.dtype) -> None:
+    """Decodes (the kernel), a chunk over a cached prefix and a fresh prefill (SDPA over the
+    CPU layout) in one step."""
+    batch = make_batch([40, 1, 70, 16, 23], [1, 1, 30, 16, 1], num_heads=9, num_kv_heads=3,
+                       head_dim=64, dtype=dtype, seed=5)
+    k, v = _cpu_caches(batch)
+    got = CpuAttentionBackend().forward(batch.query, k, v, batch.meta, 0.125)
+    ref = TorchAttentionBackend().forward(batch.query, batch.k_cache, batch.v_cache, batch.meta,
+                                          0.125)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_writes_what_the_torch_backend_writes(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    cpu, ref = CpuAttentionBackend(), TorchAttentionBackend()
+    k, v = cpu.allocate_kv_cache(6, 16, 3, 64, dtype, torch.device("cpu"))
+    kr, vr = ref.allocate_kv_cache(6, 16, 3, 64, dtype, torch.device("cpu"))
+    qkv = torch.randn(7, 15 * 64, generator=gen).to(dtype)  # views, as the model passes them
+    key = qkv[:, 9 * 64 : 12 * 64].view(7, 3, 64)
+    value = qkv[:, 12 * 64 :].view(7, 3, 64)
+    slots = torch.tensor([0, 17, 95, -1, 33, 48, 5])  # -1: padding, never written
+    cpu.store_kv(key, value, k, v, slots)
+    ref.store_kv(key, value, kr, vr, slots)
+    assert torch.equal(k, kr) and torch.equal(v, vr)
+
+
+def test_the_cpu_layout_passes_the_cache_contract() -> None:
+    caches = [CpuAttentionBackend().allocate_kv_cache(4, 16, 2, 64, torch.float32,
+                                                     torch.device("cpu")) for _ in range(3)]
+    contract.check_kv_caches(caches, num_heads=4, num_kv_heads=2, head_dim=64,
+                             dtype=torch.float32)
+    plain = TorchAttentionBackend().allocate_kv_cache(4, 16, 2, 64, torch.float32,
+                                                     torch.device("cpu"))
+    with pytest.raises(contract.AttentionContractError, match="laid out unlike"):
+        contract.check_kv_caches([caches[0], plain], num_heads=4, num_kv_heads=2, head_dim=64,
+                                 dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="layout"):  # the kernel refuses a plain cache
+        kernels.paged_decode_attention(torch.zeros(1, 4, 64), *plain,
+                                       torch.zeros(1, 1, dtype=torch.int32),
+                                       torch.ones(1, dtype=torch.int32), 1.0)
+
+
+def test_selector_takes_the_kernels_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert selector.get_attention_backend("cpu").name == "cpu"
+    assert selector.get_attention_backend("cpu", "torch").name == "torch"
+    monkeypatch.setattr(selector, "ops", lambda: None)  # not built: torch, and "cpu" says why
+    assert selector.get_attention_backend("cpu").name == "torch"
+    with pytest.raises(ValueError, match="CPU kernels"):
+        selector.get_attention_backend("cpu", "cpu")
+
+
+def test_metadata_to_kernel_through_real_steps() -> None:
+    """store_kv + forward over steps: a prefill chunk, a second chunk, decodes."""
+    gen = torch.Generator().manual_seed(4)
+    cpu, ref = CpuAttentionBackend(), TorchAttentionBackend()
+    k, v = cpu.allocate_kv_cache(10, 16, 2, 64, torch.float32, torch.device("cpu"))
+    kr, vr = ref.allocate_kv_cache(10, 16, 2, 64, torch.float32, torch.device("cpu"))
+    table, total = [[7, 2, 9, 4]], 50
+    keys = torch.randn(total, 2, 64, generator=gen)
+    values = torch.randn(total, 2, 64, generator=gen)
+    queries = torch.randn(total, 6, 64, generator=gen)
+    done = 0
+    for chunk in (20, 17, 1, 1, 1):
+        meta, _ = build_attention_metadata(table, [done + chunk], [chunk], 16)
+        new = slice(done, done + chunk)
+        cpu.store_kv(keys[new], values[new], k, v, meta.slot_mapping)
+        ref.store_kv(keys[new], values[new], kr, vr, meta.slot_mapping)
+        got = cpu.forward(queries[new], k, v, meta, 0.2)
+        expected = ref.forward(queries[new], kr, vr, meta, 0.2)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        done += chunk
+
+
+# ------------------------------------------------------------------------------ oneDNN linear
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(dtype: torch.dtype, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(6)
+    layer = Linear(96, (64, 32), bias=bias, dtype=dtype)
+    layer.weight.copy_(torch.randn(96, 96, generator=gen))
+    if bias:
+        layer.bias.copy_(torch.randn(96, generator=gen))
+    x = torch.randn(5, 96, generator=gen).to(dtype)
+    expected = F.linear(x, layer.weight, layer.bias)
+    layer.pack()
+    assert layer.packed is not None and layer.weight is None  # the plain copy is dropped
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(layer(x).float(), expected.float(), atol=tol, rtol=tol)
+    assert layer(x[:1]).shape == (1, 96)  # any batch size with the same packed weight
+
+
+def test_bf16_without_native_support_computes_in_float32(monkeypatch) -> None:
+    """On CPUs without bf16 dot products (AVX2) a bf16 weight is packed as float32."""
+    monkeypatch.setattr(onednn, "cpu_has_native_bf16", lambda: False)
+    w = torch.randn(32, 16).bfloat16()
+    packed = onednn.pack(w)
+    assert packed.compute_dtype == torch.float32
+    x = torch.randn(3, 16).bfloat16()
+    out = onednn.packed_linear(x, packed)
+    assert out.dtype == torch.bfloat16
+    expected = F.linear(x.float(), w.float()).bfloat16()
+    torch.testing.assert_close(out.float(), expected.float(), atol=0, rtol=0)
