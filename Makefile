@@ -8,7 +8,7 @@ ENGINES ?= 1
 MODEL ?=
 PYTEST_ARGS ?=
 
-.PHONY: install model kernels redis lint test serve bench loadtest clean
+.PHONY: install model kernels redis lint test serve bench bench-serve loadtest clean
 
 install: $(STAMP) model kernels redis
 
@@ -45,6 +45,11 @@ serve: install
 
 bench: install
 	$(PY) benchmarks/engine_throughput.py
+
+# The stack through its HTTP API with vLLM's `vllm bench serve`, against `vllm serve` too.
+VLLM_VENV ?= vllm-venv
+bench-serve: install
+	$(PY) benchmarks/serve_bench.py --vllm-venv $(VLLM_VENV)
 
 # Against a running `make serve`: headless locust, CSVs + PNG report in loadtest/results/.
 LOADTEST_ARGS ?= --run-time 60s --users 8

@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engines", type=int, default=1, help="engine processes")
     ap.add_argument("--model", default=None, help="HF model directory (default: SmolLM2)")
     ap.add_argument("--policy", default="prefix", help="routing policy")
+    ap.add_argument("--dtype", default="auto", help="engine dtype (auto: float32 on the CPU)")
     ap.add_argument("--api-key", action="append", default=[], help="require this API key")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -133,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             engine_urls.append(url)
             p = start(f"engine-{i}", [_PY, "-m", "services.engine.server", "--port", str(port),
                                       "--model", str(model_dir), "--engine-id", f"engine-{i}",
-                                      "--redis-url", redis_url, "--cpu-threads", str(len(cpus))],
+                                      "--redis-url", redis_url, "--cpu-threads", str(len(cpus)),
+                                      "--dtype", args.dtype],
                       cpus=cpus if args.engines > 1 else None)
             wait_http(f"{url}/health", 600, p)
         router_port = free_port()
