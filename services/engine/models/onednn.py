@@ -72,11 +72,11 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight
 # padded up to one of 19 sizes, finer where rows are few: 19 primitives per weight shape,
 # whatever the traffic.
 _MAX_ROWS = 256
-_ROW_BUCKETS = (1, 2, 4, *range(8, 64, 8), *range(64, 128, 16), *range(128, _MAX_ROWS + 1, 32))
+ROW_BUCKETS = (1, 2, 4, *range(8, 64, 8), *range(64, 128, 16), *range(128, _MAX_ROWS + 1, 32))
 
 
 def _bucket(rows: int) -> int:
-    return next(b for b in _ROW_BUCKETS if b >= rows)
+    return next(b for b in ROW_BUCKETS if b >= rows)
 
 
 def packed_linear(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:

@@ -570,11 +570,17 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
 
 }  // namespace
 
+// Every kernel lets go of the GIL while it runs, as torch's own ops do: the engine's event loop
+// (HTTP streams, heartbeats) shares the process with the thread that steps the model.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("paged_decode_attention", &paged_decode_attention, release(),
         "Paged decode attention: one query token per request, GQA, float32 out");
-  m.def("store_kv", &store_kv, "Writes new K/V into the caches' slots (slots < 0 skipped)");
-  m.def("rms_norm", &rms_norm, "RMSNorm over rows, with an optional in-place residual add");
-  m.def("rotary_", &rotary_, "Rotate-half RoPE in place");
-  m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up on a fused [gate | up] projection");
+  m.def("store_kv", &store_kv, release(),
+        "Writes new K/V into the caches' slots (slots < 0 skipped)");
+  m.def("rms_norm", &rms_norm, release(),
+        "RMSNorm over rows, with an optional in-place residual add");
+  m.def("rotary_", &rotary_, release(), "Rotate-half RoPE in place");
+  m.def("silu_and_mul", &silu_and_mul, release(),
+        "SiLU(gate) * up on a fused [gate | up] projection");
 }
