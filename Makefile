@@ -8,7 +8,7 @@ ENGINES ?= 1
 MODEL ?=
 PYTEST_ARGS ?=
 
-.PHONY: install model kernels redis lint test serve bench bench-serve loadtest clean
+.PHONY: install model kernels redis lint test test-gpu serve bench bench-serve loadtest clean
 
 install: $(STAMP) model kernels redis
 
@@ -39,6 +39,12 @@ lint: install
 
 test: install
 	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# On a CUDA machine, with its own torch and Triton (not the CPU venv): the GPU-only tests and the
+# kernels' tests compiled (no TRITON_INTERPRET), then the GPU benchmark. E.g. `make test-gpu PY=python3`.
+test-gpu:
+	PYTHONPATH=. $(PY) -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py tests/engine/test_triton_kernels.py tests/engine/test_triton_fused_kernels.py
+	PYTHONPATH=. $(PY) benchmarks/gpu_throughput.py
 
 serve: install
 	$(PY) -m services.serve --port $(PORT) --engines $(ENGINES) $(if $(MODEL),--model $(MODEL),)

@@ -73,8 +73,9 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def run_client(vllm: Path, port: int, model_dir: Path, args: argparse.Namespace, out: Path,
-               env: dict[str, str]) -> dict:
+def run_client(
+    vllm: Path, port: int, model_dir: Path, args: argparse.Namespace, out: Path, env: dict[str, str]
+) -> dict:
     cmd = [
         str(vllm), "bench", "serve", "--backend", "openai",
         "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions",
@@ -148,7 +149,9 @@ def main() -> None:
 
 def report(results: dict[str, dict]) -> None:
     names = list(results)
-    print("\n| metric | " + " | ".join(names) + (" | Pagoda / vLLM |" if "vllm" in results else " |"))
+    print(
+        "\n| metric | " + " | ".join(names) + (" | Pagoda / vLLM |" if "vllm" in results else " |")
+    )
     print("| --- " * (len(names) + 1 + ("vllm" in results)) + "|")
     for key, label in METRICS:
         row = [f"{results[n].get(key, float('nan')):.1f}" for n in names]

@@ -25,7 +25,7 @@ runs, then ``cache_full_blocks``; ``free`` when the request finishes or is preem
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.engine.kv_blocks import FreeBlockQueue, KVBlock
 from services.protocol.block_hash import BlockHash
@@ -36,10 +36,16 @@ __all__ = ["BlockManager", "FreeBlockQueue", "KVBlock"]
 
 @dataclass(slots=True)
 class _RequestBlocks:
-    blocks: list[KVBlock]
+    blocks: list[KVBlock] = field(default_factory=list)
+    # The same blocks' ids, kept alongside: the block table is read every step.
+    block_ids: list[int] = field(default_factory=list)
     # Leading blocks that cache_full_blocks has already dealt with (cached, or left uncached
     # because another block holds their hash), so each call only looks at new full blocks.
     num_visited: int = 0
+
+    def extend(self, blocks: list[KVBlock]) -> None:
+        self.blocks.extend(blocks)
+        self.block_ids.extend(block.block_id for block in blocks)
 
 
 class BlockManager:
@@ -88,7 +94,7 @@ class BlockManager:
 
     def get_block_table(self, request_id: str) -> list[int]:
         """The request's physical block ids, in token order (a copy)."""
-        return [block.block_id for block in self._entry(request_id).blocks]
+        return self._entry(request_id).block_ids.copy()
 
     def take_events(self) -> list[KVEvent]:
         """Returns and forgets the KV events since the last call, oldest first."""
@@ -209,10 +215,13 @@ class BlockManager:
         """
         _check_int("num_tokens", num_tokens, minimum=0)
         entry = self._requests.get(request_id)
+        held = 0 if entry is None else len(entry.blocks)
+        if entry is not None and not new_computed_blocks and num_tokens <= held * self.block_size:
+            return True  # most decode steps: the last block still has room
         computed = list(new_computed_blocks)
         if computed:
             self._check_computed(entry, computed)
-        num_held = len(computed) + (len(entry.blocks) if entry is not None else 0)
+        num_held = len(computed) + held
         num_new = max(-(-num_tokens // self.block_size) - num_held, 0)
         # Computed blocks that nobody holds sit in the free queue; attaching them takes them
         # out of it, so they compete with the new blocks for the same free slots.
@@ -220,11 +229,11 @@ class BlockManager:
         if num_from_queue > len(self._free):
             return False
         if entry is None:
-            entry = self._requests[request_id] = _RequestBlocks(blocks=[])
+            entry = self._requests[request_id] = _RequestBlocks()
         for block in computed:
             self._take_ref(block)
-        entry.blocks.extend(computed)
-        entry.blocks.extend(self._pop_fresh(num_new))
+        entry.extend(computed)
+        entry.extend(self._pop_fresh(num_new))
         return True
 
     def free(self, request_id: str) -> None:

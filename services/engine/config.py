@@ -43,6 +43,9 @@ class EngineConfig:
         help="cpu, torch or triton (default: triton on CUDA; on the CPU the C++ kernels when "
         "built, else torch)",
     )
+    enforce_eager: bool = flag(
+        False, help="no CUDA graphs: decode steps launch their kernels one by one (as vLLM)"
+    )
     hash_algorithm: str = flag("xxh3_128", help="xxh3_128 or sha256: the prefix-cache block hash")
     cpu_threads: int | None = flag(
         None,

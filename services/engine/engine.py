@@ -183,31 +183,39 @@ class LLMEngine:
 
     def step(self) -> list[RequestUpdate]:
         """One step: schedule -> execute -> the scheduler applies the result."""
+        return [
+            self._update(req, [req.output_token_ids[-1]], [lp]) for req, lp in self.step_requests()
+        ]
+
+    def step_requests(self) -> list[tuple[Request, TokenLogprobs | None]]:
+        """``step`` without building its updates (the offline ``LLM`` reads the requests):
+        each request that got a token this step, with the token's logprobs. The token is the
+        request's last output token; a finished request has left the engine."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
         out = self.runner.execute(sched).sampler_output
         sampled = self.scheduler.update(sched, out.token_ids)
-        return [self._sampled(req, lp) for req, lp in zip(sampled, out.logprobs, strict=True)]
-
-    def _sampled(self, req: Request, lp: TokenLogprobs | None) -> RequestUpdate:
-        if req.status.is_finished:  # the scheduler has already freed its blocks
-            del self.requests[req.request_id]
-        return self._update(req, [req.output_token_ids[-1]], [lp])
+        for req in sampled:
+            if req.status.is_finished:  # the scheduler has already freed its blocks
+                del self.requests[req.request_id]
+        return list(zip(sampled, out.logprobs, strict=True))
 
     def _update(
         self, req: Request, toks: list[int], lps: list[TokenLogprobs | None]
     ) -> RequestUpdate:
+        # Built for every running request every step: plain reads, no properties.
+        finished = req.status.is_finished
         return RequestUpdate(
             request_id=req.request_id,
             new_token_ids=toks,
             new_logprobs=lps,
-            finished=req.status.is_finished,
-            finish_reason=req.finish_reason,
+            finished=finished,
+            finish_reason=req.status.value if finished else None,
             stop_reason=req.stop_reason,
-            num_prompt_tokens=req.num_prompt_tokens,
+            num_prompt_tokens=len(req.prompt_token_ids),
             num_cached_tokens=max(req.num_cached_tokens, 0),
-            num_output_tokens=req.num_output_tokens,
+            num_output_tokens=len(req.output_token_ids),
             arrival_time=req.arrival_time,
             first_scheduled_time=req.first_scheduled_time,
             first_token_time=req.first_token_time,

@@ -12,11 +12,12 @@ from typing import Any
 from tqdm import tqdm
 
 from services.engine.config import EngineConfig
-from services.engine.engine import LLMEngine, RequestUpdate
+from services.engine.engine import LLMEngine
 from services.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from services.engine.request import Request
 from services.protocol.engine_api import TokenLogprobs
 from services.protocol.sampling_params import SamplingParams
-from services.text.detokenizer import IncrementalDetokenizer
+from services.text.detokenizer import IncrementalDetokenizer, detokenize_batch
 from services.text.stop import StopStringMatcher
 from services.text.tokenizer import Tokenizer
 
@@ -27,13 +28,22 @@ Conversation = Sequence[dict[str, Any]]
 
 
 @dataclass(slots=True)
+class _TextStream:
+    """The text of a sample with stop strings, as it grows: the stop check needs it each step."""
+
+    detok: IncrementalDetokenizer
+    stops: StopStringMatcher
+
+
+@dataclass(slots=True)
 class _Child:
     """One of a request's ``n`` samples while it runs."""
 
     output: CompletionOutput
-    detok: IncrementalDetokenizer
-    stops: StopStringMatcher
     params: SamplingParams
+    # None without stop strings: then the text is decoded once, when the sample finishes
+    # (``_finish``), and the step loop never detokenizes.
+    stream: _TextStream | None
 
 
 @dataclass(slots=True)
@@ -50,6 +60,7 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
         self.tokenizer = Tokenizer(self.engine.model_path)
         self._ids = itertools.count()
+        self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
@@ -123,9 +134,8 @@ class LLM:
             self.engine.add_request(child_id, ids, child_params, cache_salt)
             child = _Child(
                 output=CompletionOutput(index=i, text="", token_ids=[]),
-                detok=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
-                stops=StopStringMatcher(params.stop, params.include_stop_str_in_output),
                 params=params,
+                stream=self._text_stream(ids, params),
             )
             if params.logprobs is not None:
                 child.output.logprobs = []
@@ -136,63 +146,107 @@ class LLM:
             by_child_id[child_id] = (parent, child)
         return parent
 
+    def _text_stream(self, ids: list[int], params: SamplingParams) -> _TextStream | None:
+        if not any(params.stop):
+            return None
+        return _TextStream(
+            IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
+            StopStringMatcher(params.stop, params.include_stop_str_in_output),
+        )
+
     def _drive(self, by_child_id, num_requests: int, use_tqdm: bool) -> None:
         bar = tqdm(total=num_requests, desc="Generating", disable=not use_tqdm, unit="req")
         with bar:
             while self.engine.has_unfinished_requests():
-                for upd in self.engine.step():
-                    parent, child = by_child_id[upd.request_id]
-                    if self._apply(parent, child, upd):
-                        parent.unfinished -= 1
-                        if parent.unfinished == 0:
-                            parent.output.finished = True
-                            bar.update(1)
+                finished = []
+                for req, lp in self.engine.step_requests():
+                    parent, child = by_child_id[req.request_id]
+                    if self._apply(child, req, lp):
+                        finished.append((parent, child, req))
+                self._finish(finished, bar)
 
-    def _apply(self, parent: _Parent, child: _Child, upd: RequestUpdate) -> bool:
-        """Folds one step's tokens into the child's output; True when the child finished."""
+    def _apply(self, child: _Child, req: Request, lp: TokenLogprobs | None) -> bool:
+        """Folds the request's new token (its last output token) into what needs it at once:
+        logprobs, and the text of a sample with stop strings. True when the sample finished;
+        its tokens are copied then (``_finish``)."""
         out = child.output
-        out.token_ids.extend(upd.new_token_ids)
-        parent.output.num_cached_tokens = upd.num_cached_tokens
-        self._update_metrics(parent.output, upd)
-        if out.logprobs is not None:
-            for lp in upd.new_logprobs:
-                if lp is not None:
-                    out.logprobs.append(self._logprob_dict(lp))
-                    out.cumulative_logprob += lp.logprob
-        emitted, stop = child.stops.feed(child.detok.push(upd.new_token_ids))
-        out.text += emitted
-        if stop is not None and not upd.finished:
-            self.engine.abort_request(upd.request_id)
-        if stop is not None:
-            out.finish_reason, out.stop_reason = "stop", stop
-            return True
-        if upd.finished:
-            out.text += child.stops.flush()
-            out.finish_reason, out.stop_reason = upd.finish_reason, upd.stop_reason
+        if lp is not None and out.logprobs is not None:
+            out.logprobs.append(self._logprob_dict(lp))
+            out.cumulative_logprob += lp.logprob
+        if child.stream is not None:
+            stop = self._feed_text(child.stream, out, req)
+            if stop is not None:
+                out.finish_reason, out.stop_reason = "stop", stop
+                return True
+        if req.status.is_finished:
+            out.finish_reason, out.stop_reason = req.finish_reason, req.stop_reason
             return True
         return False
 
-    @staticmethod
-    def _update_metrics(output: RequestOutput, upd: RequestUpdate) -> None:
-        m = output.metrics
-        if m is None:
-            m = output.metrics = RequestMetrics(arrival_time=upd.arrival_time)
-        if upd.first_token_time is not None and (
-            m.first_token_time is None or upd.first_token_time < m.first_token_time
-        ):
-            m.first_token_time = upd.first_token_time
-        if upd.finished:
-            m.finished_time = time.monotonic()
+    def _feed_text(self, stream: _TextStream, out: CompletionOutput, req: Request) -> str | None:
+        """Extends the text of a sample with stop strings; returns the stop string it hit."""
+        finished = req.status.is_finished
+        emitted, stop = stream.stops.feed(stream.detok.push(req.output_token_ids[-1:]))
+        out.text += emitted
+        if stop is not None and not finished:
+            self.engine.abort_request(req.request_id)
+        elif stop is None and finished:
+            out.text += stream.stops.flush()
+        return stop
+
+    def _finish(self, finished: list[tuple[_Parent, _Child, Request]], bar: tqdm) -> None:
+        """Completes this step's finished samples, and the requests they were the last of."""
+        now = time.monotonic()
+        for parent, child, req in finished:
+            child.output.token_ids = list(req.output_token_ids)
+            _record_metrics(parent.output, req, now)
+        self._decode_texts([(p, c) for p, c, _ in finished if c.stream is None])
+        for parent, _, _ in finished:
+            parent.unfinished -= 1
+            if parent.unfinished == 0:
+                parent.output.finished = True
+                bar.update(1)
+
+    def _decode_texts(self, samples: list[tuple[_Parent, _Child]]) -> None:
+        """Sets the text of finished samples without a stream: one batched decode for each
+        skip_special_tokens setting among them."""
+        for skip in (True, False):
+            batch = [(p, c) for p, c in samples if c.params.skip_special_tokens is skip]
+            if not batch:
+                continue
+            prompts = [p.output.prompt_token_ids for p, _ in batch]
+            outputs = [c.output.token_ids for _, c in batch]
+            texts = detokenize_batch(self.tokenizer, prompts, outputs, skip)
+            for (_, child), text in zip(batch, texts, strict=True):
+                child.output.text = text
 
     def _logprob_dict(self, lp: TokenLogprobs) -> dict[int, Logprob]:
         d = {
-            tid: Logprob(v, rank + 1, self.tokenizer.decode([tid], skip_special_tokens=False))
-            for rank, (tid, v) in enumerate(lp.top)
+            tid: Logprob(v, rank + 1, self._token_text(tid)) for rank, (tid, v) in enumerate(lp.top)
         }
-        d[lp.token_id] = Logprob(
-            lp.logprob, lp.rank, self.tokenizer.decode([lp.token_id], skip_special_tokens=False)
-        )
+        d[lp.token_id] = Logprob(lp.logprob, lp.rank, self._token_text(lp.token_id))
         return d
+
+    def _token_text(self, token_id: int) -> str:
+        # Memoised: logprobs ask for the same tokens' texts over and over, every step.
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode(
+                [token_id], skip_special_tokens=False
+            )
+        return text
+
+
+def _record_metrics(output: RequestOutput, req: Request, now: float) -> None:
+    """The request's figures, folded in as each of its samples finishes."""
+    output.num_cached_tokens = max(req.num_cached_tokens, 0)
+    m = output.metrics
+    if m is None:
+        m = output.metrics = RequestMetrics(arrival_time=req.arrival_time)
+    first = req.first_token_time
+    if first is not None and (m.first_token_time is None or first < m.first_token_time):
+        m.first_token_time = first
+    m.finished_time = now
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

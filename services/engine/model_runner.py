@@ -1,4 +1,11 @@
-"""Tensors in, tokens out: flattens a scheduled step into one batch, runs the model, samples."""
+"""Tensors in, tokens out: flattens a scheduled step into one batch, runs the model, samples.
+
+On a GPU a step's integer inputs cross in one pinned, non-blocking copy (``step_buffers``),
+decode steps replay a CUDA graph of their batch-size bucket (``cuda_graphs``), and the sampled
+token ids are the one tensor that comes back. Every kernel variant the engine can meet is
+compiled (and every graph captured) before the runner exists, so a new engine's first requests
+run at full speed.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from services.engine import cpu_threads
@@ -13,10 +21,13 @@ from services.engine.attention.contract import check_kv_caches, check_step
 from services.engine.attention.metadata import build_attention_metadata
 from services.engine.attention.selector import get_attention_backend
 from services.engine.config import EngineConfig
+from services.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from services.engine.models.loader import load_model
 from services.engine.models.onednn import ROW_BUCKETS
 from services.engine.sampler import Sampler, SamplerOutput, SamplingRequest
 from services.engine.scheduler import SchedulerOutput
+from services.engine.step_buffers import StagedStep, StepBuffers
+from services.protocol.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +59,12 @@ class ModelRunner:
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         self.sampler = Sampler()
+        self.buffers: StepBuffers | None = None
+        self.graphs: DecodeGraphs | None = None
         if self.device.type == "cpu":
             self._warm_up()
+        else:
+            self._prepare_gpu()
         logger.info(
             "model loaded: arch=%s dtype=%s device=%s backend=%s kv_blocks=%d (%d tokens)",
             self.model_config.architecture,
@@ -119,6 +134,59 @@ class ModelRunner:
                 self.model.compute_logits(hidden)
         logger.info("warmed up in %.1fs", time.perf_counter() - start)
 
+    # -- GPU: staging buffers, warm-up, graphs ---------------------------------------------
+
+    def _prepare_gpu(self) -> None:
+        """Buffers, then every eager kernel variant compiled, then the decode graphs captured:
+        all before the engine reports ready (a pod added under load starts at full speed)."""
+        c = self.config
+        max_len = c.max_model_len or self.model_config.max_position_embeddings
+        width = min(-(-max_len // self.block_size), self.num_blocks)
+        self.buffers = StepBuffers(
+            c.max_num_batched_tokens, c.max_num_seqs, width, self.block_size, self.device
+        )
+        start = time.perf_counter()
+        self._warm_up_gpu(width * self.block_size)
+        # The torch backend plans on the host from the step's lengths: it cannot be captured.
+        if not c.enforce_eager and self.attn_backend.name == "triton":
+            from services.engine.kernels.paged_attention import decode_num_splits
+
+            kv_heads, longest = self.model_config.num_kv_heads, width * self.block_size
+            self.graphs = DecodeGraphs(
+                lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
+                self.buffers,
+                capture_sizes(c.max_num_seqs),
+                lambda n: decode_num_splits(n, kv_heads, longest),
+            )
+            self.graphs.capture()
+        logger.info("GPU warm-up and graph capture took %.1fs", time.perf_counter() - start)
+
+    @torch.inference_mode()
+    def _warm_up_gpu(self, longest: int) -> None:
+        """Eager steps of the shapes that pick different kernel variants (the prefill tile
+        grows with the longest query: 16, 32, 64; a mixed step; a long prompt), the LM head
+        and both sampler paths. Writes only into the first KV blocks, which hold nothing yet."""
+        room = min(longest, self.num_blocks * self.block_size, self.config.max_num_batched_tokens)
+        greedy = SamplingRequest(SamplingParams(temperature=0.0), [0], [])
+        sampled = SamplingRequest(SamplingParams(temperature=1.0, top_p=0.9, top_k=50), [0], [])
+        for q_lens in ([1], [16], [32], [64], [room], [48, 1, 1, 1]):
+            q_lens = [min(q, room) for q in q_lens]
+            tables, seq_lens, used = [], [], 0
+            for q in q_lens:
+                n_blocks = -(-q // self.block_size)
+                tables.append(list(range(used, used + n_blocks)))
+                seq_lens.append(q)
+                used += n_blocks
+            if used > self.num_blocks:
+                continue
+            ends = np.cumsum(q_lens) - 1
+            staged = self.buffers.stage([0] * sum(q_lens), tables, seq_lens, q_lens, ends)
+            hidden = self._run(staged).index_select(0, staged.logits_rows)
+            logits = self.model.compute_logits(hidden)
+            self.sampler(logits[:1], [greedy])
+            self.sampler(logits[:1], [sampled])
+        torch.cuda.synchronize()
+
     # -- one step ---------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -133,20 +201,15 @@ class ModelRunner:
             seq_lens.append(start + s.num_new_tokens)
             query_lens.append(s.num_new_tokens)
             block_tables.append(s.block_table)
-        meta, positions = build_attention_metadata(
-            block_tables, seq_lens, query_lens, self.block_size, self.device
-        )
-        check_step(meta, len(input_ids), self.kv_caches[0][0])  # once per step, not per layer
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, positions, self.kv_caches, meta)
-
         # Logits only where a token is sampled: the last new token of completed sequences.
         rows = [i for i, s in enumerate(sched.scheduled) if s.completes_sequence]
+        if self.buffers is None:
+            hidden, last = self._forward_cpu(input_ids, block_tables, seq_lens, query_lens, rows)
+        else:
+            hidden, last = self._forward_gpu(input_ids, block_tables, seq_lens, query_lens, rows)
         if not rows:
             return StepResult(SamplerOutput(token_ids=[], logprobs=[]))
-        ends = meta.cu_seqlens_q[1:].to(torch.long) - 1
-        last = ends[torch.tensor(rows, dtype=torch.long, device=self.device)]
-        logits = self.model.compute_logits(hidden.index_select(0, last))
+        logits = self.model.compute_logits(hidden if last is None else hidden.index_select(0, last))
         reqs = [sched.scheduled[i].request for i in rows]
         sampling_rows = [
             SamplingRequest(
@@ -159,3 +222,37 @@ class ModelRunner:
             for r in reqs
         ]
         return StepResult(self.sampler(logits, sampling_rows))
+
+    def _forward_cpu(self, input_ids, block_tables, seq_lens, query_lens, rows):
+        """Returns the hidden states and the rows of them that get logits."""
+        meta, positions = build_attention_metadata(
+            block_tables, seq_lens, query_lens, self.block_size, self.device
+        )
+        check_step(meta, len(input_ids), self.kv_caches[0][0])  # once per step, not per layer
+        ids = torch.tensor(input_ids, dtype=torch.long)
+        hidden = self.model(ids, positions, self.kv_caches, meta)
+        ends = np.cumsum(query_lens) - 1
+        return hidden, torch.from_numpy(ends[rows]) if rows else None
+
+    def _forward_gpu(self, input_ids, block_tables, seq_lens, query_lens, rows):
+        """As ``_forward_cpu``; decode steps replay a graph, every step's inputs cross in one
+        copy (``StepBuffers``), the logits rows with them."""
+        assert self.buffers is not None
+        num_seqs = len(seq_lens)
+        decode = len(input_ids) == num_seqs
+        bucket = self.graphs.bucket(num_seqs) if self.graphs is not None and decode else None
+        ends = np.cumsum(query_lens) - 1
+        staged = self.buffers.stage(
+            input_ids, block_tables, seq_lens, query_lens, ends[rows], pad_to=bucket
+        )
+        check_step(staged.meta, len(input_ids), self.kv_caches[0][0])
+        if bucket is not None:
+            hidden = self.graphs.replay(bucket)[:num_seqs]
+        else:
+            hidden = self._run(staged)
+        # Every request of a decode step samples: its rows are the hidden states as they are.
+        all_rows = decode and len(rows) == num_seqs
+        return hidden, None if all_rows else staged.logits_rows
+
+    def _run(self, staged: StagedStep) -> torch.Tensor:
+        return self.model(staged.input_ids, staged.positions, self.kv_caches, staged.meta)

@@ -22,14 +22,18 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISHED
+        # By value: an Enum member hashes in Python, a str in C (this runs per request per step).
+        return self._value_ in _FINISHED
 
 
-_FINISHED = {
-    RequestStatus.FINISHED_STOPPED,
-    RequestStatus.FINISHED_LENGTH,
-    RequestStatus.FINISHED_ABORTED,
-}
+_FINISHED = frozenset(
+    status.value
+    for status in (
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_ABORTED,
+    )
+)
 
 
 @dataclass(slots=True, eq=False)

@@ -90,20 +90,23 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        running, allocate = self.running, self.block_manager.allocate_slots
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(req, num_new, out):
+        while i < len(running) and budget > 0:
+            req = running[i]
+            num_new = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            # allocate_slots first: it succeeds at once while the last block has room.
+            total = req.num_computed_tokens + num_new
+            if not allocate(req.request_id, total) and not self._preempt_for(req, total, out):
                 break  # req itself was preempted: everything after it is gone too
             out.scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
             i += 1
         return budget
 
-    def _allocate_or_preempt(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
-        """Finds blocks for ``req``, preempting the newest running requests if needed."""
-        total = req.num_computed_tokens + num_new
+    def _preempt_for(self, req: Request, total: int, out: SchedulerOutput) -> bool:
+        """Preempts the newest running requests until ``req`` gets blocks for ``total`` tokens;
+        False if ``req`` itself had to go."""
         while not self.block_manager.allocate_slots(req.request_id, total):
             victim = self.running[-1]
             self._preempt(victim, out)
@@ -144,7 +147,7 @@ class Scheduler:
             budget -= num_new
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
-        samples = req.num_computed_tokens + num_new == req.num_tokens
+        samples = req.num_computed_tokens + num_new == len(req.token_ids)
         table = self.block_manager.get_block_table(req.request_id)
         return ScheduledRequest(req, num_new, table, samples)
 
@@ -162,37 +165,44 @@ class Scheduler:
         assert len(token_ids) == len(sampled), (len(token_ids), len(sampled))
         self._advance(sched)
         now = time.monotonic()
+        finished = False
         for req, tok in zip(sampled, token_ids):
-            self._append(req, tok, now)
+            req.append_output_token(tok)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if self._stopped(req, tok):
+                finished = True
+                self.block_manager.free(req.request_id)
+        if finished:  # one pass, not a list.remove per finished request
+            self.running[:] = [r for r in self.running if not r.status.is_finished]
         return sampled
 
     def _advance(self, sched: SchedulerOutput) -> None:
+        bs = self.block_manager.block_size
         for s in sched.scheduled:
             req = s.request
-            req.num_computed_tokens += s.num_new_tokens
-            self.block_manager.cache_full_blocks(
-                req.request_id, req.token_ids, req.block_hashes, req.num_computed_tokens
-            )
+            before = req.num_computed_tokens
+            req.num_computed_tokens = after = before + s.num_new_tokens
+            # Only a step that fills a block can cache one (its hash exists by then: the
+            # request hashes each block as its last token arrives, before it is computed).
+            if after // bs != before // bs:
+                self.block_manager.cache_full_blocks(
+                    req.request_id, req.token_ids, req.block_hashes, after
+                )
 
-    def _append(self, req: Request, tok: int, now: float) -> None:
-        req.append_output_token(tok)
-        if req.first_token_time is None:
-            req.first_token_time = now
-        self._check_stop(req, tok)
-        if req.status.is_finished:
-            self.running.remove(req)
-            self.block_manager.free(req.request_id)
-
-    def _check_stop(self, req: Request, tok: int) -> None:
+    def _stopped(self, req: Request, tok: int) -> bool:
+        """Sets the finished status if ``tok`` ends the request; True if it does."""
         p = req.params
-        n_out = req.num_output_tokens
+        n_out = len(req.output_token_ids)
         if n_out >= p.min_tokens:
             if not p.ignore_eos and tok in req.eos_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED
-                return
+                return True
             if tok in p.stop_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = tok
-                return
-        if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
+                return True
+        if n_out >= req.max_tokens or len(req.token_ids) >= self.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

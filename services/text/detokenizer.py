@@ -4,6 +4,9 @@ Byte-level tokenizers split one character (an emoji, a CJK glyph) over several t
 a token alone yields U+FFFD. We decode a short sliding window instead and only emit text once
 it no longer ends in a replacement character. The window starts inside the prompt so the first
 generated token gets the same leading-space treatment it has in context.
+
+A caller that needs the text only once the request has finished (no stop strings to watch)
+calls ``detokenize_batch`` instead: the same text, from one batched decode.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from services.text.tokenizer import Tokenizer
 
 _PROMPT_CONTEXT = 5  # prompt tokens kept as left context for the first output tokens
 _REPLACEMENT = "\ufffd"
+_TAIL_BYTES = 4  # the longest UTF-8 character
+_TAIL_FIRST = 8  # candidate ends tested first, latest first; then all the others
 
 
 class IncrementalDetokenizer:
@@ -49,3 +54,89 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset
         self._read_offset = len(ids)
         return full[len(prefix) :]
+
+
+def detokenize_batch(
+    tokenizer: Tokenizer,
+    prompts: Sequence[Sequence[int]],
+    outputs: Sequence[Sequence[int]],
+    skip_special_tokens: bool = True,
+) -> list[str]:
+    """For each (prompt, output) pair, the text ``IncrementalDetokenizer`` builds from pushing
+    ``output``: two decodes per pair, batched, instead of two per token.
+
+    Why it is the same text, for a byte-level tokenizer: the incremental window only moves on
+    after a token that leaves the decoded text not ending in U+FFFD, i.e. no UTF-8 character
+    open, and decoding splits cleanly there. So after any such token it has emitted exactly
+    ``decode(context + output so far)`` minus the first ``len(decode(context))`` characters,
+    and a tail that still ends in U+FFFD is held back. (Even a context that ends inside a
+    character agrees: both sides cut by that same length.) Other tokenizers are replayed.
+    """
+    contexts = [list(p[-_PROMPT_CONTEXT:]) for p in prompts]
+    if not tokenizer.decodes_bytewise:
+        return [_replay(tokenizer, c, o, skip_special_tokens) for c, o in zip(contexts, outputs)]
+    heads = tokenizer.decode_batch(contexts, skip_special_tokens)
+    fulls = tokenizer.decode_batch(
+        [c + list(o) for c, o in zip(contexts, outputs, strict=True)], skip_special_tokens
+    )
+    open_tails = [i for i, full in enumerate(fulls) if full.endswith(_REPLACEMENT)]
+    if open_tails:
+        seqs = [contexts[i] + list(outputs[i]) for i in open_tails]
+        starts = [len(contexts[i]) for i in open_tails]
+        closed = _without_open_tails(tokenizer, seqs, starts, skip_special_tokens)
+        for i, full in zip(open_tails, closed, strict=True):
+            fulls[i] = full
+    return [full[len(head) :] for head, full in zip(heads, fulls, strict=True)]
+
+
+def _without_open_tails(
+    tokenizer: Tokenizer, seqs: list[list[int]], starts: list[int], skip: bool
+) -> list[str]:
+    """For each ``ids`` of ``seqs``, ``decode(ids[:n])`` for the largest ``n > start`` after
+    which it does not end in U+FFFD ("" if none): where an output ends inside a character,
+    or on a U+FFFD of its own, the incremental detokenizer holds that tail back.
+
+    Whether a decoded text ends in U+FFFD depends on its last 4 bytes only (the longest UTF-8
+    character), so each candidate ``n`` is tested on a short window of tokens holding at least
+    4 bytes, each distinct window decoded once, in one batch: first the last few candidates of
+    every sequence, then the rest for those still open (a random model may repeat one byte
+    token for a whole output). Only the winners are decoded in full.
+    """
+    added = tokenizer.added_token_ids
+    ends: list[int | None] = [None] * len(seqs)
+    candidates = [range(len(ids) - 1, start, -1) for ids, start in zip(seqs, starts, strict=True)]
+    for lo, hi in ((0, _TAIL_FIRST), (_TAIL_FIRST, None)):
+        todo = [i for i, end in enumerate(ends) if end is None and candidates[i][lo:hi]]
+        windows = {i: [(e, _window(seqs[i], e, added)) for e in candidates[i][lo:hi]] for i in todo}
+        # A repeated token gives the same window again and again: decode each one once.
+        unique = list(dict.fromkeys(w for pairs in windows.values() for _, w in pairs))
+        texts = dict(zip(unique, tokenizer.decode_batch(unique, skip), strict=True))
+        for i, pairs in windows.items():
+            ends[i] = next((e for e, w in pairs if not texts[w].endswith(_REPLACEMENT)), None)
+    winners = [i for i, end in enumerate(ends) if end is not None]
+    texts = tokenizer.decode_batch([seqs[i][: ends[i]] for i in winners], skip)
+    closed = [""] * len(seqs)
+    for i, text in zip(winners, texts, strict=True):
+        closed[i] = text
+    return closed
+
+
+def _window(ids: list[int], end: int, added: frozenset[int]) -> tuple[int, ...]:
+    """The tokens before ``end`` that hold its last 4 bytes: 4 BPE tokens (each at least a
+    byte), and any added tokens in between (they may decode to nothing, so they do not count)."""
+    start = max(end - _TAIL_BYTES, 0)
+    if added.isdisjoint(ids[start:end]):
+        return tuple(ids[start:end])  # the common case
+    start, count = end, 0
+    while start > 0 and count < _TAIL_BYTES:
+        start -= 1
+        count += ids[start] not in added
+    return tuple(ids[start:end])
+
+
+def _replay(
+    tokenizer: Tokenizer, context: Sequence[int], output: Sequence[int], skip: bool
+) -> str:
+    detok = IncrementalDetokenizer(tokenizer, context, skip)
+    detok.push(output)
+    return detok.text

@@ -18,6 +18,13 @@ class Tokenizer:
 
         self.hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         self.eos_token_id: int | None = self.hf.eos_token_id
+        # The Rust tokenizer, when its decode is ours unchanged (no clean-up pass in Python).
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        cleans_up = bool(getattr(self.hf, "clean_up_tokenization_spaces", False))
+        self._backend = None if cleans_up else backend
+        self.decodes_bytewise = self._backend is not None and _is_byte_level(self._backend)
+        # Added tokens (special or not) decode as their own text, not through the BPE bytes.
+        self.added_token_ids = frozenset(getattr(self.hf, "added_tokens_decoder", {}))
 
     @property
     def vocab_size(self) -> int:
@@ -28,6 +35,16 @@ class Tokenizer:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_batch(
+        self, seqs: Sequence[Sequence[int]], skip_special_tokens: bool = True
+    ) -> list[str]:
+        """``decode`` of each sequence, in one call into the Rust tokenizer when there is one."""
+        if self._backend is None:
+            return [self.decode(s, skip_special_tokens) for s in seqs]
+        return self._backend.decode_batch(
+            [list(s) for s in seqs], skip_special_tokens=skip_special_tokens
+        )
 
     def convert_id_to_token(self, token_id: int) -> str:
         return self.hf.convert_ids_to_tokens(int(token_id))
@@ -55,3 +72,12 @@ class Tokenizer:
     def encode_chat(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> list[int]:
         # The template already holds any BOS the model wants: don't add special tokens twice.
         return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)
+
+
+def _is_byte_level(backend: Any) -> bool:
+    """True for byte-level BPE decoding (GPT-2, Llama 3, Qwen, SmolLM2): a run of ordinary
+    tokens decodes to the UTF-8 of their concatenated bytes, each invalid or unfinished
+    sequence as one U+FFFD (``detokenizer.detokenize_batch`` relies on it)."""
+    from tokenizers import decoders
+
+    return isinstance(backend.decoder, decoders.ByteLevel)

@@ -95,6 +95,16 @@ def test_allocate_rounds_up_to_blocks_and_grows() -> None:
     assert mgr.usage == pytest.approx(0.5)
 
 
+def test_block_table_is_a_copy() -> None:
+    mgr = BlockManager(8, BS)
+    assert mgr.allocate_slots("a", 5)
+    table = mgr.get_block_table("a")
+    table.append(7)
+    assert mgr.get_block_table("a") == [0, 1]
+    assert mgr.allocate_slots("a", 9)
+    assert table == [0, 1, 7] and mgr.get_block_table("a") == [0, 1, 2]
+
+
 def test_allocate_zero_tokens_registers_an_empty_table() -> None:
     mgr = BlockManager(2, BS)
     assert mgr.allocate_slots("a", 0)

@@ -78,6 +78,9 @@ DTYPES = list(TOLERANCE)
 
 
 @pytest.mark.skipif(INTERPRETED, reason="already running under the interpreter")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CUDA is available: the kernel tests ran compiled here"
+)
 def test_kernels_under_the_interpreter() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", **{_CHILD_ENV: "1"})
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
@@ -196,29 +199,136 @@ def test_store_kv_matches_torch(dtype: torch.dtype) -> None:
 
 
 DECODE_CASES = {
-    "gqa-bs16": {"block_size": 16, "num_heads": 6, "num_kv_heads": 2},
-    "gqa3-bs8": {"block_size": 8, "num_heads": 9, "num_kv_heads": 3},
-    "mha-bs8": {"block_size": 8, "num_heads": 4, "num_kv_heads": 4},
+    # The benchmarked family's shape (Llama: group 4, head_dim 64), blocks of 16.
+    "g4-d64-bs16": {"block_size": 16, "num_heads": 8, "num_kv_heads": 2, "head_dim": 64},
+    # Qwen-style group of 7 (padded to 16 rows and masked), head_dim 128, blocks of 32.
+    "g7-d128-bs32": {"block_size": 32, "num_heads": 14, "num_kv_heads": 2, "head_dim": 128},
+    # MHA (group 1), small blocks: eight block ids per 64-key tile.
+    "g1-d32-bs8": {"block_size": 8, "num_heads": 3, "num_kv_heads": 3, "head_dim": 32},
+    # A group wider than 16 rows: BLOCK_G grows to 32.
+    "g20-d64-bs16": {"block_size": 16, "num_heads": 20, "num_kv_heads": 1, "head_dim": 64},
 }
+# One token, a block boundary, just past it, odd, several tiles, long (ten 64-key tiles).
+DECODE_SEQ_LENS = [1, 16, 17, 45, 130, 613]
 
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", list(DECODE_CASES))
 def test_decode_matches_torch(case: str, dtype: torch.dtype) -> None:
-    seq_lens = [1, 7, 16, 17, 150]  # one token, block boundary, just past it, several tiles
-    batch = to_device(make_batch(seq_lens, [1] * 5, **DECODE_CASES[case], seed=1), dtype)
+    n = len(DECODE_SEQ_LENS)
+    batch = make_batch(DECODE_SEQ_LENS, [1] * n, **DECODE_CASES[case], seed=1)
+    batch = to_device(batch, dtype)
     expected = reference_attention(batch, 0.3)
     assert_close(run_decode(batch, 0.3, num_splits=1), expected, dtype)
 
 
 @needs_kernels
-@pytest.mark.parametrize("num_splits", [2, 5])
-def test_decode_split_context_matches_torch(num_splits: int) -> None:
-    # Lengths leave some splits empty for the short sequences: they must weigh nothing.
-    batch = to_device(make_batch([3, 70, 129], [1, 1, 1], block_size=8, seed=2), torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [2, 7, 40])
+def test_decode_split_context_matches_torch(num_splits: int, dtype: torch.dtype) -> None:
+    # Each sequence splits its own context: 40 splits leave most of them empty (more splits
+    # than 64-key tiles), and the short sequences' trailing splits must weigh nothing.
+    batch = make_batch([3, 70, 129, 600], [1] * 4, block_size=16, num_heads=8, seed=2)
+    batch = to_device(batch, dtype)
     out = run_decode(batch, 0.2, num_splits=num_splits)
-    assert_close(out, reference_attention(batch, 0.2), torch.float32)
+    assert_close(out, reference_attention(batch, 0.2), dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "config",
+    [
+        # Tiles inside one block (the single block-id load), unpipelined, one warp.
+        paged_attention.DecodeConfig(block_n=16, num_warps=1, num_stages=1),
+        # 32-key tiles over 32-token blocks: one block per tile exactly.
+        paged_attention.DecodeConfig(block_n=32, num_warps=2, num_stages=3),
+        # 128-key tiles: four blocks of 32 per tile, the last ones past short contexts.
+        paged_attention.DecodeConfig(block_n=128, num_warps=8, num_stages=4),
+    ],
+    ids=lambda c: f"n{c.block_n}-w{c.num_warps}-s{c.num_stages}",
+)
+def test_decode_configs_match_torch(config: paged_attention.DecodeConfig) -> None:
+    """Every tile shape the benchmark sweeps computes the same function."""
+    batch = make_batch([5, 32, 33, 200], [1] * 4, block_size=32, num_heads=8, seed=3)
+    batch = to_device(batch, torch.float16)
+    expected = reference_attention(batch, 0.25)
+    for num_splits in (1, 3):
+        out = paged_attention.paged_decode_attention(
+            batch.query,
+            batch.k_cache,
+            batch.v_cache,
+            batch.meta.block_tables,
+            batch.meta.context_lens,
+            0.25,
+            num_splits=num_splits,
+            config=config,
+        )
+        assert_close(out, expected, torch.float16)
+
+
+def prefix_attention(batch: Batch, context_lens: list[int], scale: float) -> torch.Tensor:
+    """Float64 attention of each sequence's query over the first ``context_lens[i]`` of its
+    keys; zeros for an empty context (a padded CUDA-graph slot)."""
+    group = batch.query.shape[1] // batch.keys[0].shape[1]
+    outs = []
+    for q, k, v, n in zip(batch.query.cpu(), batch.keys, batch.values, context_lens, strict=True):
+        k = k[:n].double().repeat_interleave(group, dim=1)  # [n, H, D]
+        v = v[:n].double().repeat_interleave(group, dim=1)
+        probs = (torch.einsum("hd,khd->hk", q.double(), k) * scale).softmax(-1)
+        outs.append(torch.einsum("hk,khd->hd", probs, v))
+    return torch.stack(outs).float()
+
+
+@needs_kernels
+def test_decode_replays_one_launch_over_changing_contexts() -> None:
+    """CUDA-graph style: fixed tensors, split count and output buffer; only the contents of
+    context_lens change between calls (as a replayed graph sees them)."""
+    longest = [300, 41, 170]
+    batch = to_device(
+        make_batch(longest, [1] * 3, block_size=16, num_heads=8, seed=4), torch.float32
+    )
+    lens = batch.meta.context_lens
+    out = torch.full_like(batch.query, float("nan"))
+    for step_lens in ([1, 41, 97], [300, 0, 170], [257, 16, 1]):
+        lens.copy_(torch.tensor(step_lens, dtype=lens.dtype))
+        paged_attention.paged_decode_attention(
+            batch.query,
+            batch.k_cache,
+            batch.v_cache,
+            batch.meta.block_tables,
+            lens,
+            0.3,
+            num_splits=8,
+            out=out,
+        )
+        assert_close(out, prefix_attention(batch, step_lens, 0.3), torch.float32)
+
+
+def test_decode_split_plan() -> None:
+    """The split count fills the GPU for small batches, stops at short contexts, never for big
+    batches, and never depends on anything but its arguments (a CUDA graph fixes it)."""
+    plan = paged_attention.decode_num_splits
+    assert plan(128, 8, 1024) == 1  # 1,024 programs already
+    assert plan(32, 8, 4096) == 4
+    assert plan(1, 8, 1024) == 32  # the most splits; 32 keys each
+    assert plan(1, 8, 320) == 10  # bounded by min_split_tokens (32)
+    assert plan(4, 8, 1) == 1
+    config = paged_attention.DecodeConfig(target_programs=64, min_split_tokens=16, max_splits=4)
+    assert plan(1, 8, 1024, config=config) == 4
+    with pytest.raises(ValueError, match="block_n"):
+        paged_attention.DecodeConfig(block_n=48)
+
+
+def test_decode_config_table() -> None:
+    """Measured entries are found by the padded query rows; anything else gets the default."""
+    config = paged_attention.decode_config
+    bf16 = torch.bfloat16
+    assert config(64, 4, bf16) == config(64, 7, bf16) == config(64, 16, torch.float16)
+    assert config(64, 4, bf16).num_warps == 1
+    assert config(128, 8, bf16).num_warps == 2
+    assert config(64, 4, torch.float32) == config(80, 4, bf16) == paged_attention.DecodeConfig()
+    assert config(64, 20, bf16) == paged_attention.DecodeConfig()
 
 
 PREFILL_CASES = {

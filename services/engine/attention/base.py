@@ -45,6 +45,9 @@ class AttentionMetadata:
     query_lens: list[int]
     seq_lens: list[int]  # == context_lens as Python ints
     block_size: int
+    # Set by a CUDA graph (whose launches cannot follow max_seqlen_k from step to step): the
+    # decode kernel's fixed context split count; None lets the kernel plan from max_seqlen_k.
+    decode_num_splits: int | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -60,6 +60,7 @@ class TritonAttentionBackend:
                 meta.context_lens,
                 scale,
                 max_context_len=meta.max_seqlen_k,
+                num_splits=meta.decode_num_splits,
             )
         return paged_attention.paged_prefill_attention(
             query,

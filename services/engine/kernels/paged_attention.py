@@ -8,12 +8,20 @@ tile by tile), and accept fp16, bf16 or fp32 inputs. Scores are kept in the base
 
 Decode, one program per (sequence, KV head, split)::
 
-    queries  q[h*g .. h*g+g-1]  (all g query heads of KV head h share each K/V tile load)
-    keys     split k covers positions [k * split_len, (k+1) * split_len)
+    queries  q[h*g .. h*g+g-1]   the g query heads of KV head h, padded to BLOCK_G >= 16 rows
+    keys     tiles of BLOCK_N positions; a tile's block ids are loaded once per KV block
+    split k  positions [k * L, (k+1) * L), L = ceil(ceil(context_len / S) / BLOCK_N) * BLOCK_N
 
-With one split the program writes the output directly. With several (small batches with long
-contexts would otherwise leave most of the GPU idle) each split writes its partial
-(max, sum, unnormalised accumulator) and a second kernel merges them.
+Decode is memory-bound (each K/V byte is used by only g query rows), so the kernel is built to
+keep loads in flight: both products are ``tl.dot`` on the tensor cores (the padding rows cost
+no bandwidth), K and V tiles are requested together, and ``num_stages`` lets Triton pipeline
+the next tiles' loads. Each sequence sizes its splits from its own ``context_len``, in the
+kernel: the launch depends only on the batch size and the split count S, so a CUDA graph can
+replay it while contexts grow, and splits past a short context are simply empty. With one split
+the program writes the output directly; with several (small batches or long contexts would
+otherwise leave most of the GPU idle) each writes its partial (max, sum, unnormalised
+accumulator) and a second kernel merges them. Tile shape, warps, stages and the split policy
+are a ``DecodeConfig``, chosen per (head_dim, group, dtype) by ``decode_config``.
 
 Prefill, one program per (sequence, query head, tile of BLOCK_M new tokens). The new tokens are
 the LAST q_len of the context, so row j sits at position ``context_len - q_len + j`` and sees
@@ -27,6 +35,7 @@ runs (``attention.contract``); only the asserts that guard memory the kernels in
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -39,15 +48,108 @@ except ImportError:  # CPU-only install: the torch backend does not need this mo
     triton = None
 
 _LOG2E = 1.4426950408889634
-# Below this many (sequence, KV head) programs a decode launch splits the context (see above).
-_TARGET_DECODE_PROGRAMS = 256
-_MIN_SPLIT_TOKENS = 256
-_MAX_SPLITS = 32
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    """Meta-parameters of the decode kernel and the policy that picks its split count."""
+
+    block_n: int = 64  # keys per tile: a power of two >= 16 (tl.dot's minimum)
+    num_warps: int = 4
+    num_stages: int = 2  # software-pipelining depth of the K/V loads (1: none)
+    # Without an explicit num_splits: split until seqs * KV heads * splits reaches
+    # target_programs (about one wave of resident programs on an H200), never below
+    # min_split_tokens per split.
+    target_programs: int = 1024
+    min_split_tokens: int = 32
+    max_splits: int = 32
+
+    def __post_init__(self) -> None:
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
+        if min(self.num_warps, self.num_stages, self.target_programs, self.max_splits) < 1:
+            raise ValueError(f"decode config values must be positive: {self}")
+
+
+# The default is safe everywhere (no register spills up to head_dim 128, fp32 included). The
+# table holds what measured best on an H200 (benchmarks/decode_attention_bench.py, 2026-12-01;
+# 32/8 heads, blocks of 16): within 2% of each shape's best from 1x1024 to 256x1024. Small
+# tiles on one or two warps keep many programs resident per SM; deeper pipelines take more
+# shared memory, fit fewer, and lost 10% at 256 sequences. Keyed by (head_dim, query rows per
+# program, dtype): a tile's work depends on the group padded to 16 rows, not on the group
+# itself, and fp16 moves the same bytes through the same MMAs as bf16.
+_DEFAULT_DECODE_CONFIG = DecodeConfig()
+_MEASURED = {
+    64: DecodeConfig(block_n=32, num_warps=1, num_stages=2),
+    128: DecodeConfig(block_n=32, num_warps=2, num_stages=2),
+}
+_DECODE_CONFIGS: dict[tuple[int, int, torch.dtype], DecodeConfig] = {
+    (head_dim, 16, dtype): config
+    for head_dim, config in _MEASURED.items()
+    for dtype in (torch.bfloat16, torch.float16)
+}
+
+
+def decode_config(head_dim: int, group: int, dtype: torch.dtype) -> DecodeConfig:
+    """The decode kernel's meta-parameters for a model's head_dim, GQA group and dtype."""
+    key = (head_dim, _query_rows(group), dtype)
+    return _DECODE_CONFIGS.get(key, _DEFAULT_DECODE_CONFIG)
+
+
+def _query_rows(group: int) -> int:
+    """A program's query rows: its group, padded for tl.dot (>= 16, a power of two)."""
+    return max(16, 1 << (group - 1).bit_length())
+
+
+def decode_num_splits(
+    num_seqs: int,
+    num_kv_heads: int,
+    max_context_len: int,
+    *,
+    config: DecodeConfig = _DEFAULT_DECODE_CONFIG,
+) -> int:
+    """How many splits ``paged_decode_attention`` cuts each context into.
+
+    Call it once per CUDA-graph batch size with the longest context the graph may meet: each
+    sequence splits its own context in the kernel, so a short one leaves trailing splits empty
+    (they cost a program that exits at once and a partial the merge weighs 0).
+    """
+    by_occupancy = math.ceil(config.target_programs / max(1, num_seqs * num_kv_heads))
+    by_length = math.ceil(max(1, max_context_len) / config.min_split_tokens)
+    return max(1, min(by_occupancy, by_length, config.max_splits))
 
 
 if triton is not None:
 
     @triton.jit
+    def _tile_rows(
+        table_ptr,  # the sequence's row of the block table
+        start,  # the tile's first position, a multiple of BLOCK_N
+        hi,  # the end of the program's keys
+        cache_stride_b,
+        cache_stride_s,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        """Cache offsets of the tile's BLOCK_N token rows, one block-id load per KV block."""
+        if BLOCK_N <= BLOCK_SIZE:
+            # Tiles start at multiples of BLOCK_N, which divides BLOCK_SIZE: one block.
+            ids = tl.load(table_ptr + start // BLOCK_SIZE).to(tl.int64)
+        else:
+            j = tl.arange(0, BLOCK_N // BLOCK_SIZE)
+            # The last tile's blocks past the context may lie past the table's row: id 0 there
+            # (a real block; its rows are masked).
+            blocks = tl.load(
+                table_ptr + start // BLOCK_SIZE + j, mask=start + j * BLOCK_SIZE < hi, other=0
+            )
+            per_token = tl.broadcast_to(blocks[:, None], [BLOCK_N // BLOCK_SIZE, BLOCK_SIZE])
+            ids = tl.reshape(per_token, [BLOCK_N]).to(tl.int64)
+        # Multiplying the ids (not the reshaped offsets) keeps the strides' alignment visible
+        # to the compiler, so the row loads stay 16-byte vectors.
+        within = (start + tl.arange(0, BLOCK_N)) % BLOCK_SIZE
+        return ids * cache_stride_b + within * cache_stride_s
+
+    @triton.jit(do_not_specialize=["num_splits", "bt_stride"])
     def _decode_kernel(
         out_ptr,  # [T, H, D] (one split) or partial accumulators [T, H, S, D] fp32
         max_ptr,  # [T, H, S] fp32 running max per split (unused with one split)
@@ -58,7 +160,7 @@ if triton is not None:
         block_tables_ptr,
         context_lens_ptr,
         qk_scale,  # softmax scale * log2(e)
-        split_len,  # keys per split, a multiple of BLOCK_N
+        num_splits,
         q_stride_t,
         q_stride_h,
         o_stride_t,
@@ -70,78 +172,87 @@ if triton is not None:
         BLOCK_SIZE: tl.constexpr,
         GROUP: tl.constexpr,
         HEAD_DIM: tl.constexpr,
-        NUM_SPLITS: tl.constexpr,
+        PARTIALS: tl.constexpr,  # num_splits > 1: write partials for the merge kernel
         BLOCK_G: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+        UPCAST_DOT: tl.constexpr,
     ):
         seq = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         ctx_len = tl.load(context_lens_ptr + seq)
+        split_len = tl.cdiv(tl.cdiv(ctx_len, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * split_len
+        hi = tl.minimum(lo + split_len, ctx_len)
 
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, BLOCK_D)
         n = tl.arange(0, BLOCK_N)
         heads = kv_head * GROUP + g
-        gd_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+        g_mask = g < GROUP
+        d_mask = d < HEAD_DIM
+        gd_mask = g_mask[:, None] & d_mask[None, :]
         q = tl.load(
             q_ptr + seq * q_stride_t + heads[:, None] * q_stride_h + d[None, :],
             mask=gd_mask,
             other=0.0,
-        ).to(tl.float32)
-        q = q * qk_scale
+        )
+        if UPCAST_DOT:
+            q = q.to(tl.float32)
 
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        lo = split * split_len
-        hi = tl.minimum(lo + split_len, ctx_len)
+        table_ptr = block_tables_ptr + seq * bt_stride
+        head_offs = kv_head * cache_stride_h + d
         for start in range(lo, hi, BLOCK_N):
-            pos = start + n
-            valid = pos < hi
-            block = tl.load(
-                block_tables_ptr + seq * bt_stride + pos // BLOCK_SIZE, mask=valid, other=0
-            ).to(tl.int64)
-            rows = block * cache_stride_b + (pos % BLOCK_SIZE) * cache_stride_s
-            offs = rows[:, None] + kv_head * cache_stride_h + d[None, :]
-            nd_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
-            k = tl.load(k_cache_ptr + offs, mask=nd_mask, other=0.0).to(tl.float32)
-            # [G, N]: a broadcast-multiply-reduce; G is far below tl.dot's 16-row minimum.
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+            rows = _tile_rows(
+                table_ptr, start, hi, cache_stride_b, cache_stride_s, BLOCK_SIZE, BLOCK_N
+            )
+            valid = start + n < hi
+            offs = rows[:, None] + head_offs[None, :]
+            nd_mask = valid[:, None] & d_mask[None, :]
+            # V is requested with K, before the scores: both tiles' latencies overlap.
+            k = tl.load(k_cache_ptr + offs, mask=nd_mask, other=0.0)
+            v = tl.load(v_cache_ptr + offs, mask=nd_mask, other=0.0)
+            if UPCAST_DOT:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            # Every tile holds a valid key, so m_new is finite and masked keys weigh exp2(-inf).
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_cache_ptr + offs, mask=nd_mask, other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            acc = acc * alpha[:, None] + pv
             m_i = m_new
 
-        if NUM_SPLITS == 1:
-            # l_i is 0 only for an empty context; emit zeros rather than NaN.
-            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-            o_offs = seq * o_stride_t + heads[:, None] * o_stride_h + d[None, :]
-            tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=gd_mask)
-        else:
-            # Partials, laid out [T, H, S(, D)] contiguous; an empty split leaves (-inf, 0, 0).
-            stat = (seq * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
-            g_mask = g < GROUP
+        if PARTIALS:
+            # Laid out [T, H, S(, D)] contiguous; an empty split leaves (-inf, 0, 0).
+            stat = (seq * (GROUP * tl.num_programs(1)) + heads) * num_splits + split
             tl.store(max_ptr + stat, m_i, mask=g_mask)
             tl.store(sum_ptr + stat, l_i, mask=g_mask)
             tl.store(out_ptr + stat[:, None] * HEAD_DIM + d[None, :], acc, mask=gd_mask)
+        else:
+            # l_i is 0 only for an empty context (a padded graph slot): zeros, not NaN.
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            o_offs = seq * o_stride_t + heads[:, None] * o_stride_h + d[None, :]
+            tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=gd_mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_splits"])
     def _merge_splits_kernel(
         out_ptr,
         part_ptr,  # [T, H, S, D] fp32
         max_ptr,  # [T, H, S] fp32
         sum_ptr,  # [T, H, S] fp32
+        num_splits,
         o_stride_t,
         o_stride_h,
-        NUM_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
-        NUM_SPLITS: tl.constexpr,
         BLOCK_S: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
@@ -149,12 +260,13 @@ if triton is not None:
         head = tl.program_id(1)
         s = tl.arange(0, BLOCK_S)
         d = tl.arange(0, BLOCK_D)
-        s_mask = s < NUM_SPLITS
-        stat = (seq * NUM_HEADS + head) * NUM_SPLITS + s
+        s_mask = s < num_splits
+        stat = (seq * tl.num_programs(1) + head) * num_splits + s
         m = tl.load(max_ptr + stat, mask=s_mask, other=float("-inf"))
         m_all = tl.max(m, axis=0)
-        # Split 0 always holds keys, so m_all is finite and empty splits weigh exp2(-inf) = 0.
-        w = tl.exp2(m - m_all)
+        # Empty splits weigh exp2(-inf) = 0. Only an empty context (a padded CUDA-graph slot)
+        # has m_all = -inf: subtract 0 there instead (-inf - -inf would be NaN).
+        w = tl.exp2(m - tl.where(m_all > float("-inf"), m_all, 0.0))
         total = tl.sum(w * tl.load(sum_ptr + stat, mask=s_mask, other=0.0), axis=0)
         sd_mask = s_mask[:, None] & (d < HEAD_DIM)[None, :]
         part = tl.load(part_ptr + stat[:, None] * HEAD_DIM + d[None, :], mask=sd_mask, other=0.0)
@@ -264,15 +376,17 @@ def paged_decode_attention(
     max_context_len: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    config: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """Attention of one new query per sequence over its whole paged context.
 
     ``query``: ``[num_seqs, num_heads, head_dim]`` (unit stride over head_dim);
-    ``block_tables``: ``[num_seqs, max_blocks]``; ``context_lens``: ``[num_seqs]`` (>= 1, the
-    new token included). ``max_context_len`` (a host int, e.g. ``meta.max_seqlen_k``) sizes
-    the context split; without it the block table's width bounds it. ``num_splits`` overrides
-    the heuristic (tests use it to exercise both paths). The caches and the metadata tensors
-    must satisfy ``attention.contract`` (checked once, not here).
+    ``block_tables``: ``[num_seqs, max_blocks]``; ``context_lens``: ``[num_seqs]`` (the new
+    token included; 0 gives zeros, for padded CUDA-graph slots). ``num_splits`` fixes the
+    context split (a CUDA graph must: see ``decode_num_splits``); without it the split is
+    planned from ``max_context_len`` (a host int, e.g. ``meta.max_seqlen_k``; default: the
+    block table's width). ``config`` overrides ``decode_config`` (benchmarks sweep it). The
+    caches and the metadata tensors must satisfy ``attention.contract`` (checked once, not here).
     """
     require_triton()
     num_seqs = block_tables.shape[0]
@@ -283,23 +397,59 @@ def paged_decode_attention(
         return out
     _, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    if max_context_len is None:
-        max_context_len = block_tables.shape[1] * block_size
-    block_g = max(2, triton.next_power_of_2(group))
-    block_d = triton.next_power_of_2(head_dim)
-    # Keep the [G, N, D] product tile near 8K elements (registers per thread on a GPU).
-    block_n = min(64, max(16, triton.next_power_of_2(8192 // (block_g * block_d))))
-    splits, split_len = _plan_splits(
-        num_seqs * num_kv_heads, max(1, max_context_len), block_n, num_splits
-    )
-    part = max_buf = sum_buf = out
-    if splits > 1:
-        part = query.new_empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32)
-        max_buf = query.new_empty((num_seqs, num_heads, splits), dtype=torch.float32)
-        sum_buf = torch.empty_like(max_buf)
-    _decode_kernel[(num_seqs, num_kv_heads, splits)](
+    cfg = config or decode_config(head_dim, num_heads // num_kv_heads, query.dtype)
+    if num_splits is None:
+        if max_context_len is None:
+            max_context_len = block_tables.shape[1] * block_size
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_context_len, config=cfg)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if num_splits == 1:
+        _launch_decode(query, k_cache, v_cache, block_tables, context_lens, scale, out, None, cfg)
+        return out
+    # Allocated per call: under CUDA graph capture these come from the graph's memory pool.
+    part = query.new_empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32)
+    max_buf = query.new_empty((num_seqs, num_heads, num_splits), dtype=torch.float32)
+    sum_buf = torch.empty_like(max_buf)
+    partials = (part, max_buf, sum_buf)
+    _launch_decode(query, k_cache, v_cache, block_tables, context_lens, scale, out, partials, cfg)
+    _merge_splits_kernel[(num_seqs, num_heads)](
+        out,
         part,
+        max_buf,
+        sum_buf,
+        num_splits,
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+    return out
+
+
+def _launch_decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    cfg: DecodeConfig,
+) -> None:
+    """One decode launch: into ``out``, or into ``partials`` (accumulators [T, H, S, D], maxes
+    and sums [T, H, S]) for the merge kernel. ``out``'s strides are passed either way (unused
+    with partials), so the split count never changes an integer Triton specialises on."""
+    dest, max_buf, sum_buf = partials or (out, out, out)
+    num_splits = dest.shape[2] if partials else 1
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    precision, upcast = _dot_mode(query.dtype)
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        dest,
         max_buf,
         sum_buf,
         query,
@@ -308,7 +458,7 @@ def paged_decode_attention(
         block_tables,
         context_lens,
         scale * _LOG2E,
-        split_len,
+        num_splits,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -320,26 +470,16 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         GROUP=group,
         HEAD_DIM=head_dim,
-        NUM_SPLITS=splits,
-        BLOCK_G=block_g,
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
+        PARTIALS=num_splits > 1,
+        # tl.dot needs >= 16 rows; the padding rows cost no memory traffic.
+        BLOCK_G=_query_rows(group),
+        BLOCK_N=cfg.block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        DOT_PRECISION=precision,
+        UPCAST_DOT=upcast,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
-    if splits > 1:
-        _merge_splits_kernel[(num_seqs, num_heads)](
-            out,
-            part,
-            max_buf,
-            sum_buf,
-            out.stride(0),
-            out.stride(1),
-            NUM_HEADS=num_heads,
-            HEAD_DIM=head_dim,
-            NUM_SPLITS=splits,
-            BLOCK_S=max(2, triton.next_power_of_2(splits)),
-            BLOCK_D=block_d,
-        )
-    return out
 
 
 def paged_prefill_attention(
@@ -373,9 +513,7 @@ def paged_prefill_attention(
     block_m = min(64, max(16, triton.next_power_of_2(max_seqlen_q)))
     block_n = 64 if block_d <= 64 else 32
     grid = (num_seqs, num_heads, triton.cdiv(max_seqlen_q, block_m))
-    # Triton's CPU interpreter multiplies bf16 tl.dot operands as raw uint16 bits; there the
-    # dots run in fp32 instead (on a GPU bf16 stays on the tensor cores).
-    upcast = query.dtype == torch.bfloat16 and interpreter_enabled()
+    precision, upcast = _dot_mode(query.dtype)
     _prefill_kernel[grid](
         out,
         query,
@@ -399,25 +537,21 @@ def paged_prefill_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
-        # fp32 inputs would otherwise be truncated to TF32 on tensor cores.
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 or upcast else "tf32",
+        DOT_PRECISION=precision,
         UPCAST_DOT=upcast,
     )
     return out
 
 
-def _plan_splits(
-    num_programs: int, max_context_len: int, block_n: int, num_splits: int | None
-) -> tuple[int, int]:
-    """Returns (splits, keys per split); split lengths are whole BLOCK_N tiles."""
-    if num_splits is None:
-        by_occupancy = math.ceil(_TARGET_DECODE_PROGRAMS / num_programs)
-        by_length = math.ceil(max_context_len / _MIN_SPLIT_TOKENS)
-        num_splits = min(by_occupancy, by_length, _MAX_SPLITS)
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    split_len = math.ceil(math.ceil(max_context_len / num_splits) / block_n) * block_n
-    return math.ceil(max_context_len / split_len), split_len
+def _dot_mode(dtype: torch.dtype) -> tuple[str, bool]:
+    """(tl.dot input_precision, whether to upcast bf16 operands to fp32) for an input dtype.
+
+    Triton's CPU interpreter multiplies bf16 tl.dot operands as raw uint16 bits; there the dots
+    run in fp32 instead (on a GPU bf16 stays on the tensor cores). fp32 inputs would otherwise
+    be truncated to TF32 on the tensor cores; the precision is ignored for fp16 and bf16.
+    """
+    upcast = dtype == torch.bfloat16 and interpreter_enabled()
+    return ("ieee" if dtype == torch.float32 or upcast else "tf32"), upcast
 
 
 def _output(query: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

@@ -176,7 +176,13 @@ class Embedding(nn.Module):
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU on a fused ``[gate | up]`` projection."""
+    """SwiGLU on a fused ``[gate | up]`` projection: the Triton kernel on CUDA, the C++ kernel
+    on the CPU, torch otherwise (all round like ``F.silu(gate) * up``)."""
+    if gate_up.is_cuda and triton_available():
+        # Imported lazily: the kernel module is only needed on the GPU path.
+        from services.engine.kernels import activation
+
+        return activation.silu_and_mul(gate_up)
     kernels = kernels_for(gate_up)
     if kernels is not None and gate_up.dim() == 2:
         return kernels.silu_and_mul(gate_up)
@@ -220,7 +226,7 @@ class RotaryEmbedding(nn.Module):
     ``cos_sin[p, 0]`` is ``cos(p * f)`` over the full head_dim (the half-frequencies repeated);
     ``cos_sin[p, 1]`` is ``sin(p * f)`` with its first half negated, so that rotating is
     ``x * cos + roll(x, d/2) * signed_sin`` (see ``apply_rotary``): four torch ops per call, or
-    one pass of the CPU kernel.
+    one in-place pass of the CPU kernel or, on CUDA, of the Triton kernel.
     """
 
     def __init__(
@@ -248,6 +254,10 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor) -> RopeStep:
         """The rotation of one step's tokens (shared by every layer of the step)."""
+        if positions.is_cuda and triton_available():
+            # The Triton kernel reads the table in place: no gather, nothing step-dependent
+            # on the host (CUDA-graph safe).
+            return RopeStep(positions, self.cos_sin)
         if kernels_for(positions) is not None:
             return RopeStep(positions, self.cos_sin)  # the kernel reads the table in place
         cs = self.cos_sin.index_select(0, positions)
@@ -256,21 +266,25 @@ class RotaryEmbedding(nn.Module):
 
 @dataclass(frozen=True, slots=True)
 class RopeStep:
-    positions: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64 (int32 also taken on CUDA)
     table: torch.Tensor  # RotaryEmbedding.cos_sin
     cos: torch.Tensor | None = None  # [T, 1, head_dim], gathered for the torch path
     signed_sin: torch.Tensor | None = None
 
 
 def apply_rotary(x: torch.Tensor, rope: RopeStep) -> torch.Tensor:
-    """Rotate-half RoPE on ``x`` ``[T, heads, head_dim]``: in place by the CPU kernel, else a
-    new tensor.
+    """Rotate-half RoPE on ``x`` ``[T, heads, head_dim]``: in place by the Triton kernel (CUDA)
+    or the CPU kernel, else a new tensor. Either way the rotated tensor is returned.
 
     ``roll`` by d/2 gives ``[x2, x1]``; times ``[-sin, sin]`` that is HF's ``rotate_half(x) * sin``.
     Multiply and add stay separate ops (not ``addcmul``): a fused multiply-add rounds once
     instead of twice, and that alone moved SmolLM2's logits by ~7e-5 away from the reference.
     """
     if rope.cos is None:
+        if x.is_cuda and triton_available():
+            from services.engine.kernels import rotary
+
+            return rotary.apply_rotary_(x, rope.table, rope.positions)
         kernels = kernels_for(x)
         assert kernels is not None  # RotaryEmbedding chose the kernel for this step
         kernels.rotary_(x, rope.table, rope.positions)
