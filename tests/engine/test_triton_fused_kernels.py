@@ -16,11 +16,6 @@ they are torch's own ops.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -29,27 +24,12 @@ triton = pytest.importorskip("triton")
 
 from services.engine.kernels import activation, rotary
 from services.engine.models.layers import RopeStep, apply_rotary
+from tests.support.triton_child import kernel_device, run_under_interpreter
 
 _CHILD_ENV = "PAGODA_TRITON_FUSED_INTERPRETER_CHILD"
-_REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def _kernels_interpreted() -> bool:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    kernels = (activation._silu_and_mul_kernel, rotary._rotary_kernel)
-    return all(isinstance(k, InterpretedFunction) for k in kernels)
-
-
-INTERPRETED = _kernels_interpreted()
-if os.environ.get(_CHILD_ENV) and not INTERPRETED:
-    raise RuntimeError("TRITON_INTERPRET=1 did not take effect in the interpreter child")
-if INTERPRETED:
-    DEVICE: str | None = "cpu"
-elif torch.cuda.is_available():
-    DEVICE = "cuda"
-else:
-    DEVICE = None
+INTERPRETED, DEVICE = kernel_device(
+    (activation._silu_and_mul_kernel, rotary._rotary_kernel), _CHILD_ENV
+)
 
 needs_kernels = pytest.mark.skipif(
     DEVICE is None,
@@ -67,17 +47,10 @@ DTYPES = [torch.float32, torch.bfloat16]
     reason="the kernels run in this process (interpreted, or compiled on the GPU)",
 )
 def test_fused_kernels_under_the_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", **{_CHILD_ENV: "1"})
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
     # The CUDA-only dispatch test would only skip there.
-    cmd += ["-k", "not test_fused_kernels_under_the_interpreter and not on_cuda"]
-    proc = subprocess.run(
-        cmd, cwd=_REPO_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
+    run_under_interpreter(
+        __file__, _CHILD_ENV, "test_fused_kernels_under_the_interpreter or on_cuda"
     )
-    tail = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0, f"interpreter run failed:\n{tail}"
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert " passed" in summary and "skipped" not in summary, tail
 
 
 # ---------------------------------------------------------------------- references

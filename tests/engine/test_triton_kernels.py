@@ -14,11 +14,7 @@ never launch a kernel.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -33,34 +29,19 @@ from services.engine.attention.torch_backend import TorchAttentionBackend
 from services.engine.attention.triton_backend import TritonAttentionBackend
 from services.engine.kernels import kv_store, paged_attention, rmsnorm
 from tests.engine.test_attention_torch import Batch, make_batch
+from tests.support.triton_child import kernel_device, run_under_interpreter
 
 _CHILD_ENV = "PAGODA_TRITON_INTERPRETER_CHILD"
-_REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def _kernels_interpreted() -> bool:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    kernels = (
+INTERPRETED, DEVICE = kernel_device(
+    (
         kv_store._store_kv_kernel,
         paged_attention._decode_kernel,
         paged_attention._merge_splits_kernel,
         paged_attention._prefill_kernel,
         rmsnorm._rms_norm_kernel,
-    )
-    return all(isinstance(k, InterpretedFunction) for k in kernels)
-
-
-INTERPRETED = _kernels_interpreted()
-if os.environ.get(_CHILD_ENV) and not INTERPRETED:
-    # Never recurse into another child: the interpreter must be on here.
-    raise RuntimeError("TRITON_INTERPRET=1 did not take effect in the interpreter child")
-if INTERPRETED:
-    DEVICE: str | None = "cpu"
-elif torch.cuda.is_available():
-    DEVICE = "cuda"
-else:
-    DEVICE = None
+    ),
+    _CHILD_ENV,
+)
 
 needs_kernels = pytest.mark.skipif(
     DEVICE is None,
@@ -82,17 +63,7 @@ DTYPES = list(TOLERANCE)
     torch.cuda.is_available(), reason="CUDA is available: the kernel tests ran compiled here"
 )
 def test_kernels_under_the_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1", **{_CHILD_ENV: "1"})
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    cmd += ["-k", "not test_kernels_under_the_interpreter"]
-    proc = subprocess.run(
-        cmd, cwd=_REPO_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
-    )
-    tail = (proc.stdout + proc.stderr)[-6000:]
-    assert proc.returncode == 0, f"interpreter run failed:\n{tail}"
-    summary = proc.stdout.strip().splitlines()[-1]
-    # A skip here would mean the kernels silently did not run.
-    assert " passed" in summary and "skipped" not in summary, tail
+    run_under_interpreter(__file__, _CHILD_ENV, "test_kernels_under_the_interpreter")
 
 
 # ---------------------------------------------------------------------- helpers
