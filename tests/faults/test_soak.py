@@ -2,7 +2,7 @@
 
 Afterwards nothing has leaked: every engine's KV blocks are free again, no process holds more
 asyncio tasks than it did after the warm-up, and no process (gateway, router, engines,
-redis-server) grew its resident memory by 10% or more.
+redis-server) grew its resident memory by 5% or more over the soak's second half.
 """
 
 from __future__ import annotations
@@ -20,7 +20,10 @@ from tests.support.stack import PagodaStack, scrape
 WARMUP = 1_000
 SOAK = 10_000
 DISCONNECT = 0.2
-MAX_RSS_GROWTH = 0.10
+# Over the second 5,000 requests. Measured from the middle, not from the warm-up: allocator
+# arenas and caches may still settle during the first half (a one-time step of ~5% was seen on
+# an engine), while a leak grows with every request and shows in both halves alike.
+MAX_RSS_GROWTH = 0.05
 TASK_SLACK = 4
 
 
@@ -69,13 +72,19 @@ def test_soak_no_leaks(fast_model_dir: Path) -> None:
                                     disconnect_fraction=DISCONNECT, seed=1))
         assert not warm.failed, warm.summary()
         settle()
-        rss0 = {name: _rss(pid) for name, pid in pids.items()}
         tasks0 = {name: _tasks_beyond_connections(p) for name, p in services.items()}
 
+        def soak_half(first: int, seed: int):
+            return asyncio.run(run_load(stack.base_url, stack.model,
+                                        lambda i: _prompt(first + i), requests=SOAK // 2,
+                                        concurrency=16, max_tokens=8,
+                                        disconnect_fraction=DISCONNECT, seed=seed))
+
         start = time.monotonic()
-        soak = asyncio.run(run_load(stack.base_url, stack.model, lambda i: _prompt(WARMUP + i),
-                                    requests=SOAK, concurrency=16, max_tokens=8,
-                                    disconnect_fraction=DISCONNECT, seed=2))
+        first = soak_half(WARMUP, 2)
+        settle()
+        rss0 = {name: _rss(pid) for name, pid in pids.items()}
+        second = soak_half(WARMUP + SOAK // 2, 3)
         wall = time.monotonic() - start
         settle()
         rss1 = {name: _rss(pid) for name, pid in pids.items()}
@@ -83,17 +92,20 @@ def test_soak_no_leaks(fast_model_dir: Path) -> None:
         blocks = {e.url: kv_blocks(e.url) for e in stack.engines}
         growth = {name: rss1[name] / rss0[name] - 1 for name in pids}
 
-        print(f"\nsoak: {soak.summary()} in {wall:.0f}s ({soak.sent / wall:.0f} req/s)\n"
-              f"  rss MB before->after: "
+        sent = first.sent + second.sent
+        disconnected = first.disconnected + second.disconnected
+        print(f"\nsoak: {first.summary()}; {second.summary()} in {wall:.0f}s "
+              f"({sent / wall:.0f} req/s)\n"
+              f"  rss MB middle->end: "
               + ", ".join(f"{n} {rss0[n] / 2**20:.0f}->{rss1[n] / 2**20:.0f} "
                           f"({growth[n]:+.1%})" for n in pids)
               + "\n  event-loop tasks beyond open connections before->after: "
               + ", ".join(f"{n} {tasks0[n]}->{tasks1[n]}" for n in services)
               + f"\n  kv blocks (free, total): {list(blocks.values())}")
 
-        assert soak.sent == SOAK
-        assert not soak.failed, soak.summary()
-        assert 0.15 * SOAK <= soak.disconnected <= 0.25 * SOAK
+        assert sent == SOAK
+        assert not first.failed and not second.failed, (first.summary(), second.summary())
+        assert 0.15 * SOAK <= disconnected <= 0.25 * SOAK
         assert all(free == total for free, total in blocks.values()), blocks
         # Counted beyond one task per open connection; a leak of even one task per thousand
         # requests would add ten.
