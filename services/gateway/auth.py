@@ -1,7 +1,8 @@
 """Bearer API keys, and the per-tenant cache salt derived from them.
 
-No keys configured means the gateway is open. ``/health``, ``/ready``, ``/metrics`` and
-``/openapi.json`` are always open (probes, scrapers and schema tools carry no key). Keys are
+No keys configured means the gateway is open. ``/health``, ``/ready``, ``/metrics``,
+``/openapi.json`` and ``/version`` are always open (probes, scrapers and schema tools carry no
+key). Keys are
 compared in constant time and never logged; only a one-way tenant id derived from a key ever
 leaves this module.
 
@@ -23,7 +24,7 @@ from aiohttp import web
 
 from services.protocol.openai import OpenAIError
 
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json", "/version"})
 _TENANT_DOMAIN = b"pagoda/tenant/v1\x00"
 
 

@@ -69,6 +69,15 @@ class GatewayConfig:
         help="served model name and the HF directory of its tokenizer and chat template "
         "(repeatable; default: the default model)",
     )
+    default_model: str | None = flag(
+        None,
+        metavar="NAME",
+        help="served model used by requests that name none (default: the only --model; with "
+        "several, such requests get a 400)",
+    )
+    max_n: int = flag(
+        128, help="most samples (n) one prompt may ask for; prompts x n stays at most 256"
+    )
     block_size: int = flag(
         16, help="tokens per KV block until the router's /engines reports a model's own"
     )
@@ -110,7 +119,9 @@ class GatewayConfig:
         names = [m.name for m in self.models]
         if len(names) != len(set(names)):
             raise ValueError(f"--model names must be unique, got {names}")
-        for name in ("block_size", "max_body_bytes"):
+        if self.default_model is not None and names and self.default_model not in names:
+            raise ValueError(f"--default-model must be one of the --model names {names}")
+        for name in ("block_size", "max_body_bytes", "max_n"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

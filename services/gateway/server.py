@@ -2,7 +2,7 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``POST /tokenize``, ``POST /detokenize``, ``GET /health`` (liveness), ``GET /ready`` (the router
-answers), ``GET /metrics``, ``GET /openapi.json``.
+answers), ``GET /metrics``, ``GET /openapi.json``, ``GET /version``.
 
 Serve it with ``handler_cancellation=True`` (``__main__`` does): a client that disconnects then
 cancels its handler, which closes the engine streams, so the engines abort and free KV blocks
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -83,6 +84,7 @@ def create_app(
     app.router.add_get("/ready", _ready)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/openapi.json", _openapi)
+    app.router.add_get("/version", _version)
     return app
 
 
@@ -210,6 +212,18 @@ async def _ready(request: web.Request) -> web.Response:
 async def _metrics(request: web.Request) -> web.Response:
     body, content_type = request.app[_METRICS].render()
     return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+async def _version(request: web.Request) -> web.Response:
+    """vLLM's ``GET /version``: the server's version."""
+    return web.json_response({"version": package_version()})
+
+
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("pagoda")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "0+unknown"
 
 
 async def _openapi(request: web.Request) -> web.Response:
