@@ -82,6 +82,7 @@ _SAMPLING: dict[str, Any] = {
     "logit_bias": {
         "type": "object",
         "nullable": True,
+        "propertyNames": {"pattern": "^[0-9]+$"},
         "additionalProperties": {"type": "number"},
         "description": "token id (a string of digits, below the vocabulary size) -> bias added "
         "to its logit, clamped to [-100, 100]",
@@ -218,6 +219,7 @@ _TOKENIZE_REQUEST = {
         "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
         "add_special_tokens": {"type": "boolean"},
         "add_generation_prompt": {"type": "boolean", "default": True},
+        "continue_final_message": {"type": "boolean", "default": False},
         "return_token_strs": {"type": "boolean", "default": False},
         "chat_template_kwargs": {"type": "object"},
     },
