@@ -451,6 +451,18 @@ def openapi_document() -> dict[str, Any]:
                     },
                 }
             },
+            "/metrics/engines": {
+                "get": {
+                    **open_route,
+                    "summary": "Every live engine's Prometheus metrics, labelled engine_id",
+                    "responses": {
+                        "200": {
+                            "description": "text exposition format",
+                            "content": {"text/plain": {"schema": {"type": "string"}}},
+                        }
+                    },
+                }
+            },
             "/openapi.json": {
                 "get": {
                     **open_route,

@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``POST /tokenize``, ``POST /detokenize``, ``GET /health`` (liveness), ``GET /ready`` (the router
-answers), ``GET /metrics``, ``GET /openapi.json``, ``GET /version``.
+answers), ``GET /metrics``, ``GET /metrics/engines`` (every live engine's metrics, federated),
+``GET /openapi.json``, ``GET /version``.
 
 Serve it with ``handler_cancellation=True`` (``__main__`` does): a client that disconnects then
 cancels its handler, which closes the engine streams, so the engines abort and free KV blocks
@@ -27,6 +28,7 @@ from services.common import tracing
 from services.gateway import api, tokenization
 from services.gateway.auth import ApiKeyAuth, auth_middleware
 from services.gateway.config import GatewayConfig
+from services.gateway.engine_metrics import engine_metrics
 from services.gateway.engine_watch import EngineWatch
 from services.gateway.errors import error_middleware
 from services.gateway.generation import Upstreams
@@ -83,6 +85,7 @@ def create_app(
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/metrics/engines", engine_metrics)
     app.router.add_get("/openapi.json", _openapi)
     app.router.add_get("/version", _version)
     return app

@@ -50,23 +50,10 @@ def sse(pagoda: PagodaStack, path: str, body: dict[str, Any]) -> list[dict[str, 
     return [json.loads(e) for e in events[:-1]]
 
 
-def greedy_ids(client: openai.OpenAI, pagoda: PagodaStack, n: int) -> list[int]:
-    out = client.completions.create(model=pagoda.model, prompt=PROMPT, max_tokens=n,
-                                    logprobs=0, extra_body=GREEDY)
-    tok = pagoda_tokenizer(pagoda)
-    return [tok.hf.convert_tokens_to_ids(t) for t in _raw_tokens(out, tok)]
-
-
 def pagoda_tokenizer(pagoda: PagodaStack):
     from services.text.tokenizer import Tokenizer
 
     return Tokenizer(pagoda.model_dir)
-
-
-def _raw_tokens(out, tok) -> list[str]:
-    # The completion's token ids, recovered through /tokenize-free means: re-encode its text.
-    ids = tok.encode(out.choices[0].text, add_special_tokens=False)
-    return [tok.hf.convert_ids_to_tokens(i) for i in ids]
 
 
 # -- logit_bias -----------------------------------------------------------------------------
@@ -136,7 +123,7 @@ def test_prompt_logprobs_extension(pagoda: PagodaStack) -> None:
     assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:])
     streamed = sse(pagoda, "/v1/completions",
                    {"prompt": PROMPT, "max_tokens": 2, "prompt_logprobs": 1, **GREEDY})
-    assert [c["choices"][0].get("prompt_logprobs") for c in streamed][0] == plps
+    assert next(c["choices"][0].get("prompt_logprobs") for c in streamed) == plps
 
 
 def test_logprobs_zero_puts_the_chosen_token_in_top_logprobs(pagoda: PagodaStack) -> None:
@@ -240,3 +227,38 @@ def test_engine_exports_vllms_metric_families(pagoda: PagodaStack) -> None:
                      re.MULTILINE)
     assert re.search(r'^vllm:cache_config_info\{.*block_size="16".*num_gpu_blocks="512".*\} 1\.0$',
                      text, re.MULTILINE)
+
+
+def test_gateway_federates_every_engines_metrics(pagoda: PagodaStack) -> None:
+    post(pagoda, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, **GREEDY})
+    resp = requests.get(pagoda.gateway.url + "/metrics/engines", timeout=10)
+    assert resp.status_code == 200
+    samples = _samples(resp.text)
+    eid = pagoda.engine_id(0)
+    assert ("pagoda_gateway_engine_scrape_up", {"engine_id": eid}, 1.0) in samples
+    count = [v for n, lb, v in samples
+             if n == "vllm:request_queue_time_seconds_count" and lb.get("engine_id") == eid]
+    assert count and count[0] >= 1
+    # One family per name, its samples together (the text format's rule).
+    types = _FAMILY.findall(resp.text)
+    assert len(types) == len({name for name, _ in types})
+
+
+def test_federation_merges_families_of_several_engines() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from services.gateway.engine_metrics import _Merged
+    from services.gateway.router_client import EngineInfo
+
+    def text(value: float) -> str:
+        return ("# HELP vllm:num_requests_waiting w\n# TYPE vllm:num_requests_waiting gauge\n"
+                f'vllm:num_requests_waiting{{model_name="m"}} {value}\n')
+
+    engines = [EngineInfo(f"e{i}", f"http://e{i}", "m", 16) for i in range(3)]
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Merged([(engines[0], text(1)), (engines[1], text(2)), (engines[2], None)]))
+    out = generate_latest(registry).decode()
+    assert out.count("# TYPE vllm:num_requests_waiting gauge") == 1
+    samples = _samples(out)
+    assert ("vllm:num_requests_waiting", {"model_name": "m", "engine_id": "e1"}, 2.0) in samples
+    assert ("pagoda_gateway_engine_scrape_up", {"engine_id": "e2"}, 0.0) in samples
