@@ -82,7 +82,7 @@ class EngineThread:
         # (a pause, a long prefill) does not brand the engine slow.
         self.step_ms = 0.0
         self._step_times: deque[float] = deque(maxlen=_STEP_WINDOW)
-        # Called on the engine thread after each step with the tokens it computed (metrics).
+        # Called on the engine thread after each step, with the engine (metrics read its step).
         self.on_step: Callable[[LLMEngine], None] | None = None
 
     # -- lifecycle --------------------------------------------------------------------------

@@ -161,7 +161,6 @@ def _builder(state: GatewayState, plan: _Plan) -> ResponseBuilder:
         {j.index: j.prompt_index for j in plan.jobs},
         want_logprobs=req.params.logprobs is not None,
         echo_texts=echo,
-        echo_ids=[p.token_ids for p in plan.prompts] if echo is not None else None,
         prompt_logprobs=req.params.prompt_logprobs is not None,
     )
 

@@ -97,9 +97,8 @@ class ChoiceDecoder:
         self, delta: ChoiceDelta, lps: list[TokenLogprobs | None]
     ) -> None:
         delta.echo_logprobs = [
-            TokenLogprob(self._token_text(self._prompt_ids[0]), None, [])
-            if lp is None else self._logprob(lp)
-            for lp in lps
+            TokenLogprob(self._token_text(tid), None, []) if lp is None else self._logprob(lp)
+            for tid, lp in zip(self._prompt_ids, lps, strict=True)
         ]
         delta.prompt_logprobs = [None if lp is None else self._logprob_map(lp) for lp in lps]
 

@@ -37,7 +37,6 @@ class ResponseBuilder:
         choice_prompts: dict[int, int],
         want_logprobs: bool,
         echo_texts: list[str] | None = None,
-        echo_ids: list[list[int]] | None = None,
         prompt_logprobs: bool = False,
     ) -> None:
         self.kind = kind
