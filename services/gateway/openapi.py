@@ -82,7 +82,6 @@ _SAMPLING: dict[str, Any] = {
     "logit_bias": {
         "type": "object",
         "nullable": True,
-        "propertyNames": {"pattern": "^[0-9]+$"},
         "additionalProperties": {"type": "number"},
         "description": "token id (a string of digits, below the vocabulary size) -> bias added "
         "to its logit, clamped to [-100, 100]",

@@ -143,3 +143,14 @@ def test_stop_token_is_not_in_the_text_unless_asked(llm: LLM) -> None:
                                            include_stop_str_in_output=True),
                             use_tqdm=False)[0].outputs[0]
         assert kept.text == tok.decode(cut)
+
+
+def test_chat_continues_the_final_message(llm: LLM) -> None:
+    partial = [{"role": "user", "content": "Name a fruit."},
+               {"role": "assistant", "content": "My favourite fruit is"}]
+    out = llm.chat(partial, greedy(max_tokens=2), use_tqdm=False,
+                   add_generation_prompt=False, continue_final_message=True)[0]
+    text = llm.get_tokenizer().decode(out.prompt_token_ids, skip_special_tokens=False)
+    assert text.endswith("My favourite fruit is")  # the assistant's turn is left open
+    with pytest.raises(ValueError, match="continue_final_message"):
+        llm.chat(partial, greedy(), continue_final_message=True)
