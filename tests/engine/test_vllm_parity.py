@@ -18,9 +18,10 @@ PROMPT = "The quick brown fox jumps over the lazy dog, and then it runs into the
 
 @pytest.fixture(scope="module")
 def llm(fast_model_dir: Path) -> LLM:
-    # A small step budget: a 40-token prompt is prefilled in three chunks.
+    # A small step budget (a 40-token prompt is prefilled in three chunks) and a small KV pool
+    # (256 tokens: a few requests at once preempt each other).
     return LLM(str(fast_model_dir), max_model_len=CONTEXT, max_num_batched_tokens=16,
-               num_blocks=64)
+               num_blocks=16)
 
 
 @pytest.fixture(scope="module")
@@ -106,13 +107,13 @@ def test_prompt_logprobs_zero_is_the_prompt_token_only(llm: LLM) -> None:
     ]
 
 
-def test_prompt_logprobs_survive_preemption(fast_model_dir: Path, hf_logprobs) -> None:
-    # 12 blocks of 16 tokens for eight 40-token prompts: requests are preempted and recomputed.
-    small = LLM(str(fast_model_dir), max_model_len=CONTEXT, max_num_batched_tokens=64,
-                num_blocks=12)
+def test_prompt_logprobs_survive_preemption(llm: LLM, hf_logprobs) -> None:
+    # Eight 40-token prompts growing by 24 tokens in 16 blocks: requests are preempted and
+    # recomputed, and their prompts are not scored twice.
+    before = llm.engine.scheduler.num_preemptions
     prompts = [f"{i} {PROMPT}" for i in range(8)]
-    outs = small.generate(prompts, greedy(prompt_logprobs=1, max_tokens=24), use_tqdm=False)
-    assert small.engine.scheduler.num_preemptions > 0
+    outs = llm.generate(prompts, greedy(prompt_logprobs=1, max_tokens=24), use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > before
     for out in outs:
         check_prompt_logprobs(out, hf_logprobs(out.prompt_token_ids), 1)
 
