@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 from services.common import cli
 from services.common.cli import flag
+from services.protocol.openai import MAX_CHOICES, MAX_N
 
 API_KEYS_ENV = "PAGODA_API_KEYS"
 PROG = "python -m services.gateway"
@@ -76,7 +77,8 @@ class GatewayConfig:
         "several, such requests get a 400)",
     )
     max_n: int = flag(
-        128, help="most samples (n) one prompt may ask for; prompts x n stays at most 256"
+        MAX_N, help=f"most samples (n) one prompt may ask for; prompts x n stays at most "
+        f"{MAX_CHOICES}"
     )
     block_size: int = flag(
         16, help="tokens per KV block until the router's /engines reports a model's own"

@@ -54,6 +54,10 @@ def create_app(
     the caller then owns them (tests share one across apps)."""
     if not config.models:
         raise ValueError("at least one model is required (--model NAME=HF_DIR)")
+    if config.default_model is not None and config.default_model not in {
+        m.name for m in config.models
+    }:
+        raise ValueError(f"--default-model {config.default_model!r} is not a served --model")
     if tokenizers is not None:
         missing = {m.name for m in config.models} - set(tokenizers)
         if missing:
