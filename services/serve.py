@@ -153,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         wait_http(f"http://127.0.0.1:{args.port}/health", 120, p)
         logger.info("Pagoda is serving %s at http://127.0.0.1:%d/v1 (Ctrl-C stops)",
                     model_name, args.port)
+        for i, url in enumerate(engine_urls):  # vLLM's metric families live on each engine
+            logger.info("engine-%d metrics: %s/metrics", i, url)
+        logger.info("gateway metrics: http://127.0.0.1:%d/metrics; router metrics: "
+                    "http://127.0.0.1:%d/metrics", args.port, router_port)
         while all(p.poll() is None for _, p in procs):
             time.sleep(0.5)
         dead = [name for name, p in procs if p.poll() is not None]

@@ -145,7 +145,8 @@ def _response_body(llm: LLM, req: oa.GenerationRequest, outs: list[RequestOutput
     cached = sum(o.num_cached_tokens for o in outs)
     use = oa.usage(prompt_tokens, completion_tokens, cached)
     build = oa.chat_object if req.kind == "chat" else oa.completion_object
-    return build(oa.new_id("chatcmpl" if req.kind == "chat" else "cmpl"), req.model, choices, use)
+    model = req.model or llm.engine.model_name
+    return build(oa.new_id("chatcmpl" if req.kind == "chat" else "cmpl"), model, choices, use)
 
 
 def main(argv: list[str] | None = None) -> int:

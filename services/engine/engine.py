@@ -11,6 +11,7 @@ from pathlib import Path
 
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
+from services.engine.logit_bias import LogitBias, check_logit_bias
 from services.engine.model_runner import ModelRunner
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import make_generator
@@ -40,6 +41,9 @@ class RequestUpdate:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
+    # the request's prompt logprobs (params.prompt_logprobs); the server sends them once
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    max_tokens: int = 0  # the client's max_tokens (0: none), for vllm:request_params_max_tokens
 
 
 @dataclass(slots=True)
@@ -81,6 +85,7 @@ class LLMEngine:
             self.max_model_len,
         )
         self.requests: dict[str, Request] = {}
+        self.last_step_tokens = 0
         self._hashers: dict[str | None, BlockHasher] = {}
 
     def _resolve_max_model_len(self, model_limit: int) -> int:
@@ -127,6 +132,7 @@ class LLMEngine:
             max_tokens=max_tokens,
             eos_token_ids=self.eos_token_ids,
             generator=None if params.seed is None else make_generator(params.seed, self.runner.device),
+            logit_bias=LogitBias.build(params.logit_bias, self.runner.device),
         )
         self.requests[request_id] = req
         self.scheduler.add(req)
@@ -143,20 +149,23 @@ class LLMEngine:
             raise BadRequest(
                 f"prompt_token_ids must be in [0, {vocab}) for this model", "prompt_token_ids"
             )
+        check_logit_bias(params.logit_bias, vocab)
         if n >= self.max_model_len:
             raise BadRequest(
                 f"prompt_token_ids has {n} tokens; the model's context is {self.max_model_len} "
                 "tokens and at least one must be left to generate",
                 "prompt_token_ids",
             )
-        room = self.max_model_len - n
-        max_tokens = room if params.max_tokens is None else params.max_tokens
-        if max_tokens > room:
+        if params.max_tokens is not None and params.max_tokens > self.max_model_len:
             raise BadRequest(
-                f"max_tokens={max_tokens} is too large: the prompt has {n} tokens and the "
-                f"context is {self.max_model_len}; at most {room} can be generated",
+                f"max_tokens={params.max_tokens} is too large: the model's context is "
+                f"{self.max_model_len} tokens",
                 "max_tokens",
             )
+        # As vLLM: a prompt + max_tokens past the context generates up to the context and
+        # finishes with "length".
+        room = self.max_model_len - n
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         needed = -(-(n + max_tokens) // self.config.block_size)
         if needed > self.runner.num_blocks:
             # Without max_tokens the prompt alone decides how much room is asked for.
@@ -192,9 +201,13 @@ class LLMEngine:
         each request that got a token this step, with the token's logprobs. The token is the
         request's last output token; a finished request has left the engine."""
         sched = self.scheduler.schedule()
+        self.last_step_tokens = sched.num_batched_tokens  # vllm:iteration_tokens_total
         if sched.is_empty:
             return []
-        out = self.runner.execute(sched).sampler_output
+        result = self.runner.execute(sched)
+        for req, scored in result.prompt_logprobs:
+            req.prompt_logprobs.extend(scored)
+        out = result.sampler_output
         sampled = self.scheduler.update(sched, out.token_ids)
         for req in sampled:
             if req.status.is_finished:  # the scheduler has already freed its blocks
@@ -220,6 +233,8 @@ class LLMEngine:
             first_scheduled_time=req.first_scheduled_time,
             first_token_time=req.first_token_time,
             num_preemptions=req.num_preemptions,
+            prompt_logprobs=req.prompt_logprobs or None,
+            max_tokens=req.params.max_tokens or 0,
         )
 
     # -- observability ----------------------------------------------------------------------

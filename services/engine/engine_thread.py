@@ -82,6 +82,8 @@ class EngineThread:
         # (a pause, a long prefill) does not brand the engine slow.
         self.step_ms = 0.0
         self._step_times: deque[float] = deque(maxlen=_STEP_WINDOW)
+        # Called on the engine thread after each step, with the engine (metrics read its step).
+        self.on_step: Callable[[LLMEngine], None] | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -197,6 +199,8 @@ class EngineThread:
                 self.engine.abort_request(rid)
                 self._post(self._sinks.pop(rid), RuntimeError(f"engine step failed: {exc}"))
             return
+        if self.on_step is not None:
+            self.on_step(self.engine)
         self._step_times.append((time.perf_counter() - start) * 1000)
         self.step_ms = statistics.median(self._step_times)
         for update in updates:

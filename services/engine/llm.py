@@ -84,13 +84,18 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Applies the model's chat template to each conversation, then generates."""
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be "
+                             "true")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         encoded = []
         for conv in conversations:
             text = self.tokenizer.apply_chat_template(
-                conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+                conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+                continue_final_message=continue_final_message,
             )
             encoded.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
         params_list = _broadcast_params(sampling_params, len(encoded))
@@ -186,7 +191,8 @@ class LLM:
     def _feed_text(self, stream: _TextStream, out: CompletionOutput, req: Request) -> str | None:
         """Extends the text of a sample with stop strings; returns the stop string it hit."""
         finished = req.status.is_finished
-        emitted, stop = stream.stops.feed(stream.detok.push(req.output_token_ids[-1:]))
+        new = [] if _ended_by_token(req.finish_reason, req.params) else req.output_token_ids[-1:]
+        emitted, stop = stream.stops.feed(stream.detok.push(new))
         out.text += emitted
         if stop is not None and not finished:
             self.engine.abort_request(req.request_id)
@@ -200,6 +206,10 @@ class LLM:
         for parent, child, req in finished:
             child.output.token_ids = list(req.output_token_ids)
             _record_metrics(parent.output, req, now)
+            if req.params.prompt_logprobs is not None and parent.output.prompt_logprobs is None:
+                parent.output.prompt_logprobs = [
+                    None if lp is None else self._logprob_dict(lp) for lp in req.prompt_logprobs
+                ]
         self._decode_texts([(p, c) for p, c, _ in finished if c.stream is None])
         for parent, _, _ in finished:
             parent.unfinished -= 1
@@ -215,7 +225,11 @@ class LLM:
             if not batch:
                 continue
             prompts = [p.output.prompt_token_ids for p, _ in batch]
-            outputs = [c.output.token_ids for _, c in batch]
+            outputs = [
+                c.output.token_ids[:-1]
+                if _ended_by_token(c.output.finish_reason, c.params) else c.output.token_ids
+                for _, c in batch
+            ]
             texts = detokenize_batch(self.tokenizer, prompts, outputs, skip)
             for (_, child), text in zip(batch, texts, strict=True):
                 child.output.text = text
@@ -235,6 +249,12 @@ class LLM:
                 [token_id], skip_special_tokens=False
             )
         return text
+
+
+def _ended_by_token(finish_reason: str | None, params: SamplingParams) -> bool:
+    """A request that a stop token (EOS or stop_token_ids) ended: as vLLM, that token is not
+    part of the text unless include_stop_str_in_output. (Stop strings end it in the text.)"""
+    return finish_reason == "stop" and not params.include_stop_str_in_output
 
 
 def _record_metrics(output: RequestOutput, req: Request, now: float) -> None:

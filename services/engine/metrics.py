@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -10,6 +11,7 @@ from prometheus_client.registry import Collector
 
 from services.common.process_metrics import register_process_metrics
 from services.engine.engine import EngineStats
+from services.engine.request_metrics import RequestMetrics, WaitingAndCacheCollector
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -50,9 +52,18 @@ class _StatsCollector(Collector):
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        stats: Callable[[], EngineStats | None],
+        cache_info: Callable[[], dict[str, str] | None] = lambda: None,
+    ) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
+        # vLLM's request histograms size their token buckets by max_model_len, known once the
+        # engine has loaded: made then, by whichever thread gets there first.
+        self._requests: RequestMetrics | None = None
+        self._requests_lock = threading.Lock()
         labels = ["model_name"]
         r = self.registry
         register_process_metrics(r)
@@ -69,6 +80,19 @@ class EngineMetrics:
         self.request_success = Counter("vllm:request_success", "Finished requests.",
                                        labels + ["finished_reason"], registry=r)
         r.register(_StatsCollector(model_name, stats))
+
+        def waiting() -> int | None:
+            s = stats()
+            return None if s is None else s.num_waiting
+
+        r.register(WaitingAndCacheCollector(model_name, waiting, cache_info))
+
+    def requests(self, max_model_len: int) -> RequestMetrics:
+        if self._requests is None:
+            with self._requests_lock:
+                if self._requests is None:
+                    self._requests = RequestMetrics(self.registry, self.model_name, max_model_len)
+        return self._requests
 
     def observe_finished(self, prompt_tokens: int, output_tokens: int, reason: str) -> None:
         m = self.model_name

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from services.engine import cpu_threads
+from services.engine import cpu_threads, prompt_logprobs
 from services.engine.attention.contract import check_kv_caches, check_step
 from services.engine.attention.metadata import build_attention_metadata
 from services.engine.attention.selector import get_attention_backend
@@ -41,6 +41,8 @@ class StepResult:
     schedule order (what ``Scheduler.update`` takes)."""
 
     sampler_output: SamplerOutput
+    # (request, its prompt positions scored this step): only for prompt_logprobs requests
+    prompt_logprobs: list = field(default_factory=list)
 
 
 class ModelRunner:
@@ -207,8 +209,13 @@ class ModelRunner:
             hidden, last = self._forward_cpu(input_ids, block_tables, seq_lens, query_lens, rows)
         else:
             hidden, last = self._forward_gpu(input_ids, block_tables, seq_lens, query_lens, rows)
+        scored = []  # hidden holds every new token's row (a decode graph's: one per request)
+        if any(s.request.params.prompt_logprobs is not None for s in sched.scheduled):
+            scored = prompt_logprobs.collect(
+                self.model.compute_logits, hidden, sched.scheduled, query_lens
+            )
         if not rows:
-            return StepResult(SamplerOutput(token_ids=[], logprobs=[]))
+            return StepResult(SamplerOutput(token_ids=[], logprobs=[]), scored)
         logits = self.model.compute_logits(hidden if last is None else hidden.index_select(0, last))
         reqs = [sched.scheduled[i].request for i in rows]
         sampling_rows = [
@@ -218,10 +225,11 @@ class ModelRunner:
                 output_token_ids=r.output_token_ids,
                 generator=r.generator,
                 eos_token_ids=r.eos_token_ids,
+                logit_bias=r.logit_bias,
             )
             for r in reqs
         ]
-        return StepResult(self.sampler(logits, sampling_rows))
+        return StepResult(self.sampler(logits, sampling_rows), scored)
 
     def _forward_cpu(self, input_ids, block_tables, seq_lens, query_lens, rows):
         """Returns the hidden states and the rows of them that get logits."""

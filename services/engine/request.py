@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.engine.logit_bias import LogitBias
 from services.protocol.block_hash import BlockHash, BlockHasher
+from services.protocol.engine_api import TokenLogprobs
 from services.protocol.sampling_params import SamplingParams
 
 
@@ -55,12 +57,17 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None
+    logit_bias: LogitBias | None = None  # params.logit_bias on the device
+    # params.prompt_logprobs: one entry per prompt token scored so far (the first is None)
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     # Timestamps (monotonic seconds) for metrics and traces.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]  # nothing predicts the first prompt token
         self.hasher.extend(self.block_hashes, self.token_ids)
 
     @property

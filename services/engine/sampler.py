@@ -3,6 +3,7 @@
 Per step, in this order (vLLM v1's, with the truncation masks in Hugging Face's order):
 
     raw logprobs      log_softmax of the model's logits, only for rows that ask
+    logit_bias        added to the biased rows' logits (``logit_bias``)
     min_tokens        EOS (unless ignore_eos) and stop_token_ids banned until reached
     penalties         repetition (prompt + output), frequency and presence (output only)
     greedy rows       argmax, done
@@ -22,6 +23,7 @@ from itertools import chain
 
 import torch
 
+from services.engine.logit_bias import LogitBias, apply_logit_bias
 from services.protocol.engine_api import TokenLogprobs
 from services.protocol.sampling_params import SamplingParams
 
@@ -44,6 +46,7 @@ class SamplingRequest:
     output_token_ids: Sequence[int]  # generated so far
     generator: torch.Generator | None = None  # required when params.seed is set
     eos_token_ids: Sequence[int] = ()  # the model's
+    logit_bias: LogitBias | None = None  # params.logit_bias as tensors (built once per request)
 
 
 @dataclass(slots=True)
@@ -61,6 +64,7 @@ class Sampler:
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         # Before anything changes the logits: vLLM's default "raw" logprobs.
         raw = torch.log_softmax(logits[want], -1) if want else None
+        logits = apply_logit_bias(logits, [r.logit_bias for r in rows])
         logits = ban_stop_tokens(logits, rows)
         logits = apply_penalties(logits, rows)
         tokens = _sample(logits, rows)

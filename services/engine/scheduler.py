@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from services.engine.block_manager import BlockManager
+from services.engine.prompt_logprobs import reads_prefix_cache
 from services.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -128,8 +129,9 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            blocks, num_cached = self.block_manager.get_computed_blocks(
-                req.token_ids, req.block_hashes
+            blocks, num_cached = (
+                self.block_manager.get_computed_blocks(req.token_ids, req.block_hashes)
+                if reads_prefix_cache(req) else ([], 0)
             )
             num_new = min(req.num_tokens - num_cached, budget)
             if not self.block_manager.allocate_slots(req.request_id, num_cached + num_new, blocks):

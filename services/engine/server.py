@@ -75,7 +75,10 @@ def _engine_ctx(engine_config: EngineConfig):
         name = engine_config.served_model_name or os.path.basename(
             (engine_config.model or DEFAULT_MODEL_NAME).rstrip("/")
         )
-        app[METRICS] = EngineMetrics(name, lambda: core.stats)
+        metrics = app[METRICS] = EngineMetrics(name, lambda: core.stats,
+                                               lambda: _cache_info(core))
+        core.on_step = lambda e: metrics.requests(e.max_model_len).observe_step(
+            e.last_step_tokens)
         core.start(asyncio.get_running_loop())
         app[LIFECYCLE].publisher = asyncio.create_task(_publish_loop(app))
         try:
@@ -198,7 +201,8 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
             return json_error(503, str(first))
         resp = web.StreamResponse(headers={"Content-Type": engine_api.CONTENT_TYPE})
         await resp.prepare(request)
-        finished = await _stream(request.app[METRICS], resp, first, updates)
+        finished = await _stream(request.app[METRICS], resp, first, updates,
+                                 core.engine.max_model_len)
     except ConnectionResetError:  # the client went away mid-stream, e.g. at a stop string
         logger.debug("client closed the stream request_id=%s", rid)
     finally:
@@ -207,6 +211,21 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         if not finished:  # client went away, or we failed: free the KV blocks now
             core.abort(rid)
     return resp
+
+
+def _cache_info(core: EngineThread) -> dict[str, str] | None:
+    """vllm:cache_config_info's labels, once the engine has loaded."""
+    engine = core.engine
+    if engine is None:
+        return None
+    c = engine.config
+    return {
+        "block_size": str(c.block_size),
+        "cache_dtype": str(engine.runner.dtype).removeprefix("torch."),
+        "enable_prefix_caching": str(c.enable_prefix_caching),
+        "num_gpu_blocks": str(engine.runner.num_blocks),
+        "prefix_caching_hash_algo": str(c.hash_algorithm),
+    }
 
 
 def _internal_error(exc: Exception) -> web.Response:
@@ -218,7 +237,8 @@ def _internal_error(exc: Exception) -> web.Response:
 
 
 async def _stream(
-    metrics: EngineMetrics, resp: web.StreamResponse, first, updates: asyncio.Queue
+    metrics: EngineMetrics, resp: web.StreamResponse, first, updates: asyncio.Queue,
+    max_model_len: int,
 ) -> bool:
     start = time.monotonic()
     last = None
@@ -242,15 +262,21 @@ async def _stream(
                 metrics.itl.labels(model).observe(now - last)
             last = now
             cached = item.num_cached_tokens if first_frame else None
+            prompt_lps = item.prompt_logprobs if first_frame else None
             first_frame = False
             lps = item.new_logprobs if any(lp is not None for lp in item.new_logprobs) else None
             await resp.write(
-                engine_api.TokensFrame(item.new_token_ids, lps, cached).to_msgpack()
+                engine_api.TokensFrame(item.new_token_ids, lps, cached, prompt_lps).to_msgpack()
             )
         if item.finished:
             metrics.e2e.labels(model).observe(now - start)
             metrics.observe_finished(item.num_prompt_tokens, item.num_output_tokens,
                                      item.finish_reason)
+            metrics.requests(max_model_len).observe_finished(
+                arrival=item.arrival_time, first_scheduled=item.first_scheduled_time,
+                first_token=item.first_token_time, prompt_tokens=item.num_prompt_tokens,
+                output_tokens=item.num_output_tokens, cached_tokens=item.num_cached_tokens,
+                max_tokens=item.max_tokens)
             await resp.write(_finished(item))
             await resp.write_eof()
             return True

@@ -23,7 +23,7 @@ from services.gateway.auth import TENANT_KEY, cache_salt_for
 from services.gateway.errors import read_json_body
 from services.gateway.generation import ChoiceJob, Generation, GenerationFailed
 from services.gateway.models import ServedModel
-from services.gateway.prompts import Prompt, check_length, prepare_prompts
+from services.gateway.prompts import Prompt, check_length, check_logit_bias, prepare_prompts
 from services.gateway.responses import ResponseBuilder
 from services.gateway.sse import SSEWriter
 from services.gateway.state import MODEL_LABEL, STATE, GatewayState
@@ -64,11 +64,9 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
         request, state.config.max_body_bytes, state.config.body_read_timeout
     )
     parse = oa.parse_chat_request if kind == "chat" else oa.parse_completion_request
-    req = parse(body)
-    model = state.models.get(req.model)
+    req = parse(body, state.config.max_n)
+    model = state.models.resolve_optional(req.model, state.config.default_model)
     request[MODEL_LABEL] = model.name
-    if req.echo and req.params.logprobs is not None:
-        raise oa.OpenAIError("echo together with logprobs is not supported", param="echo")
     plan = await _plan(request, state, req, model, body)
     if span.is_recording():
         _trace_request(span, plan)
@@ -117,6 +115,7 @@ async def _plan(
     max_param = "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"
     for p in prompts:
         check_length(model, len(p.token_ids), req.params.max_tokens, prompt_param, max_param)
+    check_logit_bias(model, req.params.logit_bias)
     salt = cache_salt_for(request.get(TENANT_KEY), req.cache_salt)
     hasher = BlockHasher(model.name, model.block_size, salt)
     rid = oa.new_id("chatcmpl" if req.kind == "chat" else "cmpl")
@@ -158,10 +157,11 @@ def _builder(state: GatewayState, plan: _Plan) -> ResponseBuilder:
     return ResponseBuilder(
         req.kind,
         plan.rid,
-        req.model,
+        plan.model.name,
         {j.index: j.prompt_index for j in plan.jobs},
         want_logprobs=req.params.logprobs is not None,
         echo_texts=echo,
+        prompt_logprobs=req.params.prompt_logprobs is not None,
     )
 
 
@@ -216,7 +216,10 @@ async def _stream(
             await sse.send(chunk)
         try:
             async for delta in gen.deltas():
-                await sse.send(builder.chunk(delta))
+                chunk = builder.chunk(delta)
+                if plan.req.continuous_usage:  # vLLM's continuous_usage_stats
+                    chunk["usage"] = _usage(plan, gen)
+                await sse.send(chunk)
             if plan.req.include_usage:
                 await sse.send(builder.usage_chunk(_usage(plan, gen)))
         except (GenerationFailed, oa.OpenAIError) as exc:

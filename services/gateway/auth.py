@@ -1,9 +1,9 @@
 """Bearer API keys, and the per-tenant cache salt derived from them.
 
-No keys configured means the gateway is open. ``/health``, ``/ready``, ``/metrics`` and
-``/openapi.json`` are always open (probes, scrapers and schema tools carry no key). Keys are
-compared in constant time and never logged; only a one-way tenant id derived from a key ever
-leaves this module.
+No keys configured means the gateway is open. ``/health``, ``/ready``, ``/metrics`` (and
+``/metrics/engines``), ``/openapi.json`` and ``/version`` are always open (probes, scrapers and
+schema tools carry no key). Keys are compared in constant time and never logged; only a one-way
+tenant id derived from a key ever leaves this module.
 
 Cache isolation: the engine's prefix cache and the router's index key blocks by a hash chain
 seeded with ``cache_salt``. With keys configured every request's salt is scoped to its tenant
@@ -23,7 +23,9 @@ from aiohttp import web
 
 from services.protocol.openai import OpenAIError
 
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/openapi.json"})
+OPEN_PATHS = frozenset(
+    {"/health", "/ready", "/metrics", "/metrics/engines", "/openapi.json", "/version"}
+)
 _TENANT_DOMAIN = b"pagoda/tenant/v1\x00"
 
 

@@ -8,6 +8,7 @@ logprobs) after it are neither counted nor reported.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.protocol.engine_api import FinishedFrame, TokenLogprobs, TokensFrame
 from services.protocol.openai import TokenLogprob
@@ -26,6 +27,10 @@ class ChoiceDelta:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None  # set on the choice's last delta
     stop_reason: int | str | None = None
+    # With the first tokens, when prompt logprobs were asked for: one entry per prompt token
+    # (the first None), as the echo's logprobs and in vLLM's ``prompt_logprobs`` JSON shape.
+    echo_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
 @dataclass(slots=True)
@@ -43,6 +48,13 @@ class ChoiceDecoder:
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
         self._stops = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         self._want_logprobs = params.logprobs is not None
+        self._prompt_ids = prompt_ids
+        # As vLLM: a stop token (stop_token_ids, or EOS while it ends the request) is not
+        # part of the text unless include_stop_str_in_output.
+        stop_ids = set() if params.include_stop_str_in_output else set(params.stop_token_ids)
+        if not params.include_stop_str_in_output and not params.ignore_eos:
+            stop_ids.update(tokenizer.eos_token_ids)
+        self._stop_ids = frozenset(stop_ids)
         self.totals = ChoiceTotals()
         self.finished = False
 
@@ -54,11 +66,15 @@ class ChoiceDecoder:
         if frame.cached_tokens is not None:  # lets usage survive a stop-string close
             self.totals.cached_tokens = frame.cached_tokens
         delta = ChoiceDelta(self.index)
+        if frame.prompt_logprobs is not None:
+            self._add_prompt_logprobs(delta, frame.prompt_logprobs)
         lps = frame.logprobs if self._want_logprobs else None
         for i, tok in enumerate(frame.token_ids):
             self.totals.completion_tokens += 1
             if lps is not None and lps[i] is not None:
                 delta.logprobs.append(self._logprob(lps[i]))
+            if tok in self._stop_ids:  # the request's last token: the engine stops on it
+                continue
             text, stop = self._stops.feed(self._detok.push([tok]))
             delta.text += text
             if stop is not None:
@@ -76,6 +92,27 @@ class ChoiceDecoder:
             finish_reason=frame.finish_reason,
             stop_reason=frame.stop_reason,
         )
+
+    def _add_prompt_logprobs(
+        self, delta: ChoiceDelta, lps: list[TokenLogprobs | None]
+    ) -> None:
+        delta.echo_logprobs = [
+            TokenLogprob(self._token_text(tid), None, []) if lp is None else self._logprob(lp)
+            for tid, lp in zip(self._prompt_ids, lps, strict=True)
+        ]
+        delta.prompt_logprobs = [None if lp is None else self._logprob_map(lp) for lp in lps]
+
+    def _logprob_map(self, lp: TokenLogprobs) -> dict[str, Any]:
+        """vLLM's prompt_logprobs entry: token id -> logprob, rank and text, for the top-N and
+        the prompt's own token."""
+        out = {
+            str(t): {"logprob": v, "rank": r, "decoded_token": self._token_text(t)}
+            for r, (t, v) in enumerate(lp.top, start=1)
+        }
+        out[str(lp.token_id)] = {
+            "logprob": lp.logprob, "rank": lp.rank, "decoded_token": self._token_text(lp.token_id)
+        }
+        return out
 
     def _logprob(self, lp: TokenLogprobs) -> TokenLogprob:
         top = [(self._token_text(t), v) for t, v in lp.top]

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 from services.common import cli
 from services.common.cli import flag
+from services.protocol.openai import MAX_CHOICES, MAX_N
 
 API_KEYS_ENV = "PAGODA_API_KEYS"
 PROG = "python -m services.gateway"
@@ -69,6 +70,16 @@ class GatewayConfig:
         help="served model name and the HF directory of its tokenizer and chat template "
         "(repeatable; default: the default model)",
     )
+    default_model: str | None = flag(
+        None,
+        metavar="NAME",
+        help="served model used by requests that name none (default: the only --model; with "
+        "several, such requests get a 400)",
+    )
+    max_n: int = flag(
+        MAX_N, help=f"most samples (n) one prompt may ask for; prompts x n stays at most "
+        f"{MAX_CHOICES}"
+    )
     block_size: int = flag(
         16, help="tokens per KV block until the router's /engines reports a model's own"
     )
@@ -110,7 +121,9 @@ class GatewayConfig:
         names = [m.name for m in self.models]
         if len(names) != len(set(names)):
             raise ValueError(f"--model names must be unique, got {names}")
-        for name in ("block_size", "max_body_bytes"):
+        if self.default_model is not None and names and self.default_model not in names:
+            raise ValueError(f"--default-model must be one of the --model names {names}")
+        for name in ("block_size", "max_body_bytes", "max_n"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -175,7 +175,8 @@ class Generation:
         try:
             async for frame in stream.frames():
                 delta = decoder.on_frame(frame)
-                if delta.text or delta.logprobs or delta.finish_reason is not None:
+                if (delta.text or delta.logprobs or delta.finish_reason is not None
+                        or delta.prompt_logprobs is not None):
                     await self._queue.put(delta)
                 if decoder.finished:
                     return

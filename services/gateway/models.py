@@ -100,12 +100,21 @@ class ModelRegistry:
             )
         return model
 
-    def resolve_optional(self, name: object) -> ServedModel:
-        """For /tokenize and /detokenize, where ``model`` may be left out if only one is served."""
+    def resolve_optional(self, name: object, default: str | None = None) -> ServedModel:
+        """A request's model; left out, the ``default`` (``--default-model``) or the only
+        served one. With several models and no default it must be named."""
+        if name is None and default is not None:
+            return self.get(default)
         if name is None and len(self.models) == 1:
             return next(iter(self.models.values()))
+        if name is None:
+            raise OpenAIError(
+                "model is required: this gateway serves several models "
+                f"({', '.join(sorted(self.models))})",
+                param="model",
+            )
         if not isinstance(name, str) or not name:
-            raise OpenAIError("model is required and must be a string", param="model")
+            raise OpenAIError("model must be a non-empty string", param="model")
         return self.get(name)
 
     def live(self) -> list[ServedModel]:

@@ -57,7 +57,9 @@ _SAMPLING: dict[str, Any] = {
         "type": "integer",
         "minimum": 1,
         "nullable": True,
-        "description": "prompt + max_tokens must fit the model's context; null = up to it",
+        "description": "at most the model's context; past what the prompt leaves, generation "
+        "stops at the context (finish_reason length). Absent: 16 for completions, up to the "
+        "context for chat",
     },
     "min_tokens": {
         "type": "integer",
@@ -77,6 +79,20 @@ _SAMPLING: dict[str, Any] = {
         ],
     },
     "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+    "logit_bias": {
+        "type": "object",
+        "nullable": True,
+        "additionalProperties": {"type": "number"},
+        "description": "token id (a string of digits, below the vocabulary size) -> bias added "
+        "to its logit, clamped to [-100, 100]",
+    },
+    "prompt_logprobs": {
+        "type": "integer",
+        "minimum": 0,
+        "maximum": oa.MAX_COMPLETION_LOGPROBS,
+        "nullable": True,
+        "description": "vLLM's extension: logprobs of each prompt token (the first null)",
+    },
     "ignore_eos": {"type": "boolean", "default": False},
     "skip_special_tokens": {"type": "boolean", "default": True},
     "include_stop_str_in_output": {"type": "boolean", "default": False},
@@ -84,7 +100,10 @@ _SAMPLING: dict[str, Any] = {
     "stream_options": {
         "type": "object",
         "nullable": True,
-        "properties": {"include_usage": {"type": "boolean"}},
+        "properties": {
+            "include_usage": {"type": "boolean"},
+            "continuous_usage_stats": {"type": "boolean"},
+        },
         "description": "only allowed when stream is true",
     },
     "cache_salt": {
@@ -95,6 +114,8 @@ _SAMPLING: dict[str, Any] = {
     "user": {"type": "string"},
 }
 
+_MODEL_DOC = "left out: the --default-model, or the only served model"
+
 _TOKEN_IDS = {
     "type": "array",
     "minItems": 1,
@@ -104,9 +125,9 @@ _TOKEN_IDS = {
 
 _COMPLETION_REQUEST = {
     "type": "object",
-    "required": ["model", "prompt"],
+    "required": ["prompt"],
     "properties": {
-        "model": {"type": "string", "minLength": 1},
+        "model": {"type": "string", "minLength": 1, "description": _MODEL_DOC},
         "prompt": {
             "oneOf": [
                 {"type": "string", "minLength": 1},
@@ -120,7 +141,11 @@ _COMPLETION_REQUEST = {
                 {"type": "array", "minItems": 1, "maxItems": oa.MAX_PROMPTS, "items": _TOKEN_IDS},
             ]
         },
-        "echo": {"type": "boolean", "default": False, "description": "not with logprobs"},
+        "echo": {
+            "type": "boolean",
+            "default": False,
+            "description": "with logprobs, the prompt tokens' logprobs lead (the first null)",
+        },
         "logprobs": {
             "type": "integer",
             "minimum": 0,
@@ -159,9 +184,9 @@ _MESSAGE = {
 
 _CHAT_REQUEST = {
     "type": "object",
-    "required": ["model", "messages"],
+    "required": ["messages"],
     "properties": {
-        "model": {"type": "string", "minLength": 1},
+        "model": {"type": "string", "minLength": 1, "description": _MODEL_DOC},
         "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
         "max_completion_tokens": {"type": "integer", "minimum": 1, "nullable": True},
         "logprobs": {"type": "boolean", "default": False},
@@ -173,6 +198,12 @@ _CHAT_REQUEST = {
             "description": "requires logprobs: true",
         },
         "chat_template_kwargs": {"type": "object"},
+        "add_generation_prompt": {"type": "boolean", "default": True},
+        "continue_final_message": {
+            "type": "boolean",
+            "default": False,
+            "description": "not together with add_generation_prompt: true",
+        },
         **_SAMPLING,
     },
 }
@@ -187,6 +218,7 @@ _TOKENIZE_REQUEST = {
         "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
         "add_special_tokens": {"type": "boolean"},
         "add_generation_prompt": {"type": "boolean", "default": True},
+        "continue_final_message": {"type": "boolean", "default": False},
         "return_token_strs": {"type": "boolean", "default": False},
         "chat_template_kwargs": {"type": "object"},
     },
@@ -418,11 +450,41 @@ def openapi_document() -> dict[str, Any]:
                     },
                 }
             },
+            "/metrics/engines": {
+                "get": {
+                    **open_route,
+                    "summary": "Every live engine's Prometheus metrics, labelled engine_id",
+                    "responses": {
+                        "200": {
+                            "description": "text exposition format",
+                            "content": {"text/plain": {"schema": {"type": "string"}}},
+                        }
+                    },
+                }
+            },
             "/openapi.json": {
                 "get": {
                     **open_route,
                     "summary": "This document",
                     "responses": {"200": {"description": "the OpenAPI document"}},
+                }
+            },
+            "/version": {
+                "get": {
+                    **open_route,
+                    "summary": "The server's version (vLLM's shape)",
+                    "responses": {
+                        "200": {
+                            "description": "the version",
+                            **_json(
+                                {
+                                    "type": "object",
+                                    "required": ["version"],
+                                    "properties": {"version": {"type": "string"}},
+                                }
+                            ),
+                        }
+                    },
                 }
             },
         },

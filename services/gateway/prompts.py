@@ -102,6 +102,16 @@ def _check_vocab(model: ServedModel, ids: list[int]) -> None:
         )
 
 
+def check_logit_bias(model: ServedModel, bias: dict[int, float] | None) -> None:
+    vocab = model.tokenizer.vocab_size
+    if bias and max(bias) >= vocab:
+        raise OpenAIError(
+            f"logit_bias token id {max(bias)} is out of range for the vocabulary "
+            f"({vocab} tokens)",
+            param="logit_bias",
+        )
+
+
 def check_length(
     model: ServedModel,
     prompt_len: int,
@@ -109,8 +119,9 @@ def check_length(
     prompt_param: str,
     max_tokens_param: str,
 ) -> None:
-    """400 when the prompt leaves no room to generate, or prompt + max_tokens exceeds the
-    context. ``max_tokens=None`` means "up to the context" and is resolved by the engine."""
+    """400 when the prompt alone leaves no room to generate, or ``max_tokens`` is larger than
+    the whole context. A prompt + max_tokens past the context is served as vLLM does: the
+    engine generates up to the context and finishes with "length"."""
     if prompt_len == 0:
         raise OpenAIError("the prompt is empty after tokenization", param=prompt_param)
     limit = model.max_model_len
@@ -123,7 +134,7 @@ def check_length(
             param=prompt_param,
             code="context_length_exceeded",
         )
-    if max_tokens is not None and prompt_len + max_tokens > limit:
+    if max_tokens is not None and max_tokens > limit:
         raise OpenAIError(
             f"This model's maximum context length is {limit} tokens. However, you requested "
             f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for "

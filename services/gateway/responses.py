@@ -23,6 +23,9 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text_offset: int = 0  # completions: characters already sent, for logprobs' text_offset
+    echo_logprobs: list[oa.TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    echo_sent: bool = False  # streaming: the echoed prompt has gone out
 
 
 class ResponseBuilder:
@@ -34,11 +37,16 @@ class ResponseBuilder:
         choice_prompts: dict[int, int],
         want_logprobs: bool,
         echo_texts: list[str] | None = None,
+        prompt_logprobs: bool = False,
     ) -> None:
         self.kind = kind
         self.rid = rid
         self.model = model
         self._want_logprobs = want_logprobs
+        self._want_prompt_logprobs = prompt_logprobs
+        # Completions echo with logprobs: the prompt's logprobs lead the choice's logprobs, so
+        # a streamed echo waits for them (they come with the first tokens).
+        self._echo_waits = echo_texts is not None and want_logprobs
         self._choices = {
             i: _Choice(i, p, echo=echo_texts[p] if echo_texts else "")
             for i, p in sorted(choice_prompts.items())
@@ -48,6 +56,9 @@ class ResponseBuilder:
         c = self._choices[delta.index]
         c.text += delta.text
         c.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            c.prompt_logprobs = delta.prompt_logprobs
+            c.echo_logprobs = delta.echo_logprobs or []
         if delta.finish_reason is not None:
             c.finish_reason, c.stop_reason = delta.finish_reason, delta.stop_reason
 
@@ -65,19 +76,26 @@ class ResponseBuilder:
                 }
                 for c in self._choices.values()
             ]
-            return oa.chat_object(self.rid, self.model, choices, usage)
-        choices = [
-            {
+            body = oa.chat_object(self.rid, self.model, choices, usage)
+            if self._want_prompt_logprobs:  # vLLM: one list for the (one) prompt, top level
+                body["prompt_logprobs"] = next(iter(self._choices.values())).prompt_logprobs
+            return body
+        choices = []
+        for c in self._choices.values():
+            choice: dict[str, Any] = {
                 "index": c.index,
                 "text": c.echo + c.text,
                 "logprobs": (
-                    oa.completion_logprobs(c.logprobs, len(c.echo)) if self._want_logprobs else None
+                    # With echo, the prompt's own logprobs lead (and give the offsets).
+                    oa.completion_logprobs(c.echo_logprobs + c.logprobs)
+                    if self._want_logprobs else None
                 ),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             }
-            for c in self._choices.values()
-        ]
+            if self._want_prompt_logprobs:
+                choice["prompt_logprobs"] = c.prompt_logprobs
+            choices.append(choice)
         return oa.completion_object(self.rid, self.model, choices, usage)
 
     # -- stream chunks ----------------------------------------------------------------------
@@ -98,7 +116,8 @@ class ResponseBuilder:
             ]
         out = []
         for c in self._choices.values():
-            if c.echo:
+            if c.echo and not self._echo_waits:
+                c.echo_sent = True
                 out.append(
                     self._chunk(
                         {
@@ -123,18 +142,24 @@ class ResponseBuilder:
                 "logprobs": oa.chat_logprobs(delta.logprobs) if self._want_logprobs else None,
                 "finish_reason": delta.finish_reason,
             }
+            if delta.prompt_logprobs is not None and self._want_prompt_logprobs:
+                choice["prompt_logprobs"] = delta.prompt_logprobs
         else:
+            text, items = delta.text, delta.logprobs
+            if c.echo and not c.echo_sent:  # the echo, with its logprobs, leads this chunk
+                c.echo_sent = True
+                text, items = c.echo + text, (delta.echo_logprobs or []) + items
             choice = {
                 "index": delta.index,
-                "text": delta.text,
+                "text": text,
                 "logprobs": (
-                    oa.completion_logprobs(delta.logprobs, c.text_offset)
-                    if self._want_logprobs
-                    else None
+                    oa.completion_logprobs(items, c.text_offset) if self._want_logprobs else None
                 ),
                 "finish_reason": delta.finish_reason,
             }
-            c.text_offset += len(delta.text)
+            if delta.prompt_logprobs is not None and self._want_prompt_logprobs:
+                choice["prompt_logprobs"] = delta.prompt_logprobs
+            c.text_offset += len(text)
         if delta.finish_reason is not None:
             choice["stop_reason"] = delta.stop_reason
         return self._chunk(choice)

@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``POST /tokenize``, ``POST /detokenize``, ``GET /health`` (liveness), ``GET /ready`` (the router
-answers), ``GET /metrics``, ``GET /openapi.json``.
+answers), ``GET /metrics``, ``GET /metrics/engines`` (every live engine's metrics, federated),
+``GET /openapi.json``, ``GET /version``.
 
 Serve it with ``handler_cancellation=True`` (``__main__`` does): a client that disconnects then
 cancels its handler, which closes the engine streams, so the engines abort and free KV blocks
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -26,6 +28,7 @@ from services.common import tracing
 from services.gateway import api, tokenization
 from services.gateway.auth import ApiKeyAuth, auth_middleware
 from services.gateway.config import GatewayConfig
+from services.gateway.engine_metrics import engine_metrics
 from services.gateway.engine_watch import EngineWatch
 from services.gateway.errors import error_middleware
 from services.gateway.generation import Upstreams
@@ -51,6 +54,10 @@ def create_app(
     the caller then owns them (tests share one across apps)."""
     if not config.models:
         raise ValueError("at least one model is required (--model NAME=HF_DIR)")
+    if config.default_model is not None and config.default_model not in {
+        m.name for m in config.models
+    }:
+        raise ValueError(f"--default-model {config.default_model!r} is not a served --model")
     if tokenizers is not None:
         missing = {m.name for m in config.models} - set(tokenizers)
         if missing:
@@ -82,7 +89,9 @@ def create_app(
     app.router.add_get("/health", _health)
     app.router.add_get("/ready", _ready)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/metrics/engines", engine_metrics)
     app.router.add_get("/openapi.json", _openapi)
+    app.router.add_get("/version", _version)
     return app
 
 
@@ -210,6 +219,18 @@ async def _ready(request: web.Request) -> web.Response:
 async def _metrics(request: web.Request) -> web.Response:
     body, content_type = request.app[_METRICS].render()
     return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+async def _version(request: web.Request) -> web.Response:
+    """vLLM's ``GET /version``: the server's version."""
+    return web.json_response({"version": package_version()})
+
+
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("pagoda")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "0+unknown"
 
 
 async def _openapi(request: web.Request) -> web.Response:

@@ -24,27 +24,22 @@ _MAX_TOKENS = 1_000_000
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await _read_object(request)
-    model = state.models.resolve_optional(body.get("model"))
+    model = state.models.resolve_optional(body.get("model"), state.config.default_model)
     request[MODEL_LABEL] = model.name
     tok = model.tokenizer
     want_strs = _bool(body, "return_token_strs", False)
     if "messages" in body and body.get("prompt") is None:
         # Reuse the chat parser for the messages' validation; the sampling fields are moot.
-        chat = parse_chat_request({"model": model.name, "messages": body.get("messages")})
-        gen_prompt = _bool(body, "add_generation_prompt", True)
+        chat = parse_chat_request({
+            "model": model.name,
+            **{k: body.get(k) for k in ("messages", "add_generation_prompt",
+                                        "continue_final_message", "chat_template_kwargs")},
+        })
         special = _bool(body, "add_special_tokens", False)
-        kwargs = body.get("chat_template_kwargs")
-        kwargs = {} if kwargs is None else kwargs
-        if not isinstance(kwargs, dict):
-            raise OpenAIError(
-                "chat_template_kwargs must be an object", param="chat_template_kwargs"
-            )
-        kwargs = template_kwargs(kwargs)
+        kwargs = template_kwargs(chat.chat_template_kwargs)
 
         def run() -> list[int]:
-            text = tok.apply_chat_template(
-                chat.messages, **{**kwargs, "add_generation_prompt": gen_prompt}
-            )
+            text = tok.apply_chat_template(chat.messages, **kwargs)
             return tok.encode(text, add_special_tokens=special)
 
         param = "messages"
@@ -73,7 +68,7 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await _read_object(request)
-    model = state.models.resolve_optional(body.get("model"))
+    model = state.models.resolve_optional(body.get("model"), state.config.default_model)
     request[MODEL_LABEL] = model.name
     ids = body.get("tokens")
     vocab = model.tokenizer.vocab_size

@@ -72,7 +72,7 @@ class GenerateRequest:
             {
                 "request_id": self.request_id,
                 "prompt_token_ids": self.prompt_token_ids,
-                "params": asdict(self.params),
+                "params": _params_to_wire(self.params),
                 "cache_salt": self.cache_salt,
             }
         )
@@ -109,6 +109,13 @@ class AbortRequest:
         if not isinstance(obj, dict):
             raise BadRequest(f'body must be a JSON object {{"request_id": str}}, got {_kind(obj)}')
         return cls(_request_id(obj.get("request_id", _MISSING)))
+
+
+def _params_to_wire(params: SamplingParams) -> dict[str, Any]:
+    raw = asdict(params)
+    if params.logit_bias is not None:  # msgpack maps here have string keys only
+        raw["logit_bias"] = [[t, b] for t, b in params.logit_bias.items()]
+    return raw
 
 
 # -- field checks (each raises BadRequest naming its field) -----------------------------------
@@ -252,6 +259,8 @@ class TokensFrame:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None  # one per token when asked for
     cached_tokens: int | None = None
+    # First frame only, when params.prompt_logprobs is set: one per prompt token, the first None.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def to_msgpack(self) -> bytes:
         frame: dict[str, Any] = {"type": "tokens", "token_ids": self.token_ids, "logprobs": None}
@@ -259,6 +268,10 @@ class TokensFrame:
             frame["logprobs"] = [None if lp is None else lp.to_wire() for lp in self.logprobs]
         if self.cached_tokens is not None:
             frame["cached_tokens"] = self.cached_tokens
+        if self.prompt_logprobs is not None:
+            frame["prompt_logprobs"] = [
+                None if lp is None else lp.to_wire() for lp in self.prompt_logprobs
+            ]
         return msgpack.packb(frame)
 
     @classmethod
@@ -274,7 +287,12 @@ class TokensFrame:
         cached = raw.get("cached_tokens")
         if cached is not None and not _is_count(cached):
             raise MalformedFrame("malformed engine frame: cached_tokens")
-        return cls(ids, lps, cached)
+        prompt = raw.get("prompt_logprobs")
+        if prompt is not None:
+            if not isinstance(prompt, list):
+                raise MalformedFrame("malformed engine frame: prompt_logprobs")
+            prompt = [None if lp is None else TokenLogprobs.from_wire(lp) for lp in prompt]
+        return cls(ids, lps, cached, prompt)
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,12 +17,13 @@ from services.protocol.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, Sa
 
 # -- limits ---------------------------------------------------------------------------------
 # What one request may ask for. The 400s below and the gateway's /openapi.json both read these.
-MAX_N = 16  # samples per prompt
+MAX_N = 128  # samples per prompt: the default of the gateway's --max-n (vLLM accepts n=100)
 MAX_PROMPTS = 256  # prompts in one /v1/completions request
 MAX_CHOICES = 256  # prompts x n: the engine requests one client request may fan out to
 MAX_COMPLETION_LOGPROBS = 20  # /v1/completions ``logprobs``: vLLM's default max_logprobs
 MAX_TOP_LOGPROBS = MAX_LOGPROBS  # /v1/chat/completions ``top_logprobs`` (20, as OpenAI)
 MAX_STOP = MAX_STOP_STRINGS  # ``stop`` strings (64; what the engine's SamplingParams accepts)
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's and vLLM's)
 _MAX_SHOWN = 60  # characters of a bad value quoted back in an error message
 _MAX_MESSAGE = 500  # characters of an error message
 
@@ -87,7 +88,7 @@ _SAMPLING_FIELDS = {
     "include_stop_str_in_output": "boolean",
     "n": "integer",
 }
-_UNSUPPORTED = ("suffix", "logit_bias", "tools", "tool_choice", "functions", "response_format")
+_UNSUPPORTED = ("suffix", "tools", "tool_choice", "functions", "response_format")
 
 
 @dataclass(slots=True)
@@ -95,12 +96,13 @@ class GenerationRequest:
     """A validated completion or chat request: what to run and how to sample it."""
 
     kind: str  # "completion" | "chat"
-    model: str
+    model: str | None  # None: the gateway's default model (the only one, or --default-model)
     params: SamplingParams
     prompts: list[str | list[int]] = field(default_factory=list)  # completions
     messages: list[dict[str, Any]] = field(default_factory=list)  # chat
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk
     echo: bool = False
     top_logprobs: int | None = None  # chat: how many alternatives per token to report
     cache_salt: str | None = None
@@ -108,23 +110,27 @@ class GenerationRequest:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def parse_completion_request(body: Any) -> GenerationRequest:
+def parse_completion_request(body: Any, max_n: int = MAX_N) -> GenerationRequest:
     body = _require_object(body)
     model = _model(body)
     prompts = _prompts(body.get("prompt"))
     logprobs = _opt_int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
-    params = _sampling_params(body, _max_tokens(body, "max_tokens"), logprobs)
+    echo = _opt_bool(body, "echo", False)
+    max_tokens = _max_tokens(body, "max_tokens")
+    if max_tokens is None:
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
+    params = _sampling_params(body, max_tokens, logprobs, max_n, _prompt_logprobs(body, echo))
     return GenerationRequest(
         kind="completion",
         model=model,
         params=params,
         prompts=prompts,
-        echo=_opt_bool(body, "echo", False),
+        echo=echo,
         **_common(body),
     )
 
 
-def parse_chat_request(body: Any) -> GenerationRequest:
+def parse_chat_request(body: Any, max_n: int = MAX_N) -> GenerationRequest:
     body = _require_object(body)
     model = _model(body)
     messages = _messages(body.get("messages"))
@@ -135,18 +141,16 @@ def parse_chat_request(body: Any) -> GenerationRequest:
     max_tokens = _max_tokens(body, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = _max_tokens(body, "max_tokens")
-    params = _sampling_params(body, max_tokens, (top or 0) if want_logprobs else None)
-    kwargs = body.get("chat_template_kwargs")
-    kwargs = {} if kwargs is None else kwargs
-    if not isinstance(kwargs, dict):
-        raise OpenAIError("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    params = _sampling_params(
+        body, max_tokens, (top or 0) if want_logprobs else None, max_n, _prompt_logprobs(body)
+    )
     return GenerationRequest(
         kind="chat",
         model=model,
         params=params,
         messages=messages,
         top_logprobs=top if want_logprobs else None,
-        chat_template_kwargs=kwargs,
+        chat_template_kwargs=_template_kwargs(body),
         **_common(body),
     )
 
@@ -160,11 +164,42 @@ def _require_object(body: Any) -> dict[str, Any]:
     return body
 
 
-def _model(body: dict[str, Any]) -> str:
+def _model(body: dict[str, Any]) -> str | None:
     model = body.get("model")
+    if model is None:
+        return None  # the served model, when there is only one (or --default-model)
     if not isinstance(model, str) or not model:
-        raise OpenAIError("model is required and must be a string", param="model")
+        raise OpenAIError("model must be a non-empty string", param="model")
     return model
+
+
+def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """``chat_template_kwargs`` over the top-level ``add_generation_prompt`` and
+    ``continue_final_message`` (vLLM's precedence: the explicit kwargs win)."""
+    kwargs = body.get("chat_template_kwargs")
+    kwargs = {} if kwargs is None else kwargs
+    if not isinstance(kwargs, dict):
+        raise OpenAIError("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    merged = {
+        "add_generation_prompt": _opt_bool(body, "add_generation_prompt", True),
+        "continue_final_message": _opt_bool(body, "continue_final_message", False),
+        **kwargs,
+    }
+    if merged["add_generation_prompt"] is True and merged["continue_final_message"] is True:
+        raise OpenAIError(
+            "continue_final_message and add_generation_prompt cannot both be true",
+            param="continue_final_message",
+        )
+    return merged
+
+
+def _prompt_logprobs(body: dict[str, Any], echo: bool = False) -> int | None:
+    """vLLM's ``prompt_logprobs`` extension; completions' ``echo`` with ``logprobs`` asks for
+    as many per prompt token as per generated one."""
+    value = _opt_int(body, "prompt_logprobs", 0, MAX_COMPLETION_LOGPROBS)
+    if value is None and echo:
+        value = _opt_int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+    return value
 
 
 def _common(body: dict[str, Any]) -> dict[str, Any]:
@@ -173,6 +208,8 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
     if opts is not None and not isinstance(opts, dict):
         raise OpenAIError("stream_options must be an object", param="stream_options")
     include_usage = _opt_bool(opts or {}, "include_usage", False, "stream_options.include_usage")
+    continuous = _opt_bool(opts or {}, "continuous_usage_stats", False,
+                           "stream_options.continuous_usage_stats")
     if opts and not stream:
         raise OpenAIError("stream_options is only allowed when stream is true",
                           param="stream_options")
@@ -182,7 +219,8 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise OpenAIError("user must be a string", param="user")
-    return {"stream": stream, "include_usage": include_usage, "cache_salt": salt, "user": user}
+    return {"stream": stream, "include_usage": include_usage,
+            "continuous_usage": include_usage and continuous, "cache_salt": salt, "user": user}
 
 
 def _prompts(prompt: Any) -> list[str | list[int]]:
@@ -225,7 +263,10 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(m, dict):
             raise OpenAIError(f"messages[{i}] must be an object", param="messages")
         role = m.get("role")
-        if role not in ("system", "user", "assistant", "tool", "developer"):
+        if role == "developer":  # OpenAI's new name for the system role; templates know "system"
+            m = {**m, "role": "system"}
+            role = "system"
+        if role not in ("system", "user", "assistant", "tool"):
             raise OpenAIError(
                 f"messages[{i}].role must be one of system, user, assistant, tool, developer; "
                 f"got {_shown(role)}",
@@ -251,7 +292,7 @@ def _content_text(content: Any, i: int) -> str:
             if not isinstance(text, str):
                 raise OpenAIError(f"messages[{i}].content text must be a string", param="messages")
             parts.append(text)
-        return "".join(parts)
+        return "\n".join(parts)  # as vLLM joins text parts
     raise OpenAIError(f"messages[{i}].content must be a string or a list", param="messages")
 
 
@@ -308,9 +349,18 @@ def _shown(value: Any) -> str:
 
 
 def _sampling_params(
-    body: dict[str, Any], max_tokens: int | None, logprobs: int | None
+    body: dict[str, Any],
+    max_tokens: int | None,
+    logprobs: int | None,
+    max_n: int,
+    prompt_logprobs: int | None,
 ) -> SamplingParams:
-    kwargs: dict[str, Any] = {"max_tokens": max_tokens, "logprobs": logprobs}
+    kwargs: dict[str, Any] = {
+        "max_tokens": max_tokens,
+        "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
+        "logit_bias": parse_logit_bias(body.get("logit_bias")),
+    }
     for name, kind in _SAMPLING_FIELDS.items():
         value = body.get(name)
         if value is None:
@@ -322,12 +372,33 @@ def _sampling_params(
     stop = body.get("stop")
     if stop is not None:
         kwargs["stop"] = _stop(stop)
-    if kwargs.get("n", 1) > MAX_N:
-        raise OpenAIError(f"n must be at most {MAX_N}, got {kwargs['n']}", param="n")
+    if kwargs.get("n", 1) > max_n:
+        raise OpenAIError(f"n must be at most {max_n}, got {kwargs['n']}", param="n")
     try:
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as exc:
         raise OpenAIError(str(exc), param=_param_of(str(exc))) from None
+
+
+def parse_logit_bias(value: Any) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias``: a JSON object from token ids (as strings) to biases."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise OpenAIError("logit_bias must be an object of token id -> bias", param="logit_bias")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        token = key.strip() if isinstance(key, str) else ""
+        if not token.isdigit():
+            raise OpenAIError(
+                f"logit_bias keys must be token ids, got {_shown(key)}", param="logit_bias"
+            )
+        if not _JSON_TYPES["number"](bias):
+            raise OpenAIError(
+                f"logit_bias values must be numbers, got {_shown(bias)}", param="logit_bias"
+            )
+        out[int(token)] = bias
+    return out
 
 
 def _stop(stop: Any) -> list[str]:
@@ -343,7 +414,9 @@ def _stop(stop: Any) -> list[str]:
 
 def _param_of(message: str) -> str | None:
     first = message.split(" ", 1)[0]
-    known = set(_SAMPLING_FIELDS) | {"stop", "max_tokens", "logprobs"}
+    known = set(_SAMPLING_FIELDS) | {
+        "stop", "max_tokens", "logprobs", "prompt_logprobs", "logit_bias"
+    }
     return first if first in known else None
 
 
@@ -400,7 +473,7 @@ class TokenLogprob:
     """One generated token's logprob and its top alternatives, already decoded to text."""
 
     token: str
-    logprob: float
+    logprob: float | None  # None: the first prompt token of an echo (nothing predicts it)
     top: list[tuple[str, float]]
 
 
@@ -414,7 +487,11 @@ def completion_logprobs(items: list[TokenLogprob], text_offset: int = 0) -> dict
     return {
         "tokens": [it.token for it in items],
         "token_logprobs": [it.logprob for it in items],
-        "top_logprobs": [dict(it.top) for it in items],
+        # The chosen token is always among its alternatives, as vLLM (logprobs=0 included).
+        "top_logprobs": [
+            None if it.logprob is None else {it.token: it.logprob, **dict(it.top)}
+            for it in items
+        ],
         "text_offset": offsets,
     }
 

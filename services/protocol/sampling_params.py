@@ -19,6 +19,8 @@ MAX_STOP_STRINGS = 64
 # must be refused here: they would not even fit the engine wire format (msgpack, 64 bits).
 MAX_INT32 = 2**31 - 1
 MAX_STOP_TOKEN_IDS = 1024  # each is checked against every sampled token
+MAX_LOGIT_BIAS = 1024  # logit_bias entries (OpenAI documents 300)
+LOGIT_BIAS_LIMIT = 100.0  # biases are clamped to [-100, 100], as OpenAI and vLLM
 # As vLLM: 0 < T < this is raised to it. Smaller T overflows logits / T to inf in float32
 # (and inf - inf = nan) while sampling at T = 0.01 is already greedy for practical purposes.
 MIN_TEMPERATURE = 1e-2
@@ -45,6 +47,12 @@ class SamplingParams:
     max_tokens: int | None = 16  # None = up to the context length
     min_tokens: int = 0
     logprobs: int | None = None  # top-N per generated token; 0 = only the chosen token's
+    # top-N per prompt token (vLLM's extension; the first prompt token has none). Costs the
+    # prompt's logits and skips the prefix cache for this request.
+    prompt_logprobs: int | None = None
+    # token id -> added to its logit before sampling; a list of [id, bias] pairs is accepted
+    # (the msgpack wire form: its maps have string keys only).
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -52,6 +60,7 @@ class SamplingParams:
         self._check_counts()
         self._check_floats()
         self._check_stops()
+        self._check_logit_bias()
         self._check_flags()
         self._normalise()
 
@@ -71,6 +80,8 @@ class SamplingParams:
                 )
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS)
         if self.seed is not None:
             _check_int("seed", self.seed, lo=SEED_MIN, hi=SEED_MAX)
 
@@ -106,6 +117,25 @@ class SamplingParams:
         for t in ids:
             _check_int("stop_token_ids entry", t, lo=0, hi=MAX_INT32)
         self.stop_token_ids = ids
+
+    def _check_logit_bias(self) -> None:
+        raw = self.logit_bias
+        if raw is None:
+            return
+        items = raw.items() if isinstance(raw, dict) else _as_list("logit_bias", raw, "a map")
+        bias: dict[int, float] = {}
+        for item in items:
+            if not isinstance(item, (list, tuple)) or len(item) != 2:
+                raise ValueError(f"logit_bias entries must be [token_id, bias] pairs, got {item!r}")
+            token, value = item
+            _check_int("logit_bias token id", token, lo=0, hi=MAX_INT32)
+            value = _check_float("logit_bias value", value, -math.inf, math.inf)
+            bias[token] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, value))
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"logit_bias must have at most {MAX_LOGIT_BIAS} entries, got {len(bias)}"
+            )
+        self.logit_bias = bias or None
 
     def _check_flags(self) -> None:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):

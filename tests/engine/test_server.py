@@ -284,7 +284,7 @@ def test_client_errors_are_400_naming_the_param(tiny_model_dir) -> None:
             cases = [
                 (small([1, 256]), "prompt_token_ids"),  # past the vocabulary
                 (small([5] * 64), "prompt_token_ids"),  # fills the context
-                (small([5] * 10, max_tokens=60), "max_tokens"),  # past the context
+                (small([5] * 10, max_tokens=65), "max_tokens"),  # more than the context
                 (  # refused by the parser
                     msgpack.packb(
                         {"request_id": "r", "prompt_token_ids": [5], "params": {"top_k": -5}}

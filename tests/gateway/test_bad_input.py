@@ -149,7 +149,7 @@ def test_invalid_json_is_400(http: requests.Session, pagoda: PagodaStack, data: 
         ("/v1/completions", {"prompt": [1, "two"]}, "prompt"),
         ("/v1/completions", {"prompt": [-1]}, "prompt"),
         ("/v1/completions", {"model": 3}, "model"),
-        ("/v1/completions", {"model": None}, "model"),
+        ("/v1/completions", {"model": ""}, "model"),  # null: the served model
         ("/v1/chat/completions", {"messages": "hello"}, "messages"),
         ("/v1/chat/completions", {"messages": ["hello"]}, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages"),
@@ -192,7 +192,7 @@ def test_max_tokens_out_of_range_is_400(
         assert err["message"].startswith(f"{name} must be a positive integer"), err
 
 
-@pytest.mark.parametrize("value", [CONTEXT, 10**6, 10**30])
+@pytest.mark.parametrize("value", [CONTEXT + 1, 10**6, 10**30])
 def test_max_tokens_past_the_context_is_400_like_vllm(
     http: requests.Session, pagoda: PagodaStack, value: int
 ) -> None:

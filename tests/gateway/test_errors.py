@@ -30,7 +30,7 @@ def assert_error_shape(body: dict) -> dict:
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"n": 0}, "n"),
-        ({"n": 99}, "n"),
+        ({"n": 129}, "n"),  # past --max-n (128)
         ({"max_tokens": 0}, "max_tokens"),
         ({"stop": 5}, "stop"),
         ({"logprobs": 21}, "logprobs"),
@@ -40,7 +40,11 @@ def assert_error_shape(body: dict) -> dict:
         ({"prompt": [[1, 2], "x"]}, "prompt"),
         ({"prompt": [10**9]}, "prompt"),
         ({"model": 3}, "model"),
-        ({"echo": True, "logprobs": 1}, "echo"),
+        ({"echo": "yes"}, "echo"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": "x"}}, "logit_bias"),
+        ({"logit_bias": {"49152": 1}}, "logit_bias"),  # past the vocabulary
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
         ({"seed": 2**64 - 1, "n": 2}, "seed"),
         ({"prompt": ["a"] * 20, "n": 16}, "n"),
     ],
@@ -121,24 +125,30 @@ async def test_context_length_checks(make_stack: StackFactory) -> None:
     with pytest.raises(openai.BadRequestError) as exc:
         await client.completions.create(model=MODEL, prompt=long_prompt)
     assert exc.value.param == "prompt" and exc.value.code == "context_length_exceeded"
+    # Only max_tokens past the whole context is refused (vLLM 0.32's rule).
     with pytest.raises(openai.BadRequestError) as exc:
-        await client.completions.create(model=MODEL, prompt="word " * 30, max_tokens=50)
+        await client.completions.create(model=MODEL, prompt="word " * 30, max_tokens=65)
     assert exc.value.param == "max_tokens"
     with pytest.raises(openai.BadRequestError) as exc:
         await client.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": "hi"}],
-            max_completion_tokens=60,
+            max_completion_tokens=65,
         )
     assert exc.value.param == "max_completion_tokens"
+    # prompt + max_tokens past the context goes to the engine, which stops at the context.
+    stack.engines["e1"].behaviour.script = [42]
+    await client.completions.create(model=MODEL, prompt="word " * 30, max_tokens=50)
+    assert stack.engines["e1"].requests[-1].params.max_tokens == 50
     with pytest.raises(openai.BadRequestError) as exc:
         await client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": long_prompt}]
         )
     assert exc.value.param == "messages"
     # Fits: 30-ish prompt tokens, up to the context (max_tokens absent -> None).
-    stack.engines["e1"].behaviour.script = [42]
-    await client.completions.create(model=MODEL, prompt="word " * 30)
+    await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "word " * 30}]
+    )
     assert stack.engines["e1"].requests[-1].params.max_tokens is None
 
 

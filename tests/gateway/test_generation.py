@@ -45,11 +45,17 @@ async def test_completion_json(stack: Stack) -> None:
     assert (req.params.n, req.params.max_tokens, req.params.temperature) == (1, 64, 0.0)
 
 
-async def test_max_tokens_absent_means_up_to_the_context(stack: Stack) -> None:
+async def test_max_tokens_absent_means_16_for_completions_and_the_context_for_chat(
+    stack: Stack,
+) -> None:
     script(stack, FOX)
     out = await stack.client().completions.create(model=MODEL, prompt="hi")
     assert out.choices[0].text == FOX
-    assert stack.engines["e1"].requests[0].params.max_tokens is None
+    assert stack.engines["e1"].requests[0].params.max_tokens == 16  # OpenAI's and vLLM's
+    await stack.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}]
+    )
+    assert stack.engines["e1"].requests[1].params.max_tokens is None
 
 
 async def test_length_finish(stack: Stack) -> None:

@@ -13,7 +13,8 @@ from tests.security.conftest import KEY_A, KEY_B, Reply, complete, http
 from tests.support.stack import PagodaStack
 
 # Open by design: liveness/readiness probes and Prometheus carry no key, schema tools neither.
-OPEN = [("GET", "/health"), ("GET", "/ready"), ("GET", "/metrics"), ("GET", "/openapi.json")]
+OPEN = [("GET", "/health"), ("GET", "/ready"), ("GET", "/metrics"), ("GET", "/metrics/engines"),
+        ("GET", "/openapi.json"), ("GET", "/version")]
 PROTECTED = [
     ("GET", "/v1/models"),
     ("POST", "/v1/completions"),

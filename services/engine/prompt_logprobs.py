@@ -1,0 +1,99 @@
+"""vLLM's ``prompt_logprobs``: each prompt token's logprob given the tokens before it, with the
+top-N alternatives (the first prompt token has none: ``None``).
+
+Only requests that ask pay for it. The hidden state at position ``j`` predicts token ``j + 1``,
+so after a step's forward pass the rows of such a request's new prompt positions go through
+the LM head (in slices, to bound the memory of ``rows x vocab`` logits) and are scored against
+the prompt tokens that follow them. A chunked prefill collects them chunk by chunk. Those
+requests do not read the prefix cache until their prompt is scored (a cached prefix has no
+hidden states), as vLLM; after a preemption the positions already scored are not scored again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from services.protocol.engine_api import TokenLogprobs
+
+if TYPE_CHECKING:  # the scheduler imports this module
+    from services.engine.request import Request
+    from services.engine.scheduler import ScheduledRequest
+
+_ROWS_PER_SLICE = 256  # logits rows at once: 256 x 152k vocabulary x 4 bytes = 155 MB
+
+
+@dataclass(slots=True)
+class _Span:
+    """One request's rows of this step: hidden rows [row, row + count) score prompt tokens
+    [first + 1, first + 1 + count)."""
+
+    scheduled: ScheduledRequest
+    row: int
+    first: int
+    count: int
+
+
+def reads_prefix_cache(request: Request) -> bool:
+    """False while a prompt_logprobs request still has prompt positions to score."""
+    pending = request.params.prompt_logprobs is not None
+    return not pending or len(request.prompt_logprobs) >= request.num_prompt_tokens
+
+
+def collect(
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    scheduled: Sequence[ScheduledRequest],
+    query_lens: Sequence[int],
+) -> list[tuple[Request, list[TokenLogprobs]]]:
+    """Scores this step's new prompt positions of the requests that asked: (request, entries
+    in prompt order, to append to ``request.prompt_logprobs``) for each."""
+    spans = _spans(scheduled, query_lens)
+    out = []
+    for span in spans:
+        req = span.scheduled.request
+        targets = req.prompt_token_ids[span.first + 1 : span.first + 1 + span.count]
+        entries: list[TokenLogprobs] = []
+        for lo in range(0, span.count, _ROWS_PER_SLICE):
+            n = min(_ROWS_PER_SLICE, span.count - lo)
+            rows = hidden[span.row + lo : span.row + lo + n]
+            entries.extend(_score(compute_logits(rows), targets[lo : lo + n],
+                                  req.params.prompt_logprobs))
+        out.append((req, entries))
+    return out
+
+
+def _spans(scheduled: Sequence[ScheduledRequest], query_lens: Sequence[int]) -> list[_Span]:
+    spans, row = [], 0
+    for s, q in zip(scheduled, query_lens, strict=True):
+        req = s.request
+        if req.params.prompt_logprobs is not None:
+            # Positions j score prompt token j + 1: j <= prompt_len - 2, and not scored yet.
+            start = max(req.num_computed_tokens, len(req.prompt_logprobs) - 1)
+            end = min(req.num_computed_tokens + q, req.num_prompt_tokens - 1)
+            if end > start:
+                spans.append(_Span(s, row + start - req.num_computed_tokens, start, end - start))
+        row += q
+    return spans
+
+
+def _score(logits: torch.Tensor, targets: Sequence[int], top_n: int) -> list[TokenLogprobs]:
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    target = torch.tensor(targets, dtype=torch.long, device=logprobs.device).unsqueeze(1)
+    chosen = logprobs.gather(1, target)
+    ranks = (logprobs >= chosen).sum(-1)
+    top_lp, top_ids = logprobs.topk(min(top_n, logprobs.shape[1]), dim=-1)
+    return [
+        TokenLogprobs(t, lp, rank, list(zip(ids, lps, strict=True)))
+        for t, lp, rank, ids, lps in zip(
+            targets,
+            chosen.squeeze(1).tolist(),
+            ranks.tolist(),
+            top_ids.tolist(),
+            top_lp.tolist(),
+            strict=True,
+        )
+    ]
