@@ -222,6 +222,10 @@ class LLMEngine:
             num_preemptions=req.num_preemptions,
         )
 
+    def close(self) -> None:
+        """Releases what outlives the object: a tensor-parallel engine's worker processes."""
+        self.runner.close()
+
     # -- observability ----------------------------------------------------------------------
 
     def take_kv_events(self) -> list[KVEvent]:

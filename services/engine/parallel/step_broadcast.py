@@ -1,0 +1,103 @@
+"""One step's batch, as the model ranks need it, and its broadcast from rank 0 to the others.
+
+A step travels as one int64 tensor (sizes, token ids, lengths, logits rows, block tables),
+preceded by a two-number header (kind, length): two small gloo broadcasts on the step group.
+The workers rebuild positions, KV slots and the attention metadata from it exactly as rank 0
+does, so every rank runs the same shapes and meets the same collectives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from services.engine.parallel.group import TPGroup
+
+_STEP, _STOP = 1, 0
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """A step's flattened inputs; ``rows``: the requests (indices) whose last new token gets
+    logits, in order."""
+
+    input_ids: list[int]
+    block_tables: list[list[int]]
+    seq_lens: list[int]
+    query_lens: list[int]
+    rows: list[int]
+
+
+def encode(batch: StepBatch) -> np.ndarray:
+    num_seqs = len(batch.seq_lens)
+    table_lens = [len(t) for t in batch.block_tables]
+    width = max(table_lens, default=0)
+    tables = np.zeros((num_seqs, width), dtype=np.int64)
+    for i, t in enumerate(batch.block_tables):
+        tables[i, : len(t)] = t
+    sizes = [len(batch.input_ids), num_seqs, width, len(batch.rows)]
+    return np.concatenate(
+        [
+            np.asarray(sizes, dtype=np.int64),
+            np.asarray(batch.input_ids, dtype=np.int64),
+            np.asarray(batch.seq_lens, dtype=np.int64),
+            np.asarray(batch.query_lens, dtype=np.int64),
+            np.asarray(batch.rows, dtype=np.int64),
+            np.asarray(table_lens, dtype=np.int64),
+            tables.reshape(-1),
+        ]
+    )
+
+
+def decode(data: np.ndarray) -> StepBatch:
+    num_tokens, num_seqs, width, num_rows = (int(v) for v in data[:4])
+    at = 4
+
+    def take(n: int) -> np.ndarray:
+        nonlocal at
+        at += n
+        return data[at - n : at]
+
+    input_ids, seq_lens, query_lens = take(num_tokens), take(num_seqs), take(num_seqs)
+    rows, table_lens = take(num_rows), take(num_seqs)
+    tables = take(num_seqs * width).reshape(num_seqs, width)
+    return StepBatch(
+        input_ids=input_ids.tolist(),
+        block_tables=[tables[i, :n].tolist() for i, n in enumerate(table_lens.tolist())],
+        seq_lens=seq_lens.tolist(),
+        query_lens=query_lens.tolist(),
+        rows=rows.tolist(),
+    )
+
+
+def send_step(tp: TPGroup, batch: StepBatch) -> None:
+    """Rank 0: hands ``batch`` to every worker."""
+    payload = torch.from_numpy(encode(batch))
+    _send(tp, _STEP, payload)
+
+
+def send_stop(tp: TPGroup) -> None:
+    """Rank 0: tells the workers to leave their loop."""
+    _send(tp, _STOP, None)
+
+
+def receive_step(tp: TPGroup) -> StepBatch | None:
+    """A worker: waits (as long as it takes) for the next step; None means stop."""
+    header = torch.empty(2, dtype=torch.int64)
+    dist.broadcast(header, 0, group=tp.step_group)
+    kind, length = header.tolist()
+    if kind == _STOP:
+        return None
+    payload = torch.empty(length, dtype=torch.int64)
+    dist.broadcast(payload, 0, group=tp.step_group)
+    return decode(payload.numpy())
+
+
+def _send(tp: TPGroup, kind: int, payload: torch.Tensor | None) -> None:
+    length = 0 if payload is None else payload.numel()
+    dist.broadcast(torch.tensor([kind, length], dtype=torch.int64), 0, group=tp.step_group)
+    if payload is not None:
+        dist.broadcast(payload, 0, group=tp.step_group)
