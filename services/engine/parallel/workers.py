@@ -119,7 +119,7 @@ class WorkerGroup:
         if self._closing.is_set():
             return
         proc = by_sentinel[ended[0]]
-        proc.join(0)
+        proc.join(1.0)  # the sentinel closes a moment before the exit status is there
         self.abort(f"tensor-parallel worker {proc.name} (pid {proc.pid}) exited with code "
                    f"{proc.exitcode}")
 
