@@ -184,7 +184,9 @@ class ModelRunner:
         start = time.perf_counter()
         self._warm_up_gpu(width * self.block_size)
         # The torch backend plans on the host from the step's lengths: it cannot be captured.
-        if not c.enforce_eager and self.attn_backend.name == "triton":
+        # Tensor-parallel ranks run eager: their steps hold NCCL collectives, whose capture
+        # into graphs has not been tried on a multi-GPU machine yet.
+        if not c.enforce_eager and self.attn_backend.name == "triton" and self.tp.size == 1:
             from services.engine.kernels.paged_attention import decode_num_splits
 
             kv_heads, longest = self.num_kv_heads, width * self.block_size
