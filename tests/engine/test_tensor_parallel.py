@@ -223,6 +223,16 @@ def test_server_serves_and_stops_cleanly_over_two_ranks(tiny_model_dir) -> None:
         assert "exits (status" not in proc.log_text()
 
 
+def test_workers_die_with_their_engine(tiny_model_dir) -> None:
+    with _server(tiny_model_dir("LlamaForCausalLM")) as proc:
+        worker = _worker_pid(proc)
+        proc.kill()  # SIGKILL: no handler runs; the kernel ends the worker (PR_SET_PDEATHSIG)
+        deadline = time.monotonic() + 5
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(worker)
+
+
 def test_a_dead_worker_ends_the_engine_within_seconds(tiny_model_dir) -> None:
     with _server(tiny_model_dir("LlamaForCausalLM")) as proc:
         os.kill(_worker_pid(proc), signal.SIGKILL)
