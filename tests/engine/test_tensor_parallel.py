@@ -138,6 +138,23 @@ def test_a_rank_reads_only_its_slices(tiny_model_dir, monkeypatch) -> None:
     assert torch.equal(shard["lm_head.weight"], full["lm_head.weight"][128:])
 
 
+def test_each_rank_takes_its_share_of_the_cores(monkeypatch) -> None:
+    from services.engine import cpu_threads
+
+    previous = torch.get_num_threads()
+    monkeypatch.setattr(cpu_threads, "usable_cpus", lambda: 8)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        assert cpu_threads.configure(None, ranks=2) == 4
+        assert cpu_threads.configure(None, ranks=3) == 2
+        assert cpu_threads.configure(None, ranks=16) == 1
+        assert cpu_threads.configure(3, ranks=2) == 3  # an explicit count is per rank
+        monkeypatch.setenv("OMP_NUM_THREADS", "6")
+        assert cpu_threads.configure(None, ranks=2) == 3
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_step_batch_round_trip() -> None:
     for step in STEPS:
         assert decode(encode(step)) == step
