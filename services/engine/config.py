@@ -49,8 +49,14 @@ class EngineConfig:
     hash_algorithm: str = flag("xxh3_128", help="xxh3_128 or sha256: the prefix-cache block hash")
     cpu_threads: int | None = flag(
         None,
-        help="threads for the CPU math (default: $OMP_NUM_THREADS, else every core this "
-        "process may use: its affinity, capped by a cgroup CPU quota)",
+        help="threads for the CPU math, per rank (default: $OMP_NUM_THREADS, else every core "
+        "this process may use: its affinity, capped by a cgroup CPU quota; divided among the "
+        "tensor-parallel ranks)",
+    )
+    tensor_parallel_size: int = flag(
+        1,
+        help="model ranks (GPUs) the model is split over, Megatron style: one process each, "
+        "over NCCL on GPUs (gloo on the CPU)",
     )
 
     def __post_init__(self) -> None:
@@ -58,7 +64,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
+                     "tensor_parallel_size"):
             _require_positive(name, getattr(self, name))
         for name in ("num_blocks", "kv_cache_memory", "max_model_len", "cpu_threads"):
             if getattr(self, name) is not None:

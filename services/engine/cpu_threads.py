@@ -49,11 +49,12 @@ def _cgroup_quota() -> float | None:
     return None
 
 
-def configure(threads: int | None) -> int:
+def configure(threads: int | None, ranks: int = 1) -> int:
     """Sets torch's intra-op threads (which the oneDNN GEMMs and the C++ kernels use) to
-    ``threads``; by default ``$OMP_NUM_THREADS`` when set, else every usable core. Returns the
-    count."""
-    n = threads or _omp_num_threads() or usable_cpus()
+    ``threads``; by default ``$OMP_NUM_THREADS`` when set, else every usable core, shared out
+    among the ``ranks`` model processes of a tensor-parallel engine (each gets its share, so
+    they do not oversubscribe the cores). Returns the count."""
+    n = threads or max(1, (_omp_num_threads() or usable_cpus()) // ranks)
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
     logger.info("CPU threads: %d (usable cores: %d)", n, usable_cpus())

@@ -237,6 +237,10 @@ class LLMEngine:
             max_tokens=req.params.max_tokens or 0,
         )
 
+    def close(self) -> None:
+        """Releases what outlives the object: a tensor-parallel engine's worker processes."""
+        self.runner.close()
+
     # -- observability ----------------------------------------------------------------------
 
     def take_kv_events(self) -> list[KVEvent]:

@@ -147,10 +147,15 @@ class EngineThread:
         finally:
             self.loaded.set()
         logger.info("engine ready: model=%s", self.engine.model_name)
-        while not self._stop.is_set():
-            self._drain_commands(block=not self.engine.has_unfinished_requests())
-            if self.engine.has_unfinished_requests():
-                self._step()
+        try:
+            while not self._stop.is_set():
+                self._drain_commands(block=not self.engine.has_unfinished_requests())
+                if self.engine.has_unfinished_requests():
+                    self._step()
+        finally:
+            # Before this thread ends: tensor-parallel workers die with the thread that
+            # started them, and an unannounced death reads as a failure.
+            self.engine.close()
 
     def _drain_commands(self, block: bool) -> None:
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,6 +25,10 @@ from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from services.engine.models.loader import load_model
 from services.engine.models.onednn import ROW_BUCKETS
+from services.engine.parallel.group import SINGLE, TPGroup, building
+from services.engine.parallel.partition import local_kv_heads
+from services.engine.parallel.step_broadcast import StepBatch, send_step
+from services.engine.parallel.workers import WorkerGroup, rank_config
 from services.engine.sampler import Sampler, SamplerOutput, SamplingRequest
 from services.engine.scheduler import SchedulerOutput
 from services.engine.step_buffers import StagedStep, StepBuffers
@@ -46,17 +51,36 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path: str) -> None:
+    def __init__(self, config: EngineConfig, model_path: str, tp: TPGroup | None = None) -> None:
+        """``tp``: this rank's group in a tensor-parallel worker. Without it, a runner with
+        ``tensor_parallel_size`` > 1 is rank 0: it starts the other ranks (``parallel.workers``)
+        and sends them every step; only rank 0 samples."""
+        self.workers: WorkerGroup | None = None
+        if tp is None and config.tensor_parallel_size > 1:
+            self.workers = WorkerGroup(config, model_path)
+            tp, config = self.workers.tp, rank_config(config, 0)
+        self.tp = tp or SINGLE
+        try:
+            self._load(config, model_path)
+        except BaseException:
+            if self.workers is not None:  # they wait in a collective rank 0 will never join
+                self.workers.kill()
+            raise
+
+    def _load(self, config: EngineConfig, model_path: str) -> None:
         self.config = config
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()
         if self.device.type == "cpu":
-            cpu_threads.configure(config.cpu_threads)  # once, before the first GEMM
+            # once, before the first GEMM; each rank takes its share of the cores
+            cpu_threads.configure(config.cpu_threads, config.tensor_parallel_size)
         self.attn_backend = get_attention_backend(self.device, config.attention_backend)
-        self.model = load_model(model_path, self.dtype, self.device, self.attn_backend)
+        with building(self.tp):
+            self.model = load_model(model_path, self.dtype, self.device, self.attn_backend)
         if self.device.type == "cpu":
             self.model.pack_weights()  # oneDNN's layout, once (see models.onednn)
         self.model_config = self.model.config
+        self.num_kv_heads = local_kv_heads(self.model_config, self.tp.size)  # this rank's
         self.block_size = config.block_size
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
@@ -68,21 +92,33 @@ class ModelRunner:
         else:
             self._prepare_gpu()
         logger.info(
-            "model loaded: arch=%s dtype=%s device=%s backend=%s kv_blocks=%d (%d tokens)",
+            "model loaded: arch=%s dtype=%s device=%s backend=%s kv_blocks=%d (%d tokens) "
+            "tp_rank=%d/%d",
             self.model_config.architecture,
             self.dtype,
             self.device,
             self.attn_backend.name,
             self.num_blocks,
             self.num_blocks * self.block_size,
+            self.tp.rank,
+            self.tp.size,
         )
+
+    def close(self) -> None:
+        """Stops a tensor-parallel engine's workers (a no-op without them)."""
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
 
     # -- KV cache ---------------------------------------------------------------------------
 
     def _decide_num_blocks(self) -> int:
         if self.config.num_blocks is not None:
             return self.config.num_blocks
-        bytes_per_block = self.model_config.kv_bytes_per_token(self.dtype) * self.block_size
+        # Per rank: each holds its own KV heads of every block.
+        mc = self.model_config
+        per_token = mc.kv_bytes_per_token(self.dtype) // mc.num_kv_heads * self.num_kv_heads
+        bytes_per_block = per_token * self.block_size
         budget = self.config.kv_cache_memory
         if budget is None:
             budget = self._default_kv_budget()
@@ -91,7 +127,7 @@ class ModelRunner:
             raise ValueError(
                 f"kv_cache_memory={budget} bytes holds no block of {bytes_per_block} bytes"
             )
-        return int(num_blocks)
+        return self.tp.min_over_ranks(int(num_blocks))  # one pool size that fits every rank
 
     def _default_kv_budget(self) -> int:
         if self.device.type != "cuda":
@@ -103,15 +139,16 @@ class ModelRunner:
         mc = self.model_config
         caches = [
             self.attn_backend.allocate_kv_cache(
-                num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
+                num_blocks, self.block_size, self.num_kv_heads, mc.head_dim, self.dtype,
+                self.device
             )
             for _ in range(mc.num_layers)
         ]
         # The caches' half of the attention contract, once (no layer checks it again).
         check_kv_caches(
             caches,
-            num_heads=mc.num_heads,
-            num_kv_heads=mc.num_kv_heads,
+            num_heads=mc.num_heads // self.tp.size,
+            num_kv_heads=self.num_kv_heads,
             head_dim=mc.head_dim,
             dtype=self.dtype,
         )
@@ -150,10 +187,12 @@ class ModelRunner:
         start = time.perf_counter()
         self._warm_up_gpu(width * self.block_size)
         # The torch backend plans on the host from the step's lengths: it cannot be captured.
-        if not c.enforce_eager and self.attn_backend.name == "triton":
+        # Tensor-parallel ranks run eager: their steps hold NCCL collectives, whose capture
+        # into graphs has not been tried on a multi-GPU machine yet.
+        if not c.enforce_eager and self.attn_backend.name == "triton" and self.tp.size == 1:
             from services.engine.kernels.paged_attention import decode_num_splits
 
-            kv_heads, longest = self.model_config.num_kv_heads, width * self.block_size
+            kv_heads, longest = self.num_kv_heads, width * self.block_size
             self.graphs = DecodeGraphs(
                 lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
                 self.buffers,
@@ -185,39 +224,32 @@ class ModelRunner:
             staged = self.buffers.stage([0] * sum(q_lens), tables, seq_lens, q_lens, ends)
             hidden = self._run(staged).index_select(0, staged.logits_rows)
             logits = self.model.compute_logits(hidden)
-            self.sampler(logits[:1], [greedy])
-            self.sampler(logits[:1], [sampled])
+            if logits is not None:  # rank 0 samples; the other ranks only join the gather
+                self.sampler(logits[:1], [greedy])
+                self.sampler(logits[:1], [sampled])
         torch.cuda.synchronize()
 
     # -- one step ---------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
-        input_ids: list[int] = []
-        seq_lens: list[int] = []
-        query_lens: list[int] = []
-        block_tables: list[list[int]] = []
+        batch = StepBatch([], [], [], [], [], [])
         for s in sched.scheduled:
             start = s.request.num_computed_tokens
-            input_ids.extend(s.request.token_ids[start : start + s.num_new_tokens])
-            seq_lens.append(start + s.num_new_tokens)
-            query_lens.append(s.num_new_tokens)
-            block_tables.append(s.block_table)
+            batch.input_ids.extend(s.request.token_ids[start : start + s.num_new_tokens])
+            batch.seq_lens.append(start + s.num_new_tokens)
+            batch.query_lens.append(s.num_new_tokens)
+            batch.block_tables.append(s.block_table)
         # Logits only where a token is sampled: the last new token of completed sequences.
-        rows = [i for i, s in enumerate(sched.scheduled) if s.completes_sequence]
-        if self.buffers is None:
-            hidden, last = self._forward_cpu(input_ids, block_tables, seq_lens, query_lens, rows)
-        else:
-            hidden, last = self._forward_gpu(input_ids, block_tables, seq_lens, query_lens, rows)
-        scored = []  # hidden holds every new token's row (a decode graph's: one per request)
+        batch.rows = [i for i, s in enumerate(sched.scheduled) if s.completes_sequence]
+        scorer = None
         if any(s.request.params.prompt_logprobs is not None for s in sched.scheduled):
-            scored = prompt_logprobs.collect(
-                self.model.compute_logits, hidden, sched.scheduled, query_lens
-            )
-        if not rows:
+            scorer = prompt_logprobs.PromptScorer(sched.scheduled, batch.query_lens)
+            batch.scored = scorer.flat_slices()
+        logits = self.forward_logits(batch, None if scorer is None else scorer.add)
+        scored = [] if scorer is None else scorer.results()
+        if logits is None:
             return StepResult(SamplerOutput(token_ids=[], logprobs=[]), scored)
-        logits = self.model.compute_logits(hidden if last is None else hidden.index_select(0, last))
-        reqs = [sched.scheduled[i].request for i in rows]
         sampling_rows = [
             SamplingRequest(
                 params=r.params,
@@ -227,9 +259,46 @@ class ModelRunner:
                 eos_token_ids=r.eos_token_ids,
                 logit_bias=r.logit_bias,
             )
-            for r in reqs
+            for r in (sched.scheduled[i].request for i in batch.rows)
         ]
         return StepResult(self.sampler(logits, sampling_rows), scored)
+
+    @torch.inference_mode()
+    def forward_logits(
+        self, batch: StepBatch, score: Callable[[torch.Tensor], None] | None = None
+    ) -> torch.Tensor | None:
+        """Runs the model over ``batch``; returns the logits of its ``rows`` (float32), or None
+        without rows or on a tensor-parallel rank other than 0. The logits of each hidden-row
+        slice in ``batch.scored`` go to ``score`` first (rank 0; every rank computes them, as
+        the LM head is a collective). Rank 0 sends the batch to the
+        other ranks first, and a failure after that is fatal (``WorkerGroup.abort``): the
+        ranks would be out of step."""
+        if self.workers is None:
+            return self._logits(batch, score)
+        try:
+            send_step(self.tp, batch)
+            return self._logits(batch, score)
+        except Exception as exc:  # any failure here leaves the ranks apart
+            logger.exception("tensor-parallel step failed on rank 0")
+            self.workers.abort(f"a step failed on rank 0 ({type(exc).__name__}: {exc})")
+            raise  # not reached: abort exits
+
+    def _logits(
+        self, batch: StepBatch, score: Callable[[torch.Tensor], None] | None
+    ) -> torch.Tensor | None:
+        args = (batch.input_ids, batch.block_tables, batch.seq_lens, batch.query_lens, batch.rows)
+        if self.buffers is None:
+            hidden, last = self._forward_cpu(*args)
+        else:
+            hidden, last = self._forward_gpu(*args)
+        # hidden holds every new token's row (a decode graph's: one per request)
+        for row, count in zip(batch.scored[::2], batch.scored[1::2], strict=True):
+            logits = self.model.compute_logits(hidden[row : row + count])
+            if score is not None and logits is not None:
+                score(logits)
+        if not batch.rows:
+            return None
+        return self.model.compute_logits(hidden if last is None else hidden.index_select(0, last))
 
     def _forward_cpu(self, input_ids, block_tables, seq_lens, query_lens, rows):
         """Returns the hidden states and the rows of them that get logits."""

@@ -11,7 +11,7 @@ hidden states), as vLLM; after a preemption the positions already scored are not
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -43,27 +43,42 @@ def reads_prefix_cache(request: Request) -> bool:
     return not pending or len(request.prompt_logprobs) >= request.num_prompt_tokens
 
 
-def collect(
-    compute_logits: Callable[[torch.Tensor], torch.Tensor],
-    hidden: torch.Tensor,
-    scheduled: Sequence[ScheduledRequest],
-    query_lens: Sequence[int],
-) -> list[tuple[Request, list[TokenLogprobs]]]:
-    """Scores this step's new prompt positions of the requests that asked: (request, entries
-    in prompt order, to append to ``request.prompt_logprobs``) for each."""
-    spans = _spans(scheduled, query_lens)
-    out = []
-    for span in spans:
+class PromptScorer:
+    """Scores one step's new prompt positions of the requests that asked. The runner computes
+    the logits of each hidden-row slice of ``flat_slices()`` in order and hands them to
+    ``add``, one slice at a time, so at most one slice of ``rows x vocab`` logits is alive."""
+
+    def __init__(
+        self, scheduled: Sequence[ScheduledRequest], query_lens: Sequence[int]
+    ) -> None:
+        self._spans = _spans(scheduled, query_lens)
+        # (span index, first row within the span, row count), in the order logits arrive
+        self._pieces = [
+            (i, lo, min(_ROWS_PER_SLICE, span.count - lo))
+            for i, span in enumerate(self._spans)
+            for lo in range(0, span.count, _ROWS_PER_SLICE)
+        ]
+        self._entries: list[list[TokenLogprobs]] = [[] for _ in self._spans]
+        self._next = 0
+
+    def flat_slices(self) -> list[int]:
+        """(first hidden row, count) of each slice, flattened."""
+        return [v for i, lo, n in self._pieces for v in (self._spans[i].row + lo, n)]
+
+    def add(self, logits: torch.Tensor) -> None:
+        i, lo, n = self._pieces[self._next]
+        self._next += 1
+        span = self._spans[i]
         req = span.scheduled.request
-        targets = req.prompt_token_ids[span.first + 1 : span.first + 1 + span.count]
-        entries: list[TokenLogprobs] = []
-        for lo in range(0, span.count, _ROWS_PER_SLICE):
-            n = min(_ROWS_PER_SLICE, span.count - lo)
-            rows = hidden[span.row + lo : span.row + lo + n]
-            entries.extend(_score(compute_logits(rows), targets[lo : lo + n],
-                                  req.params.prompt_logprobs))
-        out.append((req, entries))
-    return out
+        first = span.first + 1 + lo  # the prompt token the slice's first row predicts
+        targets = req.prompt_token_ids[first : first + n]
+        self._entries[i].extend(_score(logits, targets, req.params.prompt_logprobs))
+
+    def results(self) -> list[tuple[Request, list[TokenLogprobs]]]:
+        """(request, entries in prompt order, to append to ``request.prompt_logprobs``)."""
+        assert self._next == len(self._pieces), "a slice's logits did not arrive"
+        return [(span.scheduled.request, e) for span, e in zip(self._spans, self._entries,
+                                                               strict=True)]
 
 
 def _spans(scheduled: Sequence[ScheduledRequest], query_lens: Sequence[int]) -> list[_Span]:

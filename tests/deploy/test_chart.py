@@ -284,6 +284,9 @@ def test_engines_accept_their_flags(scenario: Render) -> None:
         assert args["port"] == c["ports"][0]["containerPort"]
         assert args["engine_id"] == SAMPLE_ENV["POD_NAME"]
         assert args["advertise_url"] == f"http://{SAMPLE_ENV['POD_IP']}:{args['port']}"
+        # One model rank per GPU of the pod; a CPU engine is one rank.
+        gpus = ((c.get("resources") or {}).get("limits") or {}).get("nvidia.com/gpu", 0)
+        assert args.get("tensor_parallel_size", 1) == max(1, gpus)
 
 
 def test_model_directories_are_mounted_where_the_flags_point(scenario: Render) -> None:
@@ -392,6 +395,7 @@ def test_each_engine_gets_its_model_flags_and_gpus(rendered) -> None:
     assert flag(c, "max-model-len") == "8192"
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert c["resources"]["requests"]["nvidia.com/gpu"] == 1
+    assert flag(c, "tensor-parallel-size") == "1"
     pod = llama["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-L4"}
     model_vol = next(v for v in pod["volumes"] if v["name"] == "model")
@@ -410,6 +414,9 @@ def test_each_engine_gets_its_model_flags_and_gpus(rendered) -> None:
     assert flag(c, "block-size") == "16" and flag(c, "kv-cache-memory") is None
     assert flag(c, "max-model-len") == "32768"
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert flag(c, "tensor-parallel-size") == "4"  # the model split over the pod's 4 GPUs
+    assert {"mountPath": "/dev/shm", "name": "dshm"} in c["volumeMounts"]  # NCCL's buffers
+    assert next(v for v in pod["volumes"] if v["name"] == "dshm")["emptyDir"]["medium"] == "Memory"
     assert pod["tolerations"] == [{"key": "dedicated", "value": "llm", "effect": "NoSchedule"}]
     assert next(v for v in pod["volumes"] if v["name"] == "dshm")["emptyDir"]["sizeLimit"] == "16Gi"
     # The image source: an init container copies the weights into the model emptyDir.
@@ -562,7 +569,7 @@ def test_other_sources_cpu_engine_created_claim_and_api_keys(rendered) -> None:
     local = r.get("Deployment", engine("local"))["spec"]["template"]["spec"]
     c = local["containers"][0]
     assert "nvidia.com/gpu" not in c["resources"].get("limits", {})
-    assert flag(c, "device") == "cpu"
+    assert flag(c, "device") == "cpu" and flag(c, "tensor-parallel-size") is None
     assert {"name": "model", "hostPath": {"path": "/mnt/models/tiny", "type": "Directory"}} in (
         local["volumes"]
     )

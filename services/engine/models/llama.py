@@ -3,7 +3,9 @@ switches on it (see ``ModelConfig.qkv_bias`` / ``qk_norm``).
 
 Works on one flattened batch (``[T, hidden]``, no batch dim): the attention backend finds the
 request boundaries in ``AttentionMetadata``. Q/K/V and gate/up are each one fused matmul; the
-loader stacks the HF weights into them.
+loader stacks the HF weights into them. Under tensor parallelism every rank builds the same
+model over its shard (``services.engine.parallel.layers``): its heads, its MLP rows, its
+vocabulary rows; at one rank those layers are the plain ones.
 """
 
 from __future__ import annotations
@@ -17,10 +19,8 @@ from torch import nn
 from services.engine.attention.base import AttentionBackend, AttentionMetadata
 from services.engine.models.layers import (
     CausalLM,
-    Embedding,
     HeadRMSNorm,
     KVCache,
-    Linear,
     RMSNorm,
     RopeStep,
     RotaryEmbedding,
@@ -28,6 +28,13 @@ from services.engine.models.layers import (
     silu_and_mul,
 )
 from services.engine.models.onednn import PackedWeight, can_pack, pack, packed_linear
+from services.engine.parallel.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 
 if TYPE_CHECKING:
     from services.engine.models.config import ModelConfig
@@ -38,25 +45,28 @@ class LlamaAttention(nn.Module):
         self, config: ModelConfig, attn_backend: AttentionBackend, dtype: torch.dtype
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.q_size = config.q_size
-        self.qk_size = config.q_size + config.kv_size  # q and k are roped together
-        self.scale = config.head_dim**-0.5
-        self.backend = attn_backend
-        self.qkv_proj = Linear(
+        self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
-            (config.q_size, config.kv_size, config.kv_size),
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
             bias=config.qkv_bias,
             dtype=dtype,
         )
-        self.o_proj = Linear(
-            config.q_size, (config.hidden_size,), bias=config.o_proj_bias, dtype=dtype
+        # This rank's heads (all of them without tensor parallelism).
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.qkv_proj.q_size
+        self.qk_size = self.q_size + self.qkv_proj.kv_size  # q and k are roped together
+        self.scale = config.head_dim**-0.5
+        self.backend = attn_backend
+        self.o_proj = RowParallelLinear(
+            config.q_size, config.hidden_size, bias=config.o_proj_bias, dtype=dtype
         )
         self.qk_norm = (
             HeadRMSNorm(
-                config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps, dtype
+                self.num_heads, self.num_kv_heads, config.head_dim, config.rms_norm_eps, dtype
             )
             if config.qk_norm
             else None
@@ -88,10 +98,10 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         inter = config.intermediate_size
-        self.gate_up_proj = Linear(
+        self.gate_up_proj = ColumnParallelLinear(
             config.hidden_size, (inter, inter), bias=config.mlp_bias, dtype=dtype
         )
-        self.down_proj = Linear(inter, (config.hidden_size,), bias=config.mlp_bias, dtype=dtype)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, config.mlp_bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -133,7 +143,7 @@ class LlamaModel(nn.Module):
         self, config: ModelConfig, attn_backend: AttentionBackend, dtype: torch.dtype
     ) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, attn_backend, dtype) for _ in range(config.num_layers)
         )
@@ -172,12 +182,12 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, attn_backend, dtype)
-        self.lm_head: nn.Module
+        self.lm_head: VocabParallelEmbedding | ParallelLMHead
         if config.tie_word_embeddings:
             # The same module: one weight in memory, listed once by named_parameters().
             self.lm_head = self.model.embed_tokens
         else:
-            self.lm_head = Linear(config.hidden_size, (config.vocab_size,), False, dtype)
+            self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, dtype)
         self._tied_head: PackedWeight | None = None
 
     def forward(
@@ -190,13 +200,16 @@ class LlamaForCausalLM(CausalLM):
         """``input_ids``/``positions``: ``[T]``; returns the final hidden states ``[T, hidden]``."""
         return self.model(input_ids, positions, kv_caches, meta)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden``: ``[N, hidden]`` (only the rows that need logits); returns float32."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``hidden``: ``[N, hidden]`` (only the rows that need logits); returns float32, on
+        rank 0 (None on the other tensor-parallel ranks)."""
         if self._tied_head is not None:
-            return packed_linear(hidden, self._tied_head).float()
-        if isinstance(self.lm_head, Linear):
-            return self.lm_head(hidden).float()
-        return F.linear(hidden, self.lm_head.weight).float()
+            logits = packed_linear(hidden, self._tied_head)
+        elif isinstance(self.lm_head, ParallelLMHead):
+            logits = self.lm_head(hidden)
+        else:
+            logits = F.linear(hidden, self.lm_head.weight)
+        return self.lm_head.gather_logits(logits.float())
 
     def pack_weights(self) -> None:
         super().pack_weights()

@@ -2,7 +2,8 @@
 
 The model is built on the meta device (no memory), materialised once on the target device with
 ``to_empty``, then every checkpoint tensor is copied straight into its (possibly fused) slot:
-peak memory is one copy of the weights plus the memory-mapped file.
+peak memory is one copy of the weights plus the memory-mapped file. A tensor-parallel rank
+reads only its own slice of each sharded tensor (``safe_open(...).get_slice``), never the whole.
 """
 
 from __future__ import annotations
@@ -13,14 +14,17 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from services.engine.attention.base import AttentionBackend
 from services.engine.models.config import ModelConfig
 from services.engine.models.layers import CausalLM
 from services.engine.models.registry import get_model_class
+from services.engine.parallel.layers import ShardRange
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +40,7 @@ class _Slot:
     param: str
     offset: int
     rows: int
+    shard: ShardRange | None = None  # this rank's slice of the checkpoint tensor; None: all
 
 
 def load_model(
@@ -92,13 +97,17 @@ def load_weights(model: CausalLM, path: Path) -> int:
     tied = model.config.tie_word_embeddings
     filled: set[str] = set()
     count = 0
-    for name, tensor in _iter_checkpoint(path):
+    for name, file in _iter_checkpoint(path):
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue  # some tied checkpoints store the head anyway; ours is the embedding
         slot = slots.get(name)
         if slot is None:
             raise ValueError(f"checkpoint tensor {name!r} has no matching model parameter")
         target = params[slot.param].narrow(0, slot.offset, slot.rows)
+        if slot.shard is None:
+            tensor = file.get_tensor(name)
+        else:
+            tensor, target = _read_shard(file, name, slot.shard, target)
         if not _fits(tensor.shape, target.shape):
             raise ValueError(
                 f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
@@ -112,6 +121,29 @@ def load_weights(model: CausalLM, path: Path) -> int:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ValueError(f"checkpoint at {path} is missing {len(missing)} tensors: {shown}")
     return count
+
+
+def _read_shard(
+    file, name: str, shard: ShardRange, target: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reads only ``shard`` of the checkpoint tensor ``name``; returns it and the part of
+    ``target`` it fills (vocabulary padding past the checkpoint's rows is zeroed)."""
+    handle = file.get_slice(name)
+    shape = handle.get_shape()
+    if len(shape) <= shard.dim or shape[shard.dim] != shard.full:
+        raise ValueError(
+            f"shape mismatch for {name!r}: checkpoint {tuple(shape)}, model expects "
+            f"{shard.full} along dim {shard.dim}"
+        )
+    stop = min(shard.start + shard.length, shard.full)
+    index = tuple(
+        slice(shard.start, stop) if d == shard.dim else slice(None) for d in range(len(shape))
+    )
+    got = stop - shard.start
+    if got < target.shape[shard.dim]:
+        target.narrow(shard.dim, got, target.shape[shard.dim] - got).zero_()
+        target = target.narrow(shard.dim, 0, got)
+    return handle[index], target
 
 
 def _fits(src: torch.Size, dst: torch.Size) -> bool:
@@ -131,23 +163,33 @@ def _slot_table(model: CausalLM) -> dict[str, _Slot]:
     for param_name, param in model.named_parameters():
         module_name, _, leaf = param_name.rpartition(".")
         parent, _, short = module_name.rpartition(".")
+        module = modules[module_name]
         sources = stacked.get(short)
         if sources is None:
-            table[param_name] = _Slot(param_name, 0, param.shape[0])
+            table[param_name] = _Slot(param_name, 0, param.shape[0], _shard(module, leaf, 0))
             continue
         offset = 0
-        for source, rows in zip(sources, modules[module_name].shard_sizes, strict=True):
-            table[f"{parent}.{source}.{leaf}"] = _Slot(param_name, offset, rows)
+        for i, (source, rows) in enumerate(zip(sources, module.shard_sizes, strict=True)):
+            table[f"{parent}.{source}.{leaf}"] = _Slot(
+                param_name, offset, rows, _shard(module, leaf, i)
+            )
             offset += rows
     return table
 
 
-def _iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (name, tensor) over every safetensors file of the checkpoint (memory-mapped)."""
+def _shard(module: nn.Module, leaf: str, index: int) -> ShardRange | None:
+    """The slice a tensor-parallel layer holds of its ``index``-th stacked source."""
+    checkpoint_range = getattr(module, "checkpoint_range", None)
+    return None if checkpoint_range is None else checkpoint_range(leaf, index)
+
+
+def _iter_checkpoint(path: Path) -> Iterator[tuple[str, Any]]:
+    """Yields (name, its open safetensors file) over every file of the checkpoint (memory-
+    mapped): the caller reads the whole tensor or only its slice."""
     for file in _checkpoint_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in list(f.keys()):
-                yield name, f.get_tensor(name)
+                yield name, f
 
 
 def _checkpoint_files(path: Path) -> list[Path]:
