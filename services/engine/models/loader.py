@@ -60,6 +60,7 @@ def load_model(
     model = model.to_empty(device=torch.device(device))
     model.reset_buffers()
     num_tensors = load_weights(model, path)
+    model.after_load()
     model.eval()
     logger.info(
         "loaded %s (%s) from %s: %d tensors, dtype=%s, device=%s in %.2fs",
@@ -93,6 +94,7 @@ def load_weights(model: CausalLM, path: Path) -> int:
     filled: set[str] = set()
     count = 0
     for name, tensor in _iter_checkpoint(path):
+        name = model.checkpoint_name(name)
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue  # some tied checkpoints store the head anyway; ours is the embedding
         slot = slots.get(name)
