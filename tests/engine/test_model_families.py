@@ -42,7 +42,7 @@ LONGROPE = {
 }
 PHI3 = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "hidden_size": 128}
 
-# (id, architecture, config overrides, longest prompt whose logits equal transformers').
+# (id, architecture, config overrides) of the tiny random models.
 FAMILIES = [
     ("mistral-window", "MistralForCausalLM", {"sliding_window": 7}),
     (
@@ -172,8 +172,8 @@ def test_family_features_are_switched_on(family: tuple[str, Path]) -> None:
 
 
 def _engine(path: Path, **overrides) -> LLMEngine:
-    config = dict(model=str(path), num_blocks=64, block_size=4, max_num_batched_tokens=64)
-    return LLMEngine(EngineConfig(**{**config, **overrides}))
+    config = {"num_blocks": 64, "block_size": 4, "max_num_batched_tokens": 64, **overrides}
+    return LLMEngine(EngineConfig(model=str(path), **config))
 
 
 def _generate(engine: LLMEngine, prompts: Sequence[list[int]], max_tokens: int) -> list[list[int]]:
@@ -251,7 +251,7 @@ def test_phi3_decoding_past_the_pretraining_context_matches_transformers(tiny_mo
     cache = ref.past_key_values
     for pos in range(20, len(seq)):
         with torch.inference_mode():
-            ref = hf(torch.tensor([[seq[pos]]]), past_key_values=cache, use_cache=True)
+            ref = hf(torch.tensor([[seq[pos]]]), cache=cache, use_cache=True)
         cache = ref.past_key_values
         (logits,) = _step(model, kv, [seq], [pos], [1], table)
         worst = max(worst, (logits[0] - ref.logits[0, -1]).abs().max().item())
@@ -303,7 +303,7 @@ def test_tiny_moe_prefill_reaches_every_expert_and_decode_leaves_experts_idle(
 ) -> None:
     """The parity tests above cover both regimes: the 37-token prefill routes tokens to all
     eight experts of Qwen3-MoE, a decode step (one token, top 2) leaves six idle."""
-    name, architecture, overrides = FAMILIES[IDS.index("qwen3-moe")]
+    _, architecture, overrides = FAMILIES[IDS.index("qwen3-moe")]
     path = tiny_model_dir(architecture, **overrides)
     model = _our_model(str(path))
     used: list[set[int]] = []
