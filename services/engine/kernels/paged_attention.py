@@ -27,6 +27,12 @@ Prefill, one program per (sequence, query head, tile of BLOCK_M new tokens). The
 the LAST q_len of the context, so row j sits at position ``context_len - q_len + j`` and sees
 keys ``0 ..`` that position; tiles past the row's diagonal are never loaded.
 
+Sliding window (Mistral, Gemma's local layers): a row at position p sees keys
+``p - window < k <= p``. Decode starts its splits at the window's first key, rounded down to a
+tile (earlier keys of that tile are masked), so a long context costs ``window`` keys; prefill
+starts each row tile's key loop at its first row's window and masks per row. Soft-capping
+(Gemma 2): ``cap * tanh(scores / cap)`` on the scaled scores, before the mask.
+
 The torch reference is ``TorchAttentionBackend.forward``. The wrappers validate nothing per
 call: the caches are checked once when allocated and each step's metadata once before the model
 runs (``attention.contract``); only the asserts that guard memory the kernels index remain.
