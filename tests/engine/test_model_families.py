@@ -321,3 +321,31 @@ def test_tiny_moe_prefill_reaches_every_expert_and_decode_leaves_experts_idle(
     used.clear()
     _step(model, kv, [ids], [37], [1], [[5, 1, 11]])
     assert len(used[0]) == 2
+
+
+# --------------------------------------------------------------------------- Gemma norms
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_norm_rounds_like_transformers(dtype: torch.dtype) -> None:
+    """(1 + weight) in float32 and one rounding at the end, also in bf16."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+
+    from services.engine.models.gemma import GemmaRMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(64, generator=gen) * 0.3).to(dtype)
+    x = torch.randn(5, 64, generator=gen).to(dtype)
+    hf = Gemma2RMSNorm(64, eps=1e-6).to(dtype)
+    hf.weight.data.copy_(weight)
+    ours = GemmaRMSNorm(64, 1e-6, dtype)
+    ours.weight.data.copy_(weight)
+    with torch.no_grad():
+        ours.weight_f32.copy_(weight.float() + 1.0)
+        ours.weight.copy_(ours.weight_f32)
+        expected = hf(x)
+        torch.testing.assert_close(ours(x), expected, atol=1e-6, rtol=0)
+        residual, delta = x.clone(), torch.randn(5, 64, generator=gen).to(dtype)
+        out, summed = ours(delta, residual)
+        assert torch.equal(summed, x + delta)
+        torch.testing.assert_close(out, hf(x + delta), atol=1e-6, rtol=0)

@@ -2,8 +2,10 @@
 
 What differs from Llama, and where it lives:
 
-* RMSNorm scales by ``1 + weight``: ``after_load`` adds the 1 to every norm weight once, so the
-  ordinary ``RMSNorm``/``HeadRMSNorm`` (and their kernels) compute it unchanged;
+* RMSNorm scales by ``1 + weight``: ``after_load`` adds the 1 to every norm weight once, so in
+  float32 the ordinary ``RMSNorm``/``HeadRMSNorm`` (and their kernels) compute it unchanged; in
+  bf16/fp16 the norms multiply by ``1 + weight`` in float32 and round once, as transformers
+  (``GemmaRMSNorm``; rounding ``1 + weight`` to bf16 first moved logits by ~5%);
 * the embedding is multiplied by ``sqrt(hidden_size)`` (rounded to the model dtype, as HF);
 * GeGLU (tanh-approximated GELU) instead of SwiGLU;
 * four norms per layer: after attention and around the MLP, besides the input norm;
@@ -46,6 +48,42 @@ def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
     return torch.tanh(x / cap) * cap
 
 
+class GemmaRMSNorm(RMSNorm):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__(size, eps, dtype)
+        self.register_buffer("weight_f32", torch.empty(size), persistent=False)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if x.dtype == torch.float32:
+            return super().forward(x, residual)
+        if residual is not None:
+            residual.add_(x)
+            x = residual
+        out = _scaled_rms(x, self.weight_f32, self.eps)
+        return out if residual is None else (out, residual)
+
+
+class GemmaHeadRMSNorm(HeadRMSNorm):
+    def __init__(
+        self, num_q_heads: int, num_kv_heads: int, head_dim: int, eps: float, dtype: torch.dtype
+    ) -> None:
+        super().__init__(num_q_heads, num_kv_heads, head_dim, eps, dtype)
+        self.register_buffer(
+            "weight_f32", torch.empty(num_q_heads + num_kv_heads, head_dim), persistent=False
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return super().forward(x)
+        return _scaled_rms(x, self.weight_f32, self.eps)
+
+
+def _scaled_rms(x: torch.Tensor, weight_f32: torch.Tensor, eps: float) -> torch.Tensor:
+    return (F.rms_norm(x.float(), (x.shape[-1],), None, eps) * weight_f32).to(x.dtype)
+
+
 class GemmaMLP(LlamaMLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(gelu_and_mul(self.gate_up_proj(x)))
@@ -58,12 +96,16 @@ class GemmaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(config, attn_backend, dtype)
         self.self_attn.window = config.window(index)
+        if config.qk_norm:  # Gemma 3
+            self.self_attn.qk_norm = GemmaHeadRMSNorm(
+                config.num_heads, config.num_kv_heads, config.head_dim, config.rms_norm_eps, dtype
+            )
         self.mlp = GemmaMLP(config, dtype)
         size, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = RMSNorm(size, eps, dtype)
-        self.post_attention_layernorm = RMSNorm(size, eps, dtype)
-        self.pre_feedforward_layernorm = RMSNorm(size, eps, dtype)
-        self.post_feedforward_layernorm = RMSNorm(size, eps, dtype)
+        self.input_layernorm = GemmaRMSNorm(size, eps, dtype)
+        self.post_attention_layernorm = GemmaRMSNorm(size, eps, dtype)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps, dtype)
+        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps, dtype)
 
     def forward(
         self,
@@ -96,7 +138,7 @@ class GemmaModel(nn.Module):
         self.layers = nn.ModuleList(
             GemmaDecoderLayer(config, attn_backend, dtype, i) for i in range(config.num_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         max_pos = config.max_position_embeddings
         self.rotary = RotaryEmbedding(config.head_dim, max_pos, config.rope, dtype)
         self.rotary_local = (
@@ -145,5 +187,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
     def after_load(self) -> None:
         # Gemma's norms scale by (1 + weight): fold the 1 in once, in float32 as HF adds it.
         for module in self.modules():
-            if isinstance(module, (RMSNorm, HeadRMSNorm)):
-                module.weight.copy_(module.weight.float() + 1.0)
+            if isinstance(module, (GemmaRMSNorm, GemmaHeadRMSNorm)):
+                module.weight_f32.copy_(module.weight.float() + 1.0)
+                module.weight.copy_(module.weight_f32)
