@@ -16,10 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.engine.attention.torch_backend import TorchAttentionBackend
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.models import moe
 from services.engine.models.config import ModelConfig
+from services.engine.models.loader import load_model
 from services.protocol.sampling_params import SamplingParams
 from tests.engine.test_models import (
     ATOL,
@@ -33,14 +35,15 @@ from tests.engine.test_models import (
     _step,
 )
 
-# Phi-3's longrope: short factors within the first 24 positions, long ones past them.
+# Phi-3's longrope factors (long ones for sequences past original_max_position_embeddings).
 LONGROPE = {
     "rope_type": "longrope",
     "rope_theta": 10000.0,
     "short_factor": [1.0 + 0.1 * i for i in range(16)],
     "long_factor": [1.5 + 0.3 * i for i in range(16)],
 }
-PHI3 = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "hidden_size": 128}
+# Token ids inside the tiny vocabulary; no eos, which `generate` would treat apart.
+PHI3 = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": None, "hidden_size": 128}
 
 # (id, architecture, config overrides) of the tiny random models.
 FAMILIES = [
@@ -98,8 +101,9 @@ FAMILIES = [
             **PHI3,
             "rope_parameters": LONGROPE,
             "max_position_embeddings": 128,
-            # Every prompt and generation here stays within it (see the test further down).
-            "original_max_position_embeddings": 64,
+            # Every prompt here is longer: the long factors from the first token, as
+            # transformers (the short ones are tested further down).
+            "original_max_position_embeddings": 8,
         },
     ),
 ]
@@ -203,9 +207,8 @@ def test_greedy_matches_transformers_generate(family, batched) -> None:
     for prompt, ours in zip(PROMPTS[:2], batched[:2], strict=True):
         ids = torch.tensor([prompt])
         with torch.inference_mode():
-            ref = hf.generate(
-                ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
-            )
+            # No eos: the engine ignores it too (min_new_tokens would suppress the eos logit).
+            ref = hf.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)
         assert ours == ref[0, len(prompt) :].tolist()
 
 
@@ -228,34 +231,32 @@ def test_greedy_identical_alone_without_prefix_cache_and_preempted(family, batch
 # --------------------------------------------------------------------------- longrope
 
 
-def test_phi3_decoding_past_the_pretraining_context_matches_transformers(tiny_model_dir) -> None:
-    """A 20-token prompt within the 24-token pretraining context, then 20 tokens past it: the
-    prompt rotates with the short factors, positions from 24 on with the long ones, exactly as
-    transformers' model decoding with its KV cache (its ``generate`` instead recomputes the
-    whole cache with the long factors at the crossing; see ``models.phi3``)."""
+def test_phi3_limited_to_the_pretraining_context_uses_the_short_factors(tiny_model_dir) -> None:
+    """With --max-model-len at original_max_position_embeddings (64) every sequence rotates with
+    the short factors, as transformers for sequences that short; the engine's default (the
+    model's 128 positions) uses the long ones for every token (see ``models.phi3``)."""
     path = tiny_model_dir(
         "Phi3ForCausalLM",
         **PHI3,
         rope_parameters=LONGROPE,
         max_position_embeddings=128,
-        original_max_position_embeddings=24,
+        original_max_position_embeddings=64,
     )
-    seq = _random_ids(256, 40, seed=7)
-    hf = _hf_model(str(path))
-    model = _our_model(str(path))
-    kv, table = _kv_caches(model), [[3, 0, 8, 5]]
+    ids = _random_ids(256, 37, seed=1)
+    ref = _hf_logits(path, ids)
+    model = load_model(path, attn_backend=TorchAttentionBackend())
+    (long,) = _step(model, _kv_caches(model), [ids], [0], [len(ids)], [[5, 1, 11]])
+    assert (long - ref).abs().max().item() > 0.1  # the factors matter here
+    model.limit_context(64)
+    (short,) = _step(model, _kv_caches(model), [ids], [0], [len(ids)], [[5, 1, 11]])
+    assert (short - ref).abs().max().item() < ATOL
+    prompt = _random_ids(256, 20, seed=7)
     with torch.inference_mode():
-        ref = hf(torch.tensor([seq[:20]]), use_cache=True)
-    (logits,) = _step(model, kv, [seq], [0], [20], table)
-    worst = (logits - ref.logits[0]).abs().max().item()
-    cache = ref.past_key_values
-    for pos in range(20, len(seq)):
-        with torch.inference_mode():
-            ref = hf(torch.tensor([[seq[pos]]]), cache=cache, use_cache=True)
-        cache = ref.past_key_values
-        (logits,) = _step(model, kv, [seq], [pos], [1], table)
-        worst = max(worst, (logits[0] - ref.logits[0, -1]).abs().max().item())
-    assert worst < ATOL  # positions 24.. would be off by whole units with the short factors
+        expected = _hf_model(str(path)).generate(
+            torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=None
+        )
+    engine = _engine(path, max_model_len=64)
+    assert _generate(engine, [prompt], 40) == [expected[0, len(prompt) :].tolist()]
 
 
 # --------------------------------------------------------------------------- experts

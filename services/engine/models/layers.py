@@ -61,6 +61,10 @@ class CausalLM(nn.Module):
     def after_load(self) -> None:
         """Adjusts loaded weights once, before the model runs (e.g. Gemma's 1 + norm weight)."""
 
+    def limit_context(self, max_model_len: int) -> None:
+        """The engine serves at most ``max_model_len`` tokens per sequence (Phi-3's longrope
+        picks its factors by it)."""
+
     def pack_weights(self) -> None:
         """Packs every projection for oneDNN (CPU); a no-op where packing does not apply."""
         for module in self.modules():

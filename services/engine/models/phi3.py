@@ -4,14 +4,18 @@ The checkpoint already stores ``qkv_proj`` and ``gate_up_proj`` fused, in our ro
 (q, k, v; gate, up), so nothing is stacked at load time.
 
 Longrope (the 128k-context Phi-3 models) divides each RoPE frequency by a per-frequency factor,
-``short_factor`` within the pretraining context (``original_max_position_embeddings``, O) and
-``long_factor`` beyond it, and multiplies cos/sin by an attention factor. We choose by the
-token's position: positions below O rotate short, the others long. A token's rotation then
-never depends on how it was scheduled (alone or batched, in which chunk, recomputed after a
-preemption, or served from the prefix cache), and it equals transformers' whenever the prompt
-fits in O, generation past O included (transformers' cached decode switches to long there too).
-It differs for a prompt longer than O: transformers rotates that whole prompt long, its first
-O tokens included. The table holds both: rows ``[0, P)`` short, ``[P, 2P)`` long.
+``short_factor`` for sequences within the pretraining context (``original_max_position_embeddings``,
+O) and ``long_factor`` for longer ones, and multiplies cos/sin by an attention factor.
+
+transformers picks the factors per sequence and, in ``generate``, recomputes the whole KV cache
+with the long factors when a sequence first grows past O. A serving engine cannot let a
+token's KV depend on how long its sequence later grows (the prefix cache, preemption and
+batching all assume it does not), so, as vLLM, we pick once per engine: long factors for every
+token when the engine serves contexts longer than O (``max_model_len``, by default the model's
+``max_position_embeddings``), short ones when it is limited to O (``--max-model-len O``). Either
+way the result equals transformers' for the sequences it would compute the same way: all of
+them up to O with ``--max-model-len O``, those longer than O from their first token otherwise.
+The table holds both: rows ``[0, P)`` short, ``[P, 2P)`` long.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class LongRopeEmbedding(RotaryEmbedding):
                 f"needs {head_dim // 2}"
             )
         self.num_positions = max_positions
+        self.use_long = max_positions > rope.original_max_position_embeddings
         super().__init__(head_dim, 2 * max_positions, rope, dtype)
 
     def reset_cache(self) -> None:
@@ -57,9 +62,7 @@ class LongRopeEmbedding(RotaryEmbedding):
             )
 
     def forward(self, positions: torch.Tensor) -> RopeStep:
-        # Device-side only, so a CUDA graph replays it.
-        is_long = positions >= self.rope.original_max_position_embeddings
-        return super().forward(positions + is_long * self.num_positions)
+        return super().forward(positions + self.num_positions if self.use_long else positions)
 
 
 class Phi3Model(LlamaModel):
@@ -75,6 +78,11 @@ class Phi3Model(LlamaModel):
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     model_class = Phi3Model
+
+    def limit_context(self, max_model_len: int) -> None:
+        rotary = self.model.rotary
+        if isinstance(rotary, LongRopeEmbedding):
+            rotary.use_long = max_model_len > self.config.rope.original_max_position_embeddings
 
     def stacked_params(self) -> dict[str, tuple[str, ...]]:
         return {}  # qkv_proj and gate_up_proj come fused in the checkpoint
