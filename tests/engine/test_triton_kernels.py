@@ -421,6 +421,40 @@ def test_triton_backend_over_steps_matches_torch(window: int | None, softcap: fl
         done = seq_lens
 
 
+@needs_kernels
+def test_gemma2_on_the_triton_backend_matches_the_torch_backend(tiny_model_dir) -> None:
+    """A whole model whose layers alternate a 6-token window and full attention, scores
+    soft-capped: prefill, a chunk over the cached prefix, then decodes, through the kernels."""
+    from services.engine.models.loader import load_model
+
+    path = tiny_model_dir(
+        "Gemma2ForCausalLM",
+        sliding_window=6,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=1.5,
+        final_logit_softcapping=3.0,
+    )
+    ids = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(0)).tolist()
+    logits = {}
+    for name, backend, dev in (
+        ("torch", TorchAttentionBackend(), "cpu"),
+        ("triton", TritonAttentionBackend(), DEVICE),
+    ):
+        model = load_model(path, device=dev, attn_backend=backend)
+        cfg = model.config
+        shape = (8, 8, cfg.num_kv_heads, cfg.head_dim)
+        kv = [(torch.zeros(shape, device=dev), torch.zeros(shape, device=dev)) for _ in range(2)]
+        outs, done = [], 0
+        for n in (17, 10, 1, 1, 1):
+            meta, positions = build_attention_metadata([[5, 1, 7, 2]], [done + n], [n], 8, dev)
+            with torch.inference_mode():
+                hidden = model(torch.tensor(ids[done : done + n], device=dev), positions, kv, meta)
+                outs.append(model.compute_logits(hidden).cpu())
+            done += n
+        logits[name] = torch.cat(outs)
+    assert_close(logits["triton"], logits["torch"], torch.float32)
+
+
 # ---------------------------------------------------------------------- RMSNorm
 
 
