@@ -10,7 +10,6 @@ longrope) are parsed here, each into a field that says what it does.
 from __future__ import annotations
 
 import json
-import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,8 +18,6 @@ from typing import Any
 import torch
 
 from services.engine.models.registry import get_arch_spec, resolve_architecture
-
-logger = logging.getLogger(__name__)
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 _DEFAULT_ROPE_THETA = 10000.0
