@@ -10,6 +10,7 @@ Windows are a few tokens wide so every prompt is longer than them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -350,3 +351,71 @@ def test_gemma_norm_rounds_like_transformers(dtype: torch.dtype) -> None:
         out, summed = ours(delta, residual)
         assert torch.equal(summed, x + delta)
         torch.testing.assert_close(out, hf(x + delta), atol=1e-6, rtol=0)
+
+
+# --------------------------------------------------------------------------- config.json forms
+
+
+def _raw(architecture: str, **fields) -> dict:
+    return {
+        "architectures": [architecture],
+        "vocab_size": 100,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 1024,
+        **fields,
+    }
+
+
+def test_hub_style_configs_parse() -> None:
+    """The forms the published checkpoints' config.json files use (before transformers 5)."""
+    gemma3 = ModelConfig.from_hf_dict(_raw(
+        "Gemma3ForCausalLM", hidden_activation="gelu_pytorch_tanh", sliding_window=512,
+        sliding_window_pattern=6, rope_theta=1e6, rope_local_base_freq=1e4,
+        rope_scaling={"rope_type": "linear", "factor": 8.0}, query_pre_attn_scalar=256,
+    ))  # fmt: skip
+    assert gemma3.layer_windows == (512,) * 5 + (None,)
+    assert (gemma3.rope.rope_type, gemma3.rope.factor, gemma3.rope.theta) == ("linear", 8.0, 1e6)
+    assert gemma3.local_rope is not None and gemma3.local_rope.theta == 1e4
+    assert gemma3.attn_scale == 256**-0.5
+    phi3 = ModelConfig.from_hf_dict(_raw(
+        "Phi3ForCausalLM", max_position_embeddings=131072, original_max_position_embeddings=4096,
+        rope_scaling={"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
+        sliding_window=262144,
+    ))  # fmt: skip
+    assert phi3.rope.rope_type == "longrope" and phi3.rope.original_max_position_embeddings == 4096
+    assert abs(phi3.rope.attention_factor - (1 + math.log(32) / math.log(4096)) ** 0.5) < 1e-12
+    qwen3_moe = ModelConfig.from_hf_dict(_raw(
+        "Qwen3MoeForCausalLM", num_experts=128, num_experts_per_tok=8, moe_intermediate_size=32,
+        norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[5],
+    ))  # fmt: skip
+    moe_cfg = qwen3_moe.moe
+    assert (moe_cfg.num_experts, moe_cfg.top_k, moe_cfg.intermediate_size) == (128, 8, 32)
+    assert moe_cfg.sparse_layers == (False, True, False, True, False, False)
+    assert moe_cfg.normalize_top_k and not moe_cfg.float32_weights
+    mixtral = ModelConfig.from_hf_dict(_raw(
+        "MixtralForCausalLM", num_local_experts=8, num_experts_per_tok=2, sliding_window=None,
+    ))  # fmt: skip
+    assert mixtral.moe.intermediate_size == 128 and mixtral.moe.float32_weights
+    assert mixtral.layer_windows == ()
+
+
+@pytest.mark.parametrize(
+    ("architecture", "fields", "message"),
+    [
+        ("MixtralForCausalLM", {}, "experts"),
+        ("MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 5}, "num_experts"),
+        ("Gemma2ForCausalLM", {"hidden_activation": "gelu"}, "hidden_act"),
+        ("Phi3ForCausalLM", {"rope_scaling": {"type": "longrope"}}, "longrope"),
+    ],
+)
+def test_family_configs_that_cannot_run_are_rejected(architecture, fields, message) -> None:
+    raw = _raw(architecture, original_max_position_embeddings=64, **fields)
+    with pytest.raises(ValueError, match=message):
+        config = ModelConfig.from_hf_dict(raw)
+        with torch.device("meta"):  # building is where a missing expert count shows
+            moe.MixtralForCausalLM(config, TorchAttentionBackend())

@@ -159,8 +159,12 @@ class _MoeForCausalLM(LlamaForCausalLM):
         attn_backend: AttentionBackend,
         dtype: torch.dtype = torch.float32,
     ) -> None:
+        if config.moe is None:
+            raise ValueError(
+                f"{config.architecture} needs num_experts (or num_local_experts) and "
+                "num_experts_per_tok in config.json"
+            )
         super().__init__(config, attn_backend, dtype)
-        assert config.moe is not None, "an MoE architecture needs experts in config.json"
         for layer, sparse in zip(self.model.layers, config.moe.sparse_layers, strict=True):
             if sparse:
                 layer.mlp = SparseMoeBlock(config, dtype)
