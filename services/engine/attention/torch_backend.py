@@ -160,6 +160,8 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         """Causal attention of every request's new queries over its whole paged context, or
         over the last ``window`` positions; ``softcap`` caps the scores (``windowed``)."""
+        if window is not None and meta.max_seqlen_k <= window:
+            window = None  # every query sees its whole context: plain causal attention
         if window is not None or softcap is not None:
             return self._windowed_forward(query, k_cache, v_cache, meta, scale, window, softcap)
         plan = self._plan_for(meta, query.device)

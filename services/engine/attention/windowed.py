@@ -13,10 +13,13 @@ are gathered, so a long context costs ``window`` keys per request, not its whole
     query p=6     .  .  .  .  1  1  1  .      gathered: blocks holding keys 4..7
     query p=7     .  .  .  .  .  1  1  1
 
-The step's single-token requests form one batch (a ``[B, L]`` gather through per-key block ids
-and offsets, padded and masked); each multi-token request is attended to on its own. The
-layout of a step (gather indices and masks) depends only on the metadata and the window, so
-it is built once per (step, window) and shared by every layer with that window.
+The step's single-token requests form one batch (whole blocks gathered per request from the
+first one its window reaches, padded to the longest and masked); each multi-token request is
+attended to on its own. GQA is one batched matmul of ``[B, H_kv, group * q_len, D]`` queries
+against ``[B, H_kv, L, D]`` keys. The layout of a step (blocks and masks) depends only on the
+metadata and the window, so it is built once per (step, window) and shared by every layer with
+that window. A step whose contexts all fit in the window, without a soft-cap, never comes here:
+that is plain causal attention, and the torch backend's own paths (or the C++ kernel) run it.
 """
 
 from __future__ import annotations
@@ -34,8 +37,7 @@ class _KeyGroup:
 
     q_rows: torch.Tensor | slice  # rows of the step's query: [B] indices, or one request's range
     q_len: int  # queries per request (1 for the decode batch)
-    blocks: torch.Tensor  # [B, L] physical block of each gathered key
-    offsets: torch.Tensor  # [B, L] its row inside the block
+    blocks: torch.Tensor  # [B, num_blocks] the blocks gathered: keys L = num_blocks * block_size
     visible: torch.Tensor  # [B, 1, 1, q_len, L] True where the query sees the key
 
 
@@ -81,14 +83,16 @@ def _group(
 ) -> _KeyGroup:
     bs = meta.block_size
     seq_lens = [meta.seq_lens[i] for i in rows]
-    # First key any query of the request can see, rounded down to its block.
-    firsts = [0 if window is None else max(0, n - q_len - window + 1) // bs * bs for n in seq_lens]
-    length = max(n - f for n, f in zip(seq_lens, firsts, strict=True))
+    # The block of the first key any query of the request can see: whole blocks are gathered.
+    firsts = [0 if window is None else max(0, n - q_len - window + 1) // bs for n in seq_lens]
+    num_blocks = max(-(-n // bs) - f for n, f in zip(seq_lens, firsts, strict=True))
     first = torch.tensor(firsts, device=device)[:, None]
-    pos = first + torch.arange(length, device=device)[None, :]  # [B, L] absolute key positions
-    lens = torch.tensor(seq_lens, device=device)[:, None]
-    block_idx = (pos // bs).clamp_(max=tables.shape[1] - 1)  # padding keys: any real block
+    block_idx = first + torch.arange(num_blocks, device=device)[None, :]
+    block_idx = block_idx.clamp_(max=tables.shape[1] - 1)  # padding keys: any real block
     blocks = tables[torch.tensor(rows, device=device)].to(torch.int64).gather(1, block_idx)
+    # [B, L] absolute key positions
+    pos = first * bs + torch.arange(num_blocks * bs, device=device)[None, :]
+    lens = torch.tensor(seq_lens, device=device)[:, None]
     q_pos = lens - q_len + torch.arange(q_len, device=device)[None, :]  # [B, q_len]
     visible = (pos[:, None, :] <= q_pos[:, :, None]) & (pos[:, None, :] < lens[:, :, None])
     if window is not None:
@@ -101,7 +105,6 @@ def _group(
         q_rows=q_rows,
         q_len=q_len,
         blocks=blocks,
-        offsets=pos % bs,
         visible=visible[:, None, None],
     )
 
@@ -130,19 +133,30 @@ def _attend(
     softcap: float | None,
 ) -> torch.Tensor:
     num_kv_heads = k_cache.shape[2]
-    num_seqs = group.blocks.shape[0]
+    num_seqs, length = group.visible.shape[0], group.visible.shape[-1]
     _, num_heads, head_dim = q.shape
-    g = num_heads // num_kv_heads
-    # [B, H_kv, g, q_len, D] queries against [B, H_kv, 1, L, D] keys: GQA without repeating KV.
-    q = q.view(num_seqs, group.q_len, num_kv_heads, g, head_dim).permute(0, 2, 3, 1, 4)
-    # Advanced indexing works on any cache layout (the CPU backend's is a permuted view).
-    k = k_cache[group.blocks, group.offsets].permute(0, 2, 1, 3).unsqueeze(2)
-    v = v_cache[group.blocks, group.offsets].permute(0, 2, 1, 3).unsqueeze(2)
+    g, q_len = num_heads // num_kv_heads, group.q_len
+    # [B, H_kv, g * q_len, D] queries against [B, H_kv, L, D] keys: GQA as one batched matmul,
+    # without repeating (or broadcasting) KV heads.
+    q = q.view(num_seqs, q_len, num_kv_heads, g, head_dim).permute(0, 2, 3, 1, 4)
+    q = q.reshape(num_seqs, num_kv_heads, g * q_len, head_dim)
+    k = _gather(k_cache, group).permute(0, 2, 1, 3)
+    v = _gather(v_cache, group).permute(0, 2, 1, 3)
     # As transformers' eager attention: scale, cap, mask, float32 softmax, back to the dtype.
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(num_seqs, num_kv_heads, g, q_len, length)
     scores = scores.masked_fill(~group.visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out = torch.matmul(probs, v)  # [B, H_kv, g, q_len, D]
-    return out.permute(0, 3, 1, 2, 4).reshape(num_seqs * group.q_len, num_heads, head_dim)
+    out = torch.matmul(probs.view(num_seqs, num_kv_heads, g * q_len, length), v)
+    out = out.view(num_seqs, num_kv_heads, g, q_len, head_dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(num_seqs * q_len, num_heads, head_dim)
+
+
+def _gather(cache: torch.Tensor, group: _KeyGroup) -> torch.Tensor:
+    """``[B, L, H_kv, D]``: the group's keys (or values) in position order, whole blocks with one
+    index op (it also reads the CPU backend's permuted layout)."""
+    num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
+    rows = cache.index_select(0, group.blocks.view(-1))
+    return rows.view(group.blocks.shape[0], -1, num_kv_heads, head_dim)
