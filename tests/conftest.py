@@ -55,12 +55,17 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> TinyModelFactory
     return make
 
 
+# Architectures whose config class is not named after them (Gemma3Config is the multimodal one).
+_CONFIG_CLASSES = {"Gemma3ForCausalLM": "Gemma3TextConfig"}
+
+
 def _write_tiny_model(out: Path, architecture: str, seed: int, overrides: dict[str, Any]) -> None:
     # Imported here: suites that never build a model (router, gateway) skip torch's import.
     import torch
     import transformers
 
-    config_class = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
+    name = _CONFIG_CLASSES.get(architecture, architecture.replace("ForCausalLM", "Config"))
+    config_class = getattr(transformers, name)
     config = config_class(**{**TINY_DIMS, **overrides})
     config.architectures = [architecture]
     torch.manual_seed(seed)

@@ -20,6 +20,11 @@ How the scheduler drives it: to admit a request, ``get_computed_blocks`` and the
 ``allocate_slots`` with the hit blocks (nothing else may allocate in between, or a hit block
 could be evicted first); each step, ``allocate_slots`` for the tokens to compute, the model
 runs, then ``cache_full_blocks``; ``free`` when the request finishes or is preempted.
+
+Sliding-window models (Mistral, Gemma): a request keeps every block until it ends, including
+blocks wholly outside every layer's window. Freeing them would save memory on long contexts but
+break the prefix cache's chains (a later prompt could hit a block whose predecessors are gone)
+and Gemma's global layers read them anyway; the attention only skips reading them.
 """
 
 from __future__ import annotations

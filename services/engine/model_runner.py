@@ -77,6 +77,8 @@ class ModelRunner:
         self.attn_backend = get_attention_backend(self.device, config.attention_backend)
         with building(self.tp):
             self.model = load_model(model_path, self.dtype, self.device, self.attn_backend)
+        if config.max_model_len is not None:
+            self.model.limit_context(config.max_model_len)
         if self.device.type == "cpu":
             self.model.pack_weights()  # oneDNN's layout, once (see models.onednn)
         self.model_config = self.model.config

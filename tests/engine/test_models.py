@@ -299,7 +299,10 @@ def test_config_without_architectures_loads_by_model_type(
 def test_model_types_agree_with_transformers() -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    assert set(MODEL_TYPES) == {"llama", "mistral", "qwen2", "qwen3"}
+    assert set(MODEL_TYPES) == {
+        "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2",
+        "gemma3_text", "phi3",
+    }
     for model_type, architecture in MODEL_TYPES.items():
         assert MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type] == architecture
 
@@ -430,13 +433,33 @@ def test_architecture_quirks() -> None:
     assert qwen3.qk_norm and not qwen3.qkv_bias
 
 
-def test_sliding_window_caps_the_context() -> None:
-    mistral = _raw_config(architectures=["MistralForCausalLM"], sliding_window=128)
-    assert ModelConfig.from_hf_dict(mistral).max_position_embeddings == 128
+def test_sliding_windows_per_layer_and_the_full_context() -> None:
+    """A window no longer caps the context: each layer gets its window, as transformers sets
+    it (tests/engine/test_model_families.py runs the windowed models)."""
+    mistral = ModelConfig.from_hf_dict(
+        _raw_config(architectures=["MistralForCausalLM"], sliding_window=128)
+    )
+    assert mistral.max_position_embeddings == 512
+    assert mistral.layer_windows == (128, 128, 128)
     qwen_off = _raw_config(
         architectures=["Qwen2ForCausalLM"], sliding_window=128, use_sliding_window=False
     )
-    assert ModelConfig.from_hf_dict(qwen_off).max_position_embeddings == 512
+    assert ModelConfig.from_hf_dict(qwen_off).layer_windows == ()
+    qwen_on = _raw_config(
+        architectures=["Qwen2ForCausalLM"],
+        sliding_window=128,
+        use_sliding_window=True,
+        max_window_layers=1,
+    )
+    assert ModelConfig.from_hf_dict(qwen_on).layer_windows == (None, 128, 128)
+    gemma2 = _raw_config(
+        architectures=["Gemma2ForCausalLM"], sliding_window=64, hidden_activation="gelu_pytorch_tanh"
+    )
+    assert ModelConfig.from_hf_dict(gemma2).layer_windows == (64, None, 64)
+    typed = _raw_config(
+        sliding_window=8, layer_types=["full_attention", "sliding_attention", "full_attention"]
+    )
+    assert ModelConfig.from_hf_dict(typed).layer_windows == (None, 8, None)
 
 
 @pytest.mark.parametrize(

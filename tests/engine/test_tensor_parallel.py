@@ -39,6 +39,13 @@ VARIANTS = [
      {"num_key_value_heads": 1, "tie_word_embeddings": True, "vocab_size": 255}),
     ("qwen2-bias", "Qwen2ForCausalLM", {"tie_word_embeddings": False}),
     ("qwen3-qk-norm", "Qwen3ForCausalLM", {"tie_word_embeddings": False}),
+    # Sliding window + soft-caps over the sharded heads; experts replicated on every rank, the
+    # dense layer and the attention sharded.
+    ("gemma2-window-softcap", "Gemma2ForCausalLM",
+     {"sliding_window": 6, "attn_logit_softcapping": 1.5, "final_logit_softcapping": 3.0}),
+    ("qwen3-moe", "Qwen3MoeForCausalLM",
+     {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+      "norm_topk_prob": True, "mlp_only_layers": [1]}),
 ]
 
 # Step 1: a prompt and a prefill chunk; step 2: decode of the first, the next chunk of the
@@ -183,6 +190,13 @@ def test_sizes_that_do_not_split_are_refused_at_start(tiny_model_dir, overrides,
     path = tiny_model_dir("LlamaForCausalLM", **overrides)
     with pytest.raises(ValueError, match=re.escape(message)):
         ModelRunner(EngineConfig(model=str(path), num_blocks=8, tensor_parallel_size=ranks),
+                    str(path))
+
+
+def test_a_family_that_does_not_shard_is_refused_at_start(tiny_model_dir) -> None:
+    path = tiny_model_dir("Phi3ForCausalLM", pad_token_id=0)
+    with pytest.raises(ValueError, match="Phi3ForCausalLM runs on one rank only"):
+        ModelRunner(EngineConfig(model=str(path), num_blocks=8, tensor_parallel_size=2),
                     str(path))
 
 

@@ -97,7 +97,9 @@ def to_device(batch: Batch, dtype: torch.dtype) -> Batch:
     )
 
 
-def reference_attention(batch: Batch, scale: float) -> torch.Tensor:
+def reference_attention(
+    batch: Batch, scale: float, window: int | None = None, softcap: float | None = None
+) -> torch.Tensor:
     """The torch backend on float32 CPU copies of the (already rounded) inputs."""
     return TorchAttentionBackend().forward(
         batch.query.cpu().float(),
@@ -105,6 +107,8 @@ def reference_attention(batch: Batch, scale: float) -> torch.Tensor:
         batch.v_cache.cpu().float(),
         meta_to(batch.meta, "cpu"),
         scale,
+        window=window,
+        softcap=softcap,
     )
 
 
@@ -320,6 +324,62 @@ def test_prefill_matches_torch(case: str, dtype: torch.dtype) -> None:
     assert_close(run_prefill(batch, 0.25), reference_attention(batch, 0.25), dtype)
 
 
+# (window, softcap): Mistral-like windows (narrower than a block, a tile, several tiles, wider
+# than every context), Gemma 2's cap alone and with a window.
+WINDOW_CASES = [(1, None), (5, None), (37, None), (1000, None), (None, 2.0), (19, 0.5)]
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    ("window", "softcap", "dtype"),
+    [(w, c, torch.float32) for w, c in WINDOW_CASES] + [(19, 0.5, torch.bfloat16)],
+)
+def test_decode_window_and_softcap_match_torch(
+    window: int | None, softcap: float | None, dtype: torch.dtype
+) -> None:
+    seq_lens = [1, 16, 17, 45, 300]  # windows inside a tile, across tiles and splits
+    batch = make_batch(seq_lens, [1] * len(seq_lens), block_size=16, seed=6)
+    batch = to_device(batch, dtype)
+    expected = reference_attention(batch, 0.3, window, softcap)
+    m = batch.meta
+    for num_splits in (1, 3, None):  # None: planned from the window, not the whole context
+        out = paged_attention.paged_decode_attention(
+            batch.query, batch.k_cache, batch.v_cache, m.block_tables, m.context_lens, 0.3,
+            max_context_len=m.max_seqlen_k, num_splits=num_splits, window=window, softcap=softcap,
+        )  # fmt: skip
+        assert_close(out, expected, dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("window", "softcap"), WINDOW_CASES)
+@pytest.mark.parametrize("case", ["cached-prefix", "mixed-with-decodes", "several-row-tiles"])
+def test_prefill_window_and_softcap_match_torch(
+    case: str, window: int | None, softcap: float | None
+) -> None:
+    seq_lens, query_lens, block_size = PREFILL_CASES[case]
+    batch = make_batch(seq_lens, query_lens, block_size=block_size, num_heads=6, seed=7)
+    batch = to_device(batch, torch.float32)
+    m = batch.meta
+    out = paged_attention.paged_prefill_attention(
+        batch.query, batch.k_cache, batch.v_cache, m.block_tables, m.context_lens,
+        m.cu_seqlens_q, m.max_seqlen_q, 0.25, window=window, softcap=softcap,
+    )  # fmt: skip
+    assert_close(out, reference_attention(batch, 0.25, window, softcap), torch.float32)
+
+
+@needs_kernels
+def test_window_comparison_catches_an_off_by_one_window() -> None:
+    """The harness is sensitive: a window one key wider than the reference's fails."""
+    batch = to_device(make_batch([29, 32], [10, 1], block_size=8, seed=4), torch.float32)
+    m = batch.meta
+    out = paged_attention.paged_prefill_attention(
+        batch.query, batch.k_cache, batch.v_cache, m.block_tables, m.context_lens,
+        m.cu_seqlens_q, m.max_seqlen_q, 0.25, window=6,
+    )  # fmt: skip
+    with pytest.raises(AssertionError):
+        assert_close(out, reference_attention(batch, 0.25, window=5), torch.float32)
+
+
 @needs_kernels
 def test_comparison_catches_a_wrong_causal_offset() -> None:
     """The harness is sensitive: shifting every context by one (a mask off by one) fails."""
@@ -330,8 +390,10 @@ def test_comparison_catches_a_wrong_causal_offset() -> None:
 
 
 @needs_kernels
-def test_triton_backend_over_steps_matches_torch() -> None:
-    """store_kv + forward through real metadata: prefill, mixed chunk + decode, decode only."""
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (6, None), (None, 1.0)])
+def test_triton_backend_over_steps_matches_torch(window: int | None, softcap: float | None) -> None:
+    """store_kv + forward through real metadata: prefill, mixed chunk + decode, decode only
+    (with a sliding window and a soft-cap passed through the backend, as layers pass them)."""
     gen = torch.Generator().manual_seed(5)
     block_size, num_heads, num_kv_heads, head_dim = 8, 6, 2, 16
     shape = (12, block_size, num_kv_heads, head_dim)
@@ -352,9 +414,45 @@ def test_triton_backend_over_steps_matches_torch() -> None:
             dev = k_cache.device
             step_meta = meta_to(meta, dev)
             backend.store_kv(k.to(dev), v.to(dev), k_cache, v_cache, step_meta.slot_mapping)
-            outs[name] = backend.forward(q.to(dev), k_cache, v_cache, step_meta, 0.25).cpu()
+            outs[name] = backend.forward(
+                q.to(dev), k_cache, v_cache, step_meta, 0.25, window=window, softcap=softcap
+            ).cpu()
         assert_close(outs["triton"], outs["torch"], torch.float32)
         done = seq_lens
+
+
+@needs_kernels
+def test_gemma2_on_the_triton_backend_matches_the_torch_backend(tiny_model_dir) -> None:
+    """A whole model whose layers alternate a 6-token window and full attention, scores
+    soft-capped: prefill, a chunk over the cached prefix, then decodes, through the kernels."""
+    from services.engine.models.loader import load_model
+
+    path = tiny_model_dir(
+        "Gemma2ForCausalLM",
+        sliding_window=6,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=1.5,
+        final_logit_softcapping=3.0,
+    )
+    ids = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(0)).tolist()
+    logits = {}
+    for name, backend, dev in (
+        ("torch", TorchAttentionBackend(), "cpu"),
+        ("triton", TritonAttentionBackend(), DEVICE),
+    ):
+        model = load_model(path, device=dev, attn_backend=backend)
+        cfg = model.config
+        shape = (8, 8, cfg.num_kv_heads, cfg.head_dim)
+        kv = [(torch.zeros(shape, device=dev), torch.zeros(shape, device=dev)) for _ in range(2)]
+        outs, done = [], 0
+        for n in (17, 10, 1, 1, 1):
+            meta, positions = build_attention_metadata([[5, 1, 7, 2]], [done + n], [n], 8, dev)
+            with torch.inference_mode():
+                hidden = model(torch.tensor(ids[done : done + n], device=dev), positions, kv, meta)
+                outs.append(model.compute_logits(hidden).cpu())
+            done += n
+        logits[name] = torch.cat(outs)
+    assert_close(logits["triton"], logits["torch"], torch.float32)
 
 
 # ---------------------------------------------------------------------- RMSNorm

@@ -3,7 +3,9 @@
 Decode requests (one new token each) run the paged decode kernel, which reads keys and values
 straight from the cache through the block tables, with no gather into a padded copy; new K/V
 are written by the store kernel. Prefill requests take the torch backend's path (one SDPA call
-each over the gathered context).
+each over the gathered context). Layers with a sliding window or a logit soft-cap (Mistral,
+Gemma) take the torch backend's ``windowed`` path whole: the C++ kernel has neither (new K/V
+are still written by the store kernel).
 
 The kernels want each cache block stored head by head, with the keys transposed
 (``cpu_ops.cpp`` draws it), so this backend allocates the caches that way: the tensors the

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.attention.base import AttentionMetadata, allocate_plain_kv_cache
+from services.engine.attention.windowed import WindowedPlan, build_plan, windowed_attention
 
 # Decode batches at least this large (and float32) use the bag path; see the module docstring.
 BAG_PATH_MIN_SEQS = 4
@@ -109,6 +110,7 @@ class TorchAttentionBackend:
 
     def __init__(self) -> None:
         self._plan: _StepPlan | None = None
+        self._windowed: dict[int | None, WindowedPlan] = {}  # this step's, per window
 
     def allocate_kv_cache(
         self,
@@ -153,8 +155,15 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """Causal attention of every request's new queries over its whole paged context."""
+        """Causal attention of every request's new queries over its whole paged context, or
+        over the last ``window`` positions; ``softcap`` caps the scores (``windowed``)."""
+        if window is not None and meta.max_seqlen_k <= window:
+            window = None  # every query sees its whole context: plain causal attention
+        if window is not None or softcap is not None:
+            return self._windowed_forward(query, k_cache, v_cache, meta, scale, window, softcap)
         plan = self._plan_for(meta, query.device)
         if plan.num_tokens == 0:
             return torch.empty_like(query)
@@ -181,6 +190,25 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         """Attention of the step's single-token requests (``query``: ``[B, H, D]``)."""
         return _decode_attention(query, k_cache, v_cache, group, scale)
+
+    def _windowed_forward(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        if meta.max_seqlen_q == 0 or query.shape[0] == 0:
+            return torch.empty_like(query)
+        plan = self._windowed.get(window)
+        if plan is None or not plan.is_for(meta):
+            if any(not p.is_for(meta) for p in self._windowed.values()):
+                self._windowed.clear()  # a new step: the previous step's plans are stale
+            plan = self._windowed[window] = build_plan(meta, window, query.device)
+        return windowed_attention(query, k_cache, v_cache, plan, scale, softcap)
 
     def _plan_for(self, meta: AttentionMetadata, device: torch.device) -> _StepPlan:
         plan = self._plan

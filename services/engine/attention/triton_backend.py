@@ -50,6 +50,8 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         if meta.is_decode_only:
             return paged_attention.paged_decode_attention(
@@ -61,6 +63,8 @@ class TritonAttentionBackend:
                 scale,
                 max_context_len=meta.max_seqlen_k,
                 num_splits=meta.decode_num_splits,
+                window=window,
+                softcap=softcap,
             )
         return paged_attention.paged_prefill_attention(
             query,
@@ -71,4 +75,6 @@ class TritonAttentionBackend:
             meta.cu_seqlens_q,
             meta.max_seqlen_q,
             scale,
+            window=window,
+            softcap=softcap,
         )

@@ -27,6 +27,12 @@ Prefill, one program per (sequence, query head, tile of BLOCK_M new tokens). The
 the LAST q_len of the context, so row j sits at position ``context_len - q_len + j`` and sees
 keys ``0 ..`` that position; tiles past the row's diagonal are never loaded.
 
+Sliding window (Mistral, Gemma's local layers): a row at position p sees keys
+``p - window < k <= p``. Decode starts its splits at the window's first key, rounded down to a
+tile (earlier keys of that tile are masked), so a long context costs ``window`` keys; prefill
+starts each row tile's key loop at its first row's window and masks per row. Soft-capping
+(Gemma 2): ``cap * tanh(scores / cap)`` on the scaled scores, before the mask.
+
 The torch reference is ``TorchAttentionBackend.forward``. The wrappers validate nothing per
 call: the caches are checked once when allocated and each step's metadata once before the model
 runs (``attention.contract``); only the asserts that guard memory the kernels index remain.
@@ -122,6 +128,12 @@ def decode_num_splits(
 if triton is not None:
 
     @triton.jit
+    def _soft_cap(s, cap):
+        """``cap * tanh(s / cap)``; tanh through the sigmoid (the interpreter has no libdevice).
+        Scores are in the base-2 domain and ``cap`` was scaled alike, so capping commutes."""
+        return cap * (2.0 * tl.sigmoid(2.0 * s / cap) - 1.0)
+
+    @triton.jit
     def _tile_rows(
         table_ptr,  # the sequence's row of the block table
         start,  # the tile's first position, a multiple of BLOCK_N
@@ -160,6 +172,8 @@ if triton is not None:
         block_tables_ptr,
         context_lens_ptr,
         qk_scale,  # softmax scale * log2(e)
+        softcap,  # the logit soft-cap * log2(e) (read only when SOFTCAP)
+        window,  # sliding window: keys p - window < k <= p; 0 = the whole context
         num_splits,
         q_stride_t,
         q_stride_h,
@@ -173,6 +187,7 @@ if triton is not None:
         GROUP: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         PARTIALS: tl.constexpr,  # num_splits > 1: write partials for the merge kernel
+        SOFTCAP: tl.constexpr,
         BLOCK_G: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
@@ -183,8 +198,11 @@ if triton is not None:
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         ctx_len = tl.load(context_lens_ptr + seq)
-        split_len = tl.cdiv(tl.cdiv(ctx_len, num_splits), BLOCK_N) * BLOCK_N
-        lo = split * split_len
+        # The window's first key; splits and tiles start on BLOCK_N multiples below it.
+        first = tl.where(window > 0, tl.maximum(ctx_len - window, 0), 0)
+        base = first // BLOCK_N * BLOCK_N
+        split_len = tl.cdiv(tl.cdiv(ctx_len - base, num_splits), BLOCK_N) * BLOCK_N
+        lo = base + split * split_len
         hi = tl.minimum(lo + split_len, ctx_len)
 
         g = tl.arange(0, BLOCK_G)
@@ -211,7 +229,7 @@ if triton is not None:
             rows = _tile_rows(
                 table_ptr, start, hi, cache_stride_b, cache_stride_s, BLOCK_SIZE, BLOCK_N
             )
-            valid = start + n < hi
+            valid = (start + n < hi) & (start + n >= first)
             offs = rows[:, None] + head_offs[None, :]
             nd_mask = valid[:, None] & d_mask[None, :]
             # V is requested with K, before the scores: both tiles' latencies overlap.
@@ -221,7 +239,10 @@ if triton is not None:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            # Every tile holds a valid key, so m_new is finite and masked keys weigh exp2(-inf).
+            if SOFTCAP:
+                s = _soft_cap(s, softcap)
+            # Every tile holds a valid key (the first tile of split 0 holds `first`), so m_new
+            # is finite and masked keys weigh exp2(-inf).
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
@@ -284,6 +305,8 @@ if triton is not None:
         context_lens_ptr,
         cu_seqlens_q_ptr,
         qk_scale,  # softmax scale * log2(e)
+        softcap,  # the logit soft-cap * log2(e) (read only when SOFTCAP)
+        window,  # sliding window: keys p - window < k <= p; 0 = the whole context
         q_stride_t,
         q_stride_h,
         o_stride_t,
@@ -300,6 +323,7 @@ if triton is not None:
         BLOCK_D: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         UPCAST_DOT: tl.constexpr,
+        SOFTCAP: tl.constexpr,
     ):
         seq = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
@@ -329,7 +353,10 @@ if triton is not None:
             acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
             # Keys past the tile's last row are invisible to the whole tile.
             hi = tl.minimum(ctx_len, ctx_len - q_len + tile_start + BLOCK_M)
-            for start in range(0, hi, BLOCK_N):
+            # Keys before the tile's first row's window are invisible to the whole tile.
+            lo = tl.where(window > 0, tl.maximum(ctx_len - q_len + tile_start - window + 1, 0), 0)
+            lo = lo // BLOCK_N * BLOCK_N
+            for start in range(lo, hi, BLOCK_N):
                 pos = start + n
                 valid = pos < hi
                 block = tl.load(
@@ -342,13 +369,18 @@ if triton is not None:
                 if UPCAST_DOT:
                     k = k.to(tl.float32)
                 s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+                if SOFTCAP:
+                    s = _soft_cap(s, softcap)
                 visible = (pos[None, :] <= q_pos[:, None]) & valid[None, :]
+                in_window = (pos[None, :] > q_pos[:, None] - window) | (window == 0)
+                visible = visible & in_window
                 s = tl.where(visible, s, float("-inf"))
-                # Key 0 is in the first tile and visible to every row, so m_new is finite
-                # from the first tile on and fully masked rows of later tiles add exp2(-inf)=0.
+                # A row may see no key of a tile (before its window, or past its diagonal):
+                # its max stays -inf, and subtracting 0 instead keeps exp2 at 0, not NaN.
                 m_new = tl.maximum(m_i, tl.max(s, axis=1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
+                m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+                alpha = tl.exp2(m_i - m_safe)
+                p = tl.exp2(s - m_safe[:, None])
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 v = tl.load(v_cache_ptr + offs, mask=nd_mask, other=0.0)
                 if UPCAST_DOT:
@@ -357,7 +389,8 @@ if triton is not None:
                 acc = acc * alpha[:, None] + pv
                 m_i = m_new
 
-            out = acc / l_i[:, None]
+            # Padding rows past a window may have seen nothing (l_i = 0); they are not stored.
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             o_offs = tok[:, None] * o_stride_t + head * o_stride_h + d[None, :]
             tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=md_mask)
 
@@ -377,8 +410,11 @@ def paged_decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Attention of one new query per sequence over its whole paged context.
+    """Attention of one new query per sequence over its whole paged context (or its last
+    ``window`` positions), its scores soft-capped at ``softcap`` when given.
 
     ``query``: ``[num_seqs, num_heads, head_dim]`` (unit stride over head_dim);
     ``block_tables``: ``[num_seqs, max_blocks]``; ``context_lens``: ``[num_seqs]`` (the new
@@ -401,18 +437,25 @@ def paged_decode_attention(
     if num_splits is None:
         if max_context_len is None:
             max_context_len = block_tables.shape[1] * block_size
+        if window is not None:  # the keys a sequence reads, its first tile aligned down
+            max_context_len = min(max_context_len, window + cfg.block_n)
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_context_len, config=cfg)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    extras = (window, softcap)
     if num_splits == 1:
-        _launch_decode(query, k_cache, v_cache, block_tables, context_lens, scale, out, None, cfg)
+        _launch_decode(
+            query, k_cache, v_cache, block_tables, context_lens, scale, out, None, cfg, extras
+        )
         return out
     # Allocated per call: under CUDA graph capture these come from the graph's memory pool.
     part = query.new_empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32)
     max_buf = query.new_empty((num_seqs, num_heads, num_splits), dtype=torch.float32)
     sum_buf = torch.empty_like(max_buf)
     partials = (part, max_buf, sum_buf)
-    _launch_decode(query, k_cache, v_cache, block_tables, context_lens, scale, out, partials, cfg)
+    _launch_decode(
+        query, k_cache, v_cache, block_tables, context_lens, scale, out, partials, cfg, extras
+    )
     _merge_splits_kernel[(num_seqs, num_heads)](
         out,
         part,
@@ -438,10 +481,13 @@ def _launch_decode(
     out: torch.Tensor,
     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     cfg: DecodeConfig,
+    extras: tuple[int | None, float | None],
 ) -> None:
     """One decode launch: into ``out``, or into ``partials`` (accumulators [T, H, S, D], maxes
     and sums [T, H, S]) for the merge kernel. ``out``'s strides are passed either way (unused
-    with partials), so the split count never changes an integer Triton specialises on."""
+    with partials), so the split count never changes an integer Triton specialises on.
+    ``extras``: the sliding window and the logit soft-cap (None: off)."""
+    window, softcap = extras
     dest, max_buf, sum_buf = partials or (out, out, out)
     num_splits = dest.shape[2] if partials else 1
     num_seqs, num_heads, head_dim = query.shape
@@ -458,6 +504,8 @@ def _launch_decode(
         block_tables,
         context_lens,
         scale * _LOG2E,
+        (softcap or 1.0) * _LOG2E,
+        window or 0,
         num_splits,
         query.stride(0),
         query.stride(1),
@@ -471,6 +519,7 @@ def _launch_decode(
         GROUP=group,
         HEAD_DIM=head_dim,
         PARTIALS=num_splits > 1,
+        SOFTCAP=softcap is not None,
         # tl.dot needs >= 16 rows; the padding rows cost no memory traffic.
         BLOCK_G=_query_rows(group),
         BLOCK_N=cfg.block_n,
@@ -493,8 +542,12 @@ def paged_prefill_attention(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new queries (the last ``q_len`` of its context).
+    """Causal attention of each sequence's new queries (the last ``q_len`` of its context),
+    within the last ``window`` positions of each query when given, the scores soft-capped at
+    ``softcap`` when given.
 
     ``query``: ``[num_tokens, num_heads, head_dim]`` flattened over sequences, split by
     ``cu_seqlens_q`` (``[num_seqs + 1]``); ``max_seqlen_q`` (host int) sizes the grid. Handles
@@ -523,6 +576,8 @@ def paged_prefill_attention(
         context_lens,
         cu_seqlens_q,
         scale * _LOG2E,
+        (softcap or 1.0) * _LOG2E,
+        window or 0,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -539,6 +594,7 @@ def paged_prefill_attention(
         BLOCK_D=block_d,
         DOT_PRECISION=precision,
         UPCAST_DOT=upcast,
+        SOFTCAP=softcap is not None,
     )
     return out
 

@@ -1,4 +1,8 @@
-"""Model implementations (Llama, Mistral, Qwen2, Qwen3), the config, the loader, the default model.
+"""Model implementations, the config, the loader, the default model.
+
+Llama, Mistral, Qwen2 and Qwen3 are switches on one decoder (``llama``); Mixtral and the Qwen
+MoE models (``moe``), Gemma 2/3 (``gemma``) and Phi-3 (``phi3``) reuse its pieces. The registry
+lists them all.
 
 The model runner needs only::
 

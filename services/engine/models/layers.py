@@ -54,6 +54,17 @@ class CausalLM(nn.Module):
     def reset_buffers(self) -> None:
         """Recomputes non-persistent buffers (after ``to_empty`` from the meta device)."""
 
+    def checkpoint_name(self, name: str) -> str:
+        """The name a checkpoint tensor has in our layout (e.g. Mixtral's block_sparse_moe)."""
+        return name
+
+    def after_load(self) -> None:
+        """Adjusts loaded weights once, before the model runs (e.g. Gemma's 1 + norm weight)."""
+
+    def limit_context(self, max_model_len: int) -> None:
+        """The engine serves at most ``max_model_len`` tokens per sequence (Phi-3's longrope
+        picks its factors by it)."""
+
     def pack_weights(self) -> None:
         """Packs every projection for oneDNN (CPU); a no-op where packing does not apply."""
         for module in self.modules():
@@ -201,6 +212,8 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
         return _llama3_scale(inv_freq, rope)
+    if rope.rope_type == "longrope":
+        raise ValueError("longrope needs its own table (models.phi3.LongRopeEmbedding)")
     return inv_freq
 
 
@@ -244,13 +257,8 @@ class RotaryEmbedding(nn.Module):
     def reset_cache(self) -> None:
         if self.cos_sin.is_meta:
             return  # filled after the model is materialised on its device
-        device = self.cos_sin.device
-        inv_freq = rope_inv_freq(self.head_dim, self.rope).to(device)
-        positions = torch.arange(self.max_positions, device=device, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]  # float32, as the HF reference
-        cos, sin = freqs.cos(), freqs.sin()
-        table = torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)), dim=1)
-        self.cos_sin.copy_(table)
+        inv_freq = rope_inv_freq(self.head_dim, self.rope)
+        self.cos_sin.copy_(cos_sin_table(inv_freq, self.max_positions, self.cos_sin.device))
 
     def forward(self, positions: torch.Tensor) -> RopeStep:
         """The rotation of one step's tokens (shared by every layer of the step)."""
@@ -262,6 +270,17 @@ class RotaryEmbedding(nn.Module):
             return RopeStep(positions, self.cos_sin)  # the kernel reads the table in place
         cs = self.cos_sin.index_select(0, positions)
         return RopeStep(positions, self.cos_sin, cs[:, 0:1], cs[:, 1:2])
+
+
+def cos_sin_table(
+    inv_freq: torch.Tensor, num_positions: int, device: torch.device, scale: float = 1.0
+) -> torch.Tensor:
+    """``[num_positions, 2, head_dim]``: cos and signed sin (``RotaryEmbedding``'s layout),
+    times ``scale`` (longrope's attention factor), computed in float32 as the HF reference."""
+    positions = torch.arange(num_positions, device=device, dtype=torch.float32)
+    freqs = positions[:, None] * inv_freq.to(device)[None, :]
+    cos, sin = freqs.cos() * scale, freqs.sin() * scale
+    return torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)), dim=1)
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,7 +59,9 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.qkv_proj.q_size
         self.qk_size = self.q_size + self.qkv_proj.kv_size  # q and k are roped together
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attn_scale
+        self.window: int | None = None  # this layer's sliding window; set by the model
+        self.softcap = config.attn_logit_softcap
         self.backend = attn_backend
         self.o_proj = RowParallelLinear(
             config.q_size, config.hidden_size, bias=config.o_proj_bias, dtype=dtype
@@ -90,7 +92,9 @@ class LlamaAttention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         k_cache, v_cache = kv_cache
         self.backend.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = self.backend.forward(q, k_cache, v_cache, meta, self.scale)
+        out = self.backend.forward(
+            q, k_cache, v_cache, meta, self.scale, window=self.window, softcap=self.softcap
+        )
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -151,6 +155,8 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope, dtype
         )
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.window = config.window(i)
 
     def forward(
         self,
@@ -173,6 +179,8 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(CausalLM):
     """Llama / Mistral / Qwen2 / Qwen3 causal LM over a flattened batch with a paged KV cache."""
 
+    model_class: type[nn.Module] = LlamaModel  # the decoder stack (other families swap it)
+
     def __init__(
         self,
         config: ModelConfig,
@@ -181,7 +189,7 @@ class LlamaForCausalLM(CausalLM):
     ) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, attn_backend, dtype)
+        self.model = self.model_class(config, attn_backend, dtype)
         self.lm_head: VocabParallelEmbedding | ParallelLMHead
         if config.tie_word_embeddings:
             # The same module: one weight in memory, listed once by named_parameters().

@@ -65,6 +65,7 @@ def load_model(
     model = model.to_empty(device=torch.device(device))
     model.reset_buffers()
     num_tensors = load_weights(model, path)
+    model.after_load()
     model.eval()
     logger.info(
         "loaded %s (%s) from %s: %d tensors, dtype=%s, device=%s in %.2fs",
@@ -97,7 +98,8 @@ def load_weights(model: CausalLM, path: Path) -> int:
     tied = model.config.tie_word_embeddings
     filled: set[str] = set()
     count = 0
-    for name, file in _iter_checkpoint(path):
+    for stored, file in _iter_checkpoint(path):
+        name = model.checkpoint_name(stored)  # a family's checkpoint layout -> the model's
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue  # some tied checkpoints store the head anyway; ours is the embedding
         slot = slots.get(name)
@@ -105,9 +107,9 @@ def load_weights(model: CausalLM, path: Path) -> int:
             raise ValueError(f"checkpoint tensor {name!r} has no matching model parameter")
         target = params[slot.param].narrow(0, slot.offset, slot.rows)
         if slot.shard is None:
-            tensor = file.get_tensor(name)
+            tensor = file.get_tensor(stored)
         else:
-            tensor, target = _read_shard(file, name, slot.shard, target)
+            tensor, target = _read_shard(file, stored, slot.shard, target)
         if not _fits(tensor.shape, target.shape):
             raise ValueError(
                 f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "

@@ -9,8 +9,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from services.engine.models.gemma import GemmaForCausalLM
 from services.engine.models.layers import CausalLM
 from services.engine.models.llama import LlamaForCausalLM
+from services.engine.models.moe import MixtralForCausalLM, QwenMoeForCausalLM
+from services.engine.models.phi3 import Phi3ForCausalLM
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,14 +26,40 @@ class ArchSpec:
     qkv_bias: bool | None = None
     o_proj_bias: bool | None = None
     qk_norm: bool = False
+    activation: str = "silu"  # the one MLP activation the implementation computes
+    # Without layer_types in config.json: every pattern-th layer is global, the others slide
+    # (Gemma); 0 = a sliding_window applies to every layer.
+    sliding_pattern: int = 0
+    # Shardable over ranks (services/engine/parallel); Phi-3's checkpoint fuses q/k/v rows in
+    # one tensor, which the per-rank slice reader does not split yet.
+    tensor_parallel: bool = True
 
 
-# Llama, Mistral, Qwen2 and Qwen3 share one decoder; they differ only in these switches.
+_GELU = "gelu_pytorch_tanh"
+
+# Llama, Mistral, Qwen2 and Qwen3 share one decoder; they differ only in these switches. The
+# other families reuse its attention and layers in modules of their own.
 ARCHITECTURES: dict[str, ArchSpec] = {
     "LlamaForCausalLM": ArchSpec(LlamaForCausalLM, "llama"),
     "MistralForCausalLM": ArchSpec(LlamaForCausalLM, "mistral", qkv_bias=False, o_proj_bias=False),
     "Qwen2ForCausalLM": ArchSpec(LlamaForCausalLM, "qwen2", qkv_bias=True, o_proj_bias=False),
     "Qwen3ForCausalLM": ArchSpec(LlamaForCausalLM, "qwen3", qk_norm=True),
+    "MixtralForCausalLM": ArchSpec(
+        MixtralForCausalLM, "mixtral", qkv_bias=False, o_proj_bias=False
+    ),
+    "Qwen2MoeForCausalLM": ArchSpec(
+        QwenMoeForCausalLM, "qwen2_moe", qkv_bias=True, o_proj_bias=False
+    ),
+    "Qwen3MoeForCausalLM": ArchSpec(QwenMoeForCausalLM, "qwen3_moe", qk_norm=True),
+    "Gemma2ForCausalLM": ArchSpec(
+        GemmaForCausalLM, "gemma2", activation=_GELU, sliding_pattern=2
+    ),
+    "Gemma3ForCausalLM": ArchSpec(
+        GemmaForCausalLM, "gemma3_text", qk_norm=True, activation=_GELU, sliding_pattern=6
+    ),
+    "Phi3ForCausalLM": ArchSpec(
+        Phi3ForCausalLM, "phi3", qkv_bias=False, o_proj_bias=False, tensor_parallel=False
+    ),
 }
 
 # model_type -> architecture, for configs that name no architecture.

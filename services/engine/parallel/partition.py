@@ -29,7 +29,11 @@ def check_sizes(config: ModelConfig, size: int) -> None:
     """Raises ValueError, naming the numbers, when the model cannot be split ``size`` ways."""
     if size == 1:
         return
+    from services.engine.models.registry import get_arch_spec  # it imports the models
+
     where = f"tensor_parallel_size={size}"
+    if not get_arch_spec(config.architecture).tensor_parallel:
+        raise ValueError(f"{where}: {config.architecture} runs on one rank only (use 1)")
     if config.num_heads % size:
         raise ValueError(
             f"{where} must divide the model's {config.num_heads} attention heads "
