@@ -15,6 +15,8 @@ from services.engine.model_runner import ModelRunner
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import make_generator
 from services.engine.scheduler import Scheduler
+from services.engine.structured.compiler import GrammarCompiler
+from services.engine.structured.masks import GrammarState
 from services.protocol.block_hash import BlockHasher, HashAlgorithm
 from services.protocol.engine_api import BadRequest, TokenLogprobs
 from services.protocol.kv_events import KVEvent
@@ -81,6 +83,7 @@ class LLMEngine:
             self.max_model_len,
         )
         self.requests: dict[str, Request] = {}
+        self.grammars = GrammarCompiler(str(model_path), mc.vocab_size, self.eos_token_ids)
         self._hashers: dict[str | None, BlockHasher] = {}
 
     def _resolve_max_model_len(self, model_limit: int) -> int:
@@ -119,6 +122,10 @@ class LLMEngine:
         if request_id in self.requests:
             raise BadRequest(f"request_id {request_id!r} is already in the engine", "request_id")
         max_tokens = self.check_request(prompt_token_ids, params)
+        grammar = None
+        if params.structured_outputs is not None:  # a cache hit when the server compiled it
+            compiled = self.grammars.compile(params.structured_outputs)
+            grammar = GrammarState(compiled, self.eos_token_ids)
         req = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -127,6 +134,7 @@ class LLMEngine:
             max_tokens=max_tokens,
             eos_token_ids=self.eos_token_ids,
             generator=None if params.seed is None else make_generator(params.seed, self.runner.device),
+            grammar=grammar,
         )
         self.requests[request_id] = req
         self.scheduler.add(req)

@@ -27,6 +27,7 @@ from services.engine.models.onednn import ROW_BUCKETS
 from services.engine.sampler import Sampler, SamplerOutput, SamplingRequest
 from services.engine.scheduler import SchedulerOutput
 from services.engine.step_buffers import StagedStep, StepBuffers
+from services.engine.structured.masks import TokenMasker
 from services.protocol.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class ModelRunner:
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         self.sampler = Sampler()
+        self.masker: TokenMasker | None = None
         self.buffers: StepBuffers | None = None
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cpu":
@@ -211,6 +213,8 @@ class ModelRunner:
             return StepResult(SamplerOutput(token_ids=[], logprobs=[]))
         logits = self.model.compute_logits(hidden if last is None else hidden.index_select(0, last))
         reqs = [sched.scheduled[i].request for i in rows]
+        if any(r.grammar is not None for r in reqs):  # structured outputs: before sampling
+            self._token_masker().apply(logits, [r.grammar for r in reqs])
         sampling_rows = [
             SamplingRequest(
                 params=r.params,
@@ -222,6 +226,11 @@ class ModelRunner:
             for r in reqs
         ]
         return StepResult(self.sampler(logits, sampling_rows))
+
+    def _token_masker(self) -> TokenMasker:
+        if self.masker is None:  # only engines that meet a constrained request pay for it
+            self.masker = TokenMasker(self.model_config.vocab_size, self.config.max_num_seqs)
+        return self.masker
 
     def _forward_cpu(self, input_ids, block_tables, seq_lens, query_lens, rows):
         """Returns the hidden states and the rows of them that get logits."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.engine.structured.masks import GrammarState
 from services.protocol.block_hash import BlockHash, BlockHasher
 from services.protocol.sampling_params import SamplingParams
 
@@ -55,6 +56,7 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None
+    grammar: GrammarState | None = None  # structured outputs: where the output is in its grammar
     # Timestamps (monotonic seconds) for metrics and traces.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
