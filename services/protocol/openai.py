@@ -13,6 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.protocol.openai_structured import (
+    Constraint,
+    FieldError,
+    check_tool_messages,
+    parse_constraint,
+)
 from services.protocol.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
 
 # -- limits ---------------------------------------------------------------------------------
@@ -87,7 +93,7 @@ _SAMPLING_FIELDS = {
     "include_stop_str_in_output": "boolean",
     "n": "integer",
 }
-_UNSUPPORTED = ("suffix", "logit_bias", "tools", "tool_choice", "functions", "response_format")
+_UNSUPPORTED = ("suffix", "logit_bias", "functions")
 
 
 @dataclass(slots=True)
@@ -106,6 +112,8 @@ class GenerationRequest:
     cache_salt: str | None = None
     user: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # response_format / structured_outputs / tools: what the engine enforces, and the tools
+    constraint: Constraint = field(default_factory=Constraint)
 
 
 def parse_completion_request(body: Any) -> GenerationRequest:
@@ -113,13 +121,15 @@ def parse_completion_request(body: Any) -> GenerationRequest:
     model = _model(body)
     prompts = _prompts(body.get("prompt"))
     logprobs = _opt_int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
-    params = _sampling_params(body, _max_tokens(body, "max_tokens"), logprobs)
+    constraint = _constraint(body, chat=False)
+    params = _sampling_params(body, _max_tokens(body, "max_tokens"), logprobs, constraint)
     return GenerationRequest(
         kind="completion",
         model=model,
         params=params,
         prompts=prompts,
         echo=_opt_bool(body, "echo", False),
+        constraint=constraint,
         **_common(body),
     )
 
@@ -135,7 +145,8 @@ def parse_chat_request(body: Any) -> GenerationRequest:
     max_tokens = _max_tokens(body, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = _max_tokens(body, "max_tokens")
-    params = _sampling_params(body, max_tokens, (top or 0) if want_logprobs else None)
+    constraint = _constraint(body, chat=True)
+    params = _sampling_params(body, max_tokens, (top or 0) if want_logprobs else None, constraint)
     kwargs = body.get("chat_template_kwargs")
     kwargs = {} if kwargs is None else kwargs
     if not isinstance(kwargs, dict):
@@ -147,8 +158,18 @@ def parse_chat_request(body: Any) -> GenerationRequest:
         messages=messages,
         top_logprobs=top if want_logprobs else None,
         chat_template_kwargs=kwargs,
+        constraint=constraint,
         **_common(body),
     )
+
+
+def _constraint(body: dict[str, Any], chat: bool) -> Constraint:
+    try:
+        if chat:
+            check_tool_messages(body["messages"])
+        return parse_constraint(body, chat)
+    except FieldError as exc:
+        raise OpenAIError(str(exc), param=exc.param) from None
 
 
 def _require_object(body: Any) -> dict[str, Any]:
@@ -308,9 +329,12 @@ def _shown(value: Any) -> str:
 
 
 def _sampling_params(
-    body: dict[str, Any], max_tokens: int | None, logprobs: int | None
+    body: dict[str, Any], max_tokens: int | None, logprobs: int | None,
+    constraint: Constraint | None = None,
 ) -> SamplingParams:
     kwargs: dict[str, Any] = {"max_tokens": max_tokens, "logprobs": logprobs}
+    if constraint is not None and constraint.params is not None:
+        kwargs["structured_outputs"] = constraint.params
     for name, kind in _SAMPLING_FIELDS.items():
         value = body.get(name)
         if value is None:
