@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import random
+import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -107,8 +109,6 @@ def test_json_object_regex_choice_grammar_in_both_apis(ready: Stack) -> None:
     cases = [({"regex": r"[0-9]{3}-[0-9]{4}"}, r"^\d{3}-\d{4}$"),
              ({"choice": ["yes", "no", "maybe"]}, r"^(yes|no|maybe)$"),
              ({"grammar": 'root ::= "The answer is " [0-9]+ "."'}, r"^The answer is \d+\.$")]
-    import re
-
     for spec, pattern in cases:
         comp = c.completions.create(model=MODEL, prompt="Answer:", max_tokens=30, temperature=1,
                                     seed=5, extra_body={"structured_outputs": spec})
@@ -194,8 +194,8 @@ def test_tool_choice_required_always_yields_valid_calls(ready: Stack, parallel: 
                                          {"type": "function", "function": {"name": "get_time"}}])
 def test_streamed_tool_calls_reassemble_to_the_whole_response(ready: Stack, tool_choice) -> None:
     c = client(ready)
-    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=tool_choice,
-              max_tokens=200, temperature=0)
+    kw: dict[str, Any] = {"model": MODEL, "messages": ASK, "tools": [WEATHER, TIME],
+                          "tool_choice": tool_choice, "max_tokens": 200, "temperature": 0}
     whole = c.chat.completions.create(**kw).choices[0]
     content, calls, finish = reassemble(c.chat.completions.create(stream=True, **kw))
     assert finish == whole.finish_reason == ("tool_calls" if tool_choice == "required" else "stop")
@@ -225,7 +225,7 @@ def hermes_gateway(ready: Stack, default_model_path) -> ServiceProcess:
     gw = ServiceProcess("services.gateway", [
         "--host", "127.0.0.1", "--router-url", ready.router.url,
         "--model", f"{MODEL}={default_model_path}", "--engines-refresh", "0.5",
-        "--tool-call-parser", "hermes"]).start()
+        "--tool-call-parser", "hermes", "--shutdown-grace", "1"]).start()
     yield gw
     gw.stop()
 
@@ -243,11 +243,10 @@ def test_auto_tool_choice_parses_hermes_calls_streaming_too(
             c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1)
             break
         except openai.APIStatusError:
-            import time
-
             time.sleep(0.2)
-    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=100, temperature=0,
-              extra_body={"structured_outputs": {"choice": [forced]}})
+    kw: dict[str, Any] = {"model": MODEL, "messages": ASK, "tools": [WEATHER],
+                          "max_tokens": 100, "temperature": 0,
+                          "extra_body": {"structured_outputs": {"choice": [forced]}}}
     whole = c.chat.completions.create(**kw).choices[0]
     assert whole.finish_reason == "tool_calls"
     assert whole.message.content == "Checking.\n"
@@ -261,3 +260,4 @@ def test_auto_tool_choice_parses_hermes_calls_streaming_too(
     plain = c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=8,
                                       temperature=0)
     assert plain.choices[0].finish_reason in ("stop", "length")
+    c.close()

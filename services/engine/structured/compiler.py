@@ -86,9 +86,9 @@ def _compile(compiler: Any, spec: StructuredOutputsParams) -> Any:
     kind = spec.kind
     if kind == "json":
         _check_schema(spec.json)
-        return compiler.compile_json_schema(spec.json, **_layout(spec))
+        return _compile_schema(compiler, spec.json, spec)
     if kind == "json_object":
-        return compiler.compile_json_schema('{"type": "object"}', **_layout(spec))
+        return _compile_schema(compiler, '{"type": "object"}', spec)
     if kind == "regex":
         return compiler.compile_regex(spec.regex)
     if kind == "choice":
@@ -99,6 +99,20 @@ def _compile(compiler: Any, spec: StructuredOutputsParams) -> Any:
         return compiler.compile_grammar(spec.grammar)
     except Exception:  # noqa: BLE001
         return compiler.compile_lark(spec.grammar)
+
+
+# xgrammar 0.2.9 writes a string with maxLength/minLength as characters of [^"\\\r\n]: raw
+# control characters (which JSON forbids, and json.loads refuses) and no escapes. Its own
+# unbounded-string rule excludes them; the bounded one is given the same class.
+_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+
+
+def _compile_schema(compiler: Any, schema: str, spec: StructuredOutputsParams) -> Any:
+    import xgrammar as xgr
+
+    ebnf = str(xgr.Grammar.from_json_schema(schema, **_layout(spec)))
+    return compiler.compile_grammar(ebnf.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
 
 
 def _layout(spec: StructuredOutputsParams) -> dict[str, Any]:
