@@ -126,3 +126,21 @@ def test_bad_specs_are_bad_requests_naming_structured_outputs(llm: LLM) -> None:
         with pytest.raises(ValueError, match="structured_outputs"):
             SamplingParams(structured_outputs=bad)
     assert llm.engine.requests == {}
+
+
+def test_compiles_off_the_loop_are_cached_and_bounded_in_time(llm: LLM, monkeypatch) -> None:
+    import asyncio
+
+    from services.engine.structured import compiler
+
+    grammars = llm.engine.grammars
+    spec = SO(json={"type": "object", "properties": {"slow": {"type": "string",
+                                                               "pattern": "^[a-z]{3,40}$"}}})
+    monkeypatch.setattr(compiler, "COMPILE_TIMEOUT_S", 1e-6)
+    with pytest.raises(BadRequest, match="to compile") as exc:
+        asyncio.run(grammars.compile_async(spec))
+    assert exc.value.param == "structured_outputs"
+    fast = SO(regex="[0-9]+")
+    monkeypatch.setattr(compiler, "COMPILE_TIMEOUT_S", 30.0)
+    asyncio.run(grammars.compile_async(fast))
+    assert grammars.compile(fast) is grammars.compile(SO(regex="[0-9]+"))  # one cache entry

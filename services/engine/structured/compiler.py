@@ -8,12 +8,14 @@ compiler refuses raises ``BadRequest`` naming ``structured_outputs``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from services.protocol.engine_api import BadRequest
@@ -22,6 +24,10 @@ from services.protocol.structured_outputs import StructuredOutputsParams
 logger = logging.getLogger(__name__)
 
 _CACHE_SIZE = 512  # compiled grammars kept (most are a few hundred KB at most)
+_COMPILE_THREADS = 4  # concurrent compiles of different specs (xgrammar releases the GIL)
+# A spec that takes longer is refused (a 400): it would hold a compile thread for that long for
+# every client that sends it. Measured: a 40-object, 600-property schema compiles in ~2 s.
+COMPILE_TIMEOUT_S = 30.0
 _PARAM = "structured_outputs"
 
 
@@ -35,6 +41,22 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._compiler: Any = None
         self._cache: OrderedDict[tuple, Any] = OrderedDict()
+        self._pool: ThreadPoolExecutor | None = None
+
+    async def compile_async(self, spec: StructuredOutputsParams) -> None:
+        """Compiles ``spec`` into the cache on a compile thread (the engine server's path, so
+        the step loop and the event loop never wait for a compile)."""
+        with self._lock:
+            if spec.key() in self._cache:
+                return
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="grammar")
+        future = asyncio.get_running_loop().run_in_executor(self._pool, self.compile, spec)
+        try:
+            await asyncio.wait_for(asyncio.shield(future), COMPILE_TIMEOUT_S)
+        except TimeoutError:
+            raise BadRequest(f"{_PARAM}.{spec.kind} took more than {COMPILE_TIMEOUT_S:g} s to "
+                             "compile; simplify it", _PARAM) from None
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
         """The compiled grammar of ``spec`` (from the cache when it was compiled before)."""
