@@ -8,5 +8,7 @@ AVX-512 CPU): tokenizer index 94 ms (llguidance 268 ms); compiling the schema 9.
 its thread pool, 1.5 ms without). Compilation is off the step loop and cached either way, so
 the per-step mask cost decides; xgrammar is also what vLLM and SGLang use. Its CPU
 ``apply_token_bitmask_inplace`` took 7.4 ms for 64 rows, so the masks are applied with our
-own torch code instead (``masks.apply_token_masks``).
+own numpy/torch code instead (``masks.TokenMasker``). With half of a 64-request batch under a
+JSON schema, the masks and matchers cost 4.9 ms per step, 2.0% of an all-free run's time
+(``benchmarks/structured_throughput.py``).
 """
