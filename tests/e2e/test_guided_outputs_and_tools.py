@@ -1,5 +1,6 @@
 """Structured outputs and tool calling through real processes and the default model: the
-official openai client -> gateway -> router -> engines, grammars compiled and enforced there."""
+official openai client -> gateway -> router -> engines, grammars compiled and enforced there.
+Named to run before test_stack.py, whose last test kills an engine of the shared stack."""
 
 from __future__ import annotations
 
