@@ -144,3 +144,42 @@ def test_compiles_off_the_loop_are_cached_and_bounded_in_time(llm: LLM, monkeypa
     monkeypatch.setattr(compiler, "COMPILE_TIMEOUT_S", 30.0)
     asyncio.run(grammars.compile_async(fast))
     assert grammars.compile(fast) is grammars.compile(SO(regex="[0-9]+"))  # one cache entry
+
+
+def test_a_slow_compile_runs_beside_the_event_loop_and_the_steps(llm: LLM) -> None:
+    """A schema that takes seconds to compile: the event loop keeps ticking and the engine
+    keeps stepping meanwhile (xgrammar releases the GIL on its compile thread)."""
+    import asyncio
+    import threading
+    import time
+
+    props = {f"f{i}": {"type": "object", "properties": {
+        f"g{j}": {"type": ["string", "integer", "null"], "pattern": "^[a-z]{3,9}$"}
+        for j in range(15)}} for i in range(40)}
+    slow = SO(json={"type": "object", "properties": props})
+    free_done: list[float] = []
+
+    async def compile_and_watch() -> tuple[float, float]:
+        start = time.perf_counter()
+        task = asyncio.ensure_future(llm.engine.grammars.compile_async(slow))
+        worst = 0.0
+        while not task.done():
+            t = time.perf_counter()
+            await asyncio.sleep(0.01)
+            worst = max(worst, time.perf_counter() - t)
+        await task
+        return time.perf_counter() - start, worst
+
+    def free_requests() -> None:
+        time.sleep(0.05)
+        llm.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+        free_done.append(time.perf_counter())
+
+    stepper = threading.Thread(target=free_requests)
+    stepper.start()
+    compile_s, worst_gap = asyncio.run(compile_and_watch())
+    compiled_at = time.perf_counter()
+    stepper.join()
+    assert worst_gap < 0.25, f"the event loop stalled {worst_gap:.2f}s during the compile"
+    if compile_s > 1.0:  # a slow machine: the free requests finished while it compiled
+        assert free_done[0] < compiled_at
