@@ -51,6 +51,15 @@ class ParsedDelta:
         return bool(self.content or self.calls)
 
 
+def partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that is a proper start of ``tag`` (text to hold
+    back until the next piece says whether the tag follows)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 

@@ -4,7 +4,7 @@ a call (between or after the blocks) is dropped, as vLLM's parser does."""
 
 from __future__ import annotations
 
-from services.gateway.tool_parsers.base import ToolParser
+from services.gateway.tool_parsers.base import ToolParser, partial_suffix
 from services.gateway.tool_parsers.sequence import CallSequenceParser
 
 START, END = "<tool_call>", "</tool_call>"
@@ -29,7 +29,7 @@ class HermesParser(ToolParser):
         """Content until a start tag; False when the rest must wait for more text."""
         at = self._buf.find(START)
         if at < 0:
-            keep = _partial_suffix(self._buf, START)
+            keep = partial_suffix(self._buf, START)
             self._content(self._buf[: len(self._buf) - keep])
             self._buf = self._buf[len(self._buf) - keep:]
             return False
@@ -40,7 +40,7 @@ class HermesParser(ToolParser):
 
     def _in_call(self) -> bool:
         at = self._buf.find(END)
-        usable = at if at >= 0 else len(self._buf) - _partial_suffix(self._buf, END)
+        usable = at if at >= 0 else len(self._buf) - partial_suffix(self._buf, END)
         self._relay(self._inside.feed(self._buf[:usable]))
         if at < 0:
             self._buf = self._buf[usable:]
@@ -65,11 +65,3 @@ class HermesParser(ToolParser):
             if d.id is not None:
                 self._begin_call(d.name)
             self._emit_arguments(d.arguments)
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that is a proper start of ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0

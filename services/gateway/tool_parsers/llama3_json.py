@@ -4,8 +4,7 @@ start with ``{`` is plain content."""
 
 from __future__ import annotations
 
-from services.gateway.tool_parsers.base import ToolParser
-from services.gateway.tool_parsers.hermes import _partial_suffix
+from services.gateway.tool_parsers.base import ToolParser, partial_suffix
 from services.gateway.tool_parsers.sequence import CallSequenceParser
 
 PYTHON_TAG = "<|python_tag|>"
@@ -24,7 +23,7 @@ class Llama3JsonParser(ToolParser):
             head = self._buf.lstrip()
             if head.startswith(PYTHON_TAG):
                 head = head[len(PYTHON_TAG):].lstrip()
-            elif head and _partial_suffix(head, PYTHON_TAG) == len(head):
+            elif head and partial_suffix(head, PYTHON_TAG) == len(head):
                 return  # maybe the start of the tag
             if not head:
                 return
