@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams",
+           "StructuredOutputsParams"]
 
 if TYPE_CHECKING:
     from services.engine.config import EngineConfig
@@ -12,6 +13,7 @@ if TYPE_CHECKING:
     from services.engine.llm import LLM
     from services.engine.outputs import RequestOutput
     from services.protocol.sampling_params import SamplingParams
+    from services.protocol.structured_outputs import StructuredOutputsParams
 
 
 def __getattr__(name: str):
@@ -24,6 +26,10 @@ def __getattr__(name: str):
         from services.protocol.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from services.protocol.structured_outputs import StructuredOutputsParams
+
+        return StructuredOutputsParams
     if name == "EngineConfig":
         from services.engine.config import EngineConfig
 

@@ -57,6 +57,8 @@ def parse_line(line_no: int, line: str) -> _Job:
         req = parse(body)
         if req.stream:
             raise oa.OpenAIError("stream is not supported in a batch", param="stream")
+        if req.constraint.tools is not None:  # the tool-call parsers live in the gateway
+            raise oa.OpenAIError("tools are not supported in a batch", param="tools")
         return _Job(line_no, custom_id, request=req)
     except oa.OpenAIError as exc:
         return _Job(line_no, custom_id, error=exc)

@@ -16,6 +16,8 @@ from services.engine.model_runner import ModelRunner
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import make_generator
 from services.engine.scheduler import Scheduler
+from services.engine.structured.compiler import GrammarCompiler
+from services.engine.structured.masks import GrammarState
 from services.protocol.block_hash import BlockHasher, HashAlgorithm
 from services.protocol.engine_api import BadRequest, TokenLogprobs
 from services.protocol.kv_events import KVEvent
@@ -86,6 +88,7 @@ class LLMEngine:
         )
         self.requests: dict[str, Request] = {}
         self.last_step_tokens = 0
+        self.grammars = GrammarCompiler(str(model_path), mc.vocab_size, self.eos_token_ids)
         self._hashers: dict[str | None, BlockHasher] = {}
 
     def _resolve_max_model_len(self, model_limit: int) -> int:
@@ -124,6 +127,10 @@ class LLMEngine:
         if request_id in self.requests:
             raise BadRequest(f"request_id {request_id!r} is already in the engine", "request_id")
         max_tokens = self.check_request(prompt_token_ids, params)
+        grammar = None
+        if params.structured_outputs is not None:  # a cache hit when the server compiled it
+            compiled = self.grammars.compile(params.structured_outputs)
+            grammar = GrammarState(compiled, self.eos_token_ids)
         req = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -133,6 +140,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             generator=None if params.seed is None else make_generator(params.seed, self.runner.device),
             logit_bias=LogitBias.build(params.logit_bias, self.runner.device),
+            grammar=grammar,
         )
         self.requests[request_id] = req
         self.scheduler.add(req)

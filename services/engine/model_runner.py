@@ -32,6 +32,7 @@ from services.engine.parallel.workers import WorkerGroup, rank_config
 from services.engine.sampler import Sampler, SamplerOutput, SamplingRequest
 from services.engine.scheduler import SchedulerOutput
 from services.engine.step_buffers import StagedStep, StepBuffers
+from services.engine.structured.masks import TokenMasker
 from services.protocol.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ class ModelRunner:
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         self.sampler = Sampler()
+        self.masker: TokenMasker | None = None
         self.buffers: StepBuffers | None = None
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cpu":
@@ -252,6 +254,9 @@ class ModelRunner:
         scored = [] if scorer is None else scorer.results()
         if logits is None:
             return StepResult(SamplerOutput(token_ids=[], logprobs=[]), scored)
+        reqs = [sched.scheduled[i].request for i in batch.rows]
+        if any(r.grammar is not None for r in reqs):  # structured outputs: before sampling
+            self._token_masker().apply(logits, [r.grammar for r in reqs])
         sampling_rows = [
             SamplingRequest(
                 params=r.params,
@@ -261,7 +266,7 @@ class ModelRunner:
                 eos_token_ids=r.eos_token_ids,
                 logit_bias=r.logit_bias,
             )
-            for r in (sched.scheduled[i].request for i in batch.rows)
+            for r in reqs
         ]
         return StepResult(self.sampler(logits, sampling_rows), scored)
 
@@ -301,6 +306,11 @@ class ModelRunner:
         if not batch.rows:
             return None
         return self.model.compute_logits(hidden if last is None else hidden.index_select(0, last))
+
+    def _token_masker(self) -> TokenMasker:
+        if self.masker is None:  # only engines that meet a constrained request pay for it
+            self.masker = TokenMasker(self.model_config.vocab_size, self.config.max_num_seqs)
+        return self.masker
 
     def _forward_cpu(self, input_ids, block_tables, seq_lens, query_lens, rows):
         """Returns the hidden states and the rows of them that get logits."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.engine.logit_bias import LogitBias
+from services.engine.structured.masks import GrammarState
 from services.protocol.block_hash import BlockHash, BlockHasher
 from services.protocol.engine_api import TokenLogprobs
 from services.protocol.sampling_params import SamplingParams
@@ -60,6 +61,7 @@ class Request:
     logit_bias: LogitBias | None = None  # params.logit_bias on the device
     # params.prompt_logprobs: one entry per prompt token scored so far (the first is None)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    grammar: GrammarState | None = None  # structured outputs: where the output is in its grammar
     # Timestamps (monotonic seconds) for metrics and traces.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -170,6 +170,8 @@ class Scheduler:
         finished = False
         for req, tok in zip(sampled, token_ids):
             req.append_output_token(tok)
+            if req.grammar is not None:
+                req.grammar.accept(tok)
             if req.first_token_time is None:
                 req.first_token_time = now
             if self._stopped(req, tok):

@@ -169,6 +169,10 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     try:
         req = engine_api.GenerateRequest.from_msgpack(body)
         core.engine.check_request(req.prompt_token_ids, req.params)
+        if req.params.structured_outputs is not None:
+            # Compiled (or found in the cache) on a worker thread, never on the step loop:
+            # a slow schema delays only its own request.
+            await core.engine.grammars.compile_async(req.params.structured_outputs)
     except engine_api.BadRequest as exc:  # the client's input (body, params, model limits)
         return json_error(400, str(exc), exc.param)
     except Exception as exc:  # anything else is an engine bug, never the client's 400

@@ -24,7 +24,7 @@ from services.gateway.errors import read_json_body
 from services.gateway.generation import ChoiceJob, Generation, GenerationFailed
 from services.gateway.models import ServedModel
 from services.gateway.prompts import Prompt, check_length, check_logit_bias, prepare_prompts
-from services.gateway.responses import ResponseBuilder
+from services.gateway.responses import ResponseBuilder, ToolOutput
 from services.gateway.sse import SSEWriter
 from services.gateway.state import MODEL_LABEL, STATE, GatewayState
 from services.protocol import openai as oa
@@ -67,6 +67,7 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     req = parse(body, state.config.max_n)
     model = state.models.resolve_optional(req.model, state.config.default_model)
     request[MODEL_LABEL] = model.name
+    _check_tool_choice(req, state.config.tool_call_parser)
     plan = await _plan(request, state, req, model, body)
     if span.is_recording():
         _trace_request(span, plan)
@@ -83,6 +84,8 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
                 await gen.start()
         except TimeoutError:
             raise timed_out from None
+        except oa.OpenAIError as exc:
+            raise _constraint_error(req, exc) from None
         timer = loop.call_at(deadline, gen.abort, timed_out)
         state.generations.add(gen)
         if req.stream:
@@ -148,6 +151,27 @@ def _engine_params(req: oa.GenerationRequest, i: int) -> SamplingParams:
         raise oa.OpenAIError(str(exc), param="seed") from None
 
 
+def _check_tool_choice(req: oa.GenerationRequest, parser: str | None) -> None:
+    tools = req.constraint.tools
+    if tools is not None and tools.choice == "auto" and parser is None:
+        raise oa.OpenAIError(
+            'tool_choice "auto" (the default with tools) needs the gateway to know the model\'s '
+            'tool-call format: start it with --tool-call-parser, or send tool_choice "required", '
+            '"none" or a named function',
+            param="tool_choice",
+        )
+
+
+def _constraint_error(req: oa.GenerationRequest, exc: oa.OpenAIError) -> oa.OpenAIError:
+    """The engine names ``structured_outputs`` when it cannot compile a grammar: say which
+    client field it came from (response_format, tools...)."""
+    c = req.constraint
+    if exc.param != "structured_outputs" or c.param is None:
+        return exc
+    return oa.OpenAIError(c.client_message(exc.message), status=exc.status, param=c.param,
+                          code=exc.code)
+
+
 def _builder(state: GatewayState, plan: _Plan) -> ResponseBuilder:
     req = plan.req
     echo = None
@@ -162,6 +186,7 @@ def _builder(state: GatewayState, plan: _Plan) -> ResponseBuilder:
         want_logprobs=req.params.logprobs is not None,
         echo_texts=echo,
         prompt_logprobs=req.params.prompt_logprobs is not None,
+        tools=ToolOutput.of(req.constraint.tools, state.config.tool_call_parser),
     )
 
 

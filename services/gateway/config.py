@@ -23,6 +23,7 @@ DESCRIPTION = (
     "Pagoda OpenAI-compatible gateway: auth, templating, tokenizing, routing, streaming."
 )
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+TOOL_PARSERS = ("hermes", "llama3_json")  # services/gateway/tool_parsers
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +100,12 @@ class GatewayConfig:
     engines_refresh: float = flag(5.0, help="seconds between polls of the router's /engines")
     shutdown_grace: float = flag(30.0, help="seconds open generations get to finish on SIGTERM")
     log_level: str = flag("INFO", help="logging level")
+    tool_call_parser: str | None = flag(
+        None,
+        help="how tool calls are read from the output of tool_choice auto (as vLLM's flag): "
+        "hermes (<tool_call> JSON: Qwen2.5, Qwen3, Hermes) or llama3_json (Llama 3.x); "
+        "none = tool_choice auto is refused (required and named functions always work)",
+    )
 
     @property
     def router_urls(self) -> tuple[str, ...]:
@@ -133,6 +140,9 @@ class GatewayConfig:
                      "router_timeout", "engines_refresh", "shutdown_grace"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
         if self.log_level.upper() not in _LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(_LOG_LEVELS)}")
 

@@ -112,6 +112,18 @@ _SAMPLING: dict[str, Any] = {
         "description": "namespaces the prefix cache (scoped per API key when keys are set)",
     },
     "user": {"type": "string"},
+    "response_format": {
+        "type": "object",
+        "nullable": True,
+        "description": 'OpenAI\'s: {"type": "text" | "json_object"} or {"type": "json_schema", '
+        '"json_schema": {"name", "schema", "strict"}}; enforced by a grammar',
+    },
+    "structured_outputs": {
+        "type": "object",
+        "nullable": True,
+        "description": "vLLM's guided decoding: exactly one of json (a schema), json_object, "
+        "regex, choice (strings), grammar (EBNF or Lark); any_whitespace (default false)",
+    },
 }
 
 _MODEL_DOC = "left out: the --default-model, or the only served model"
@@ -179,6 +191,10 @@ _MESSAGE = {
             ],
         },
         "name": {"type": "string"},
+        "tool_calls": {"type": "array", "items": {"type": "object"},
+                       "description": "an assistant's calls: {id, type, function: {name, "
+                       "arguments}}"},
+        "tool_call_id": {"type": "string", "description": "a tool message's answered call"},
     },
 }
 
@@ -204,6 +220,17 @@ _CHAT_REQUEST = {
             "default": False,
             "description": "not together with add_generation_prompt: true",
         },
+        "tools": {"type": "array", "items": {"type": "object"}, "nullable": True,
+                  "description": '[{"type": "function", "function": {"name", "description", '
+                  '"parameters"}}], passed to the chat template'},
+        "tool_choice": {
+            "nullable": True,
+            "oneOf": [{"type": "string", "enum": ["none", "auto", "required"]},
+                      {"type": "object"}],
+            "description": 'required and {"type": "function", "function": {"name"}} are '
+            "enforced by a grammar; auto needs the gateway's --tool-call-parser",
+        },
+        "parallel_tool_calls": {"type": "boolean", "default": True},
         **_SAMPLING,
     },
 }

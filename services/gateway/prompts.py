@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 from services.gateway.models import ServedModel
 from services.protocol.openai import GenerationRequest, OpenAIError
+from services.protocol.openai_structured import template_messages
 
 T = TypeVar("T")
 
@@ -53,9 +54,13 @@ async def prepare_prompts(
     tok = model.tokenizer
     if req.kind == "chat":
         kwargs = template_kwargs(req.chat_template_kwargs)
+        tools = req.constraint.tools
+        if tools is not None:  # the template shows them to the model, as transformers does
+            kwargs = {**kwargs, "tools": tools.tools}
+        messages = template_messages(req.messages)
 
         def render() -> Prompt:
-            text = tok.apply_chat_template(req.messages, **kwargs)
+            text = tok.apply_chat_template(messages, **kwargs)
             return Prompt(text, tok.encode(text, add_special_tokens=False))
 
         try:

@@ -6,11 +6,31 @@ for stream chunks as they go, or for the whole response object at the end.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from services.gateway.choice import ChoiceDelta
+from services.gateway.tool_parsers import ParsedDelta, ToolParser, parser_factory
 from services.protocol import openai as oa
+from services.protocol.openai_structured import ToolSpec
+
+
+@dataclass(frozen=True, slots=True)
+class ToolOutput:
+    """How a chat request's text is read into tool calls: one parser per choice."""
+
+    make_parser: Callable[[], ToolParser]
+    # tool_choice auto or required ends with finish_reason "tool_calls" when it made calls;
+    # a named function ends with "stop", as OpenAI's.
+    finish_as_tool_calls: bool
+
+    @classmethod
+    def of(cls, spec: ToolSpec | None, configured: str | None) -> ToolOutput | None:
+        make = parser_factory(spec, configured)
+        if make is None:
+            return None
+        return cls(make, spec.choice != "function")
 
 
 @dataclass(slots=True)
@@ -26,6 +46,7 @@ class _Choice:
     echo_logprobs: list[oa.TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[dict[str, Any] | None] | None = None
     echo_sent: bool = False  # streaming: the echoed prompt has gone out
+    tools: ToolParser | None = None  # chat with tools: splits the text into content and calls
 
 
 class ResponseBuilder:
@@ -38,6 +59,7 @@ class ResponseBuilder:
         want_logprobs: bool,
         echo_texts: list[str] | None = None,
         prompt_logprobs: bool = False,
+        tools: ToolOutput | None = None,
     ) -> None:
         self.kind = kind
         self.rid = rid
@@ -47,20 +69,41 @@ class ResponseBuilder:
         # Completions echo with logprobs: the prompt's logprobs lead the choice's logprobs, so
         # a streamed echo waits for them (they come with the first tokens).
         self._echo_waits = echo_texts is not None and want_logprobs
+        self._tools = tools
         self._choices = {
-            i: _Choice(i, p, echo=echo_texts[p] if echo_texts else "")
+            i: _Choice(i, p, echo=echo_texts[p] if echo_texts else "",
+                       tools=tools.make_parser() if tools is not None else None)
             for i, p in sorted(choice_prompts.items())
         }
 
-    def add(self, delta: ChoiceDelta) -> None:
+    def add(self, delta: ChoiceDelta) -> ParsedDelta | None:
+        """Records ``delta``; with tools, returns what its text added to content and calls."""
         c = self._choices[delta.index]
         c.text += delta.text
         c.logprobs.extend(delta.logprobs)
         if delta.prompt_logprobs is not None:
             c.prompt_logprobs = delta.prompt_logprobs
             c.echo_logprobs = delta.echo_logprobs or []
+        parsed = None
+        if c.tools is not None:
+            parsed = c.tools.feed(delta.text)
         if delta.finish_reason is not None:
             c.finish_reason, c.stop_reason = delta.finish_reason, delta.stop_reason
+            if c.tools is not None:
+                rest = c.tools.finish()
+                parsed.content += rest.content
+                parsed.calls.extend(rest.calls)
+                if c.tools.calls and self._tools.finish_as_tool_calls and (
+                        c.finish_reason == "stop"):
+                    c.finish_reason = "tool_calls"
+        return parsed
+
+    def _message(self, c: _Choice) -> dict[str, Any]:
+        if c.tools is None:
+            return {"role": "assistant", "content": c.text}
+        calls = [call.to_openai() for call in c.tools.calls]
+        content = c.tools.content if c.tools.content or not calls else None
+        return {"role": "assistant", "content": content, "tool_calls": calls}
 
     # -- whole responses --------------------------------------------------------------------
 
@@ -69,7 +112,7 @@ class ResponseBuilder:
             choices = [
                 {
                     "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": self._message(c),
                     "logprobs": oa.chat_logprobs(c.logprobs) if self._want_logprobs else None,
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
@@ -133,14 +176,14 @@ class ResponseBuilder:
 
     def chunk(self, delta: ChoiceDelta) -> dict[str, Any]:
         """The stream chunk for ``delta`` (also recorded, as by ``add``)."""
-        self.add(delta)
+        parsed = self.add(delta)
         c = self._choices[delta.index]
         if self.kind == "chat":
             choice: dict[str, Any] = {
                 "index": delta.index,
-                "delta": {"content": delta.text} if delta.text else {},
+                "delta": _chat_delta(delta.text, parsed),
                 "logprobs": oa.chat_logprobs(delta.logprobs) if self._want_logprobs else None,
-                "finish_reason": delta.finish_reason,
+                "finish_reason": c.finish_reason if delta.finish_reason else None,
             }
             if delta.prompt_logprobs is not None and self._want_prompt_logprobs:
                 choice["prompt_logprobs"] = delta.prompt_logprobs
@@ -171,3 +214,14 @@ class ResponseBuilder:
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         build = oa.chat_object if self.kind == "chat" else oa.completion_object
         return build(self.rid, self.model, [choice], None, chunk=True)
+
+
+def _chat_delta(text: str, parsed: ParsedDelta | None) -> dict[str, Any]:
+    if parsed is None:
+        return {"content": text} if text else {}
+    out: dict[str, Any] = {}
+    if parsed.content:
+        out["content"] = parsed.content
+    if parsed.calls:
+        out["tool_calls"] = [d.to_openai() for d in parsed.calls]
+    return out

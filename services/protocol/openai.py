@@ -13,6 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.protocol.openai_structured import (
+    Constraint,
+    FieldError,
+    check_tool_messages,
+    parse_constraint,
+)
 from services.protocol.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
 
 # -- limits ---------------------------------------------------------------------------------
@@ -88,7 +94,7 @@ _SAMPLING_FIELDS = {
     "include_stop_str_in_output": "boolean",
     "n": "integer",
 }
-_UNSUPPORTED = ("suffix", "tools", "tool_choice", "functions", "response_format")
+_UNSUPPORTED = ("suffix", "functions")
 
 
 @dataclass(slots=True)
@@ -108,6 +114,8 @@ class GenerationRequest:
     cache_salt: str | None = None
     user: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # response_format / structured_outputs / tools: what the engine enforces, and the tools
+    constraint: Constraint = field(default_factory=Constraint)
 
 
 def parse_completion_request(body: Any, max_n: int = MAX_N) -> GenerationRequest:
@@ -119,13 +127,17 @@ def parse_completion_request(body: Any, max_n: int = MAX_N) -> GenerationRequest
     max_tokens = _max_tokens(body, "max_tokens")
     if max_tokens is None:
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
-    params = _sampling_params(body, max_tokens, logprobs, max_n, _prompt_logprobs(body, echo))
+    constraint = _constraint(body, chat=False)
+    params = _sampling_params(
+        body, max_tokens, logprobs, max_n, _prompt_logprobs(body, echo), constraint
+    )
     return GenerationRequest(
         kind="completion",
         model=model,
         params=params,
         prompts=prompts,
         echo=echo,
+        constraint=constraint,
         **_common(body),
     )
 
@@ -141,8 +153,14 @@ def parse_chat_request(body: Any, max_n: int = MAX_N) -> GenerationRequest:
     max_tokens = _max_tokens(body, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = _max_tokens(body, "max_tokens")
+    constraint = _constraint(body, chat=True)
     params = _sampling_params(
-        body, max_tokens, (top or 0) if want_logprobs else None, max_n, _prompt_logprobs(body)
+        body,
+        max_tokens,
+        (top or 0) if want_logprobs else None,
+        max_n,
+        _prompt_logprobs(body),
+        constraint,
     )
     return GenerationRequest(
         kind="chat",
@@ -151,8 +169,18 @@ def parse_chat_request(body: Any, max_n: int = MAX_N) -> GenerationRequest:
         messages=messages,
         top_logprobs=top if want_logprobs else None,
         chat_template_kwargs=_template_kwargs(body),
+        constraint=constraint,
         **_common(body),
     )
+
+
+def _constraint(body: dict[str, Any], chat: bool) -> Constraint:
+    try:
+        if chat:
+            check_tool_messages(body["messages"])
+        return parse_constraint(body, chat)
+    except FieldError as exc:
+        raise OpenAIError(str(exc), param=exc.param) from None
 
 
 def _require_object(body: Any) -> dict[str, Any]:
@@ -354,6 +382,7 @@ def _sampling_params(
     logprobs: int | None,
     max_n: int,
     prompt_logprobs: int | None,
+    constraint: Constraint | None = None,
 ) -> SamplingParams:
     kwargs: dict[str, Any] = {
         "max_tokens": max_tokens,
@@ -361,6 +390,8 @@ def _sampling_params(
         "prompt_logprobs": prompt_logprobs,
         "logit_bias": parse_logit_bias(body.get("logit_bias")),
     }
+    if constraint is not None and constraint.params is not None:
+        kwargs["structured_outputs"] = constraint.params
     for name, kind in _SAMPLING_FIELDS.items():
         value = body.get(name)
         if value is None:

@@ -11,6 +11,8 @@ import logging
 import math
 from dataclasses import dataclass, field
 
+from services.protocol.structured_outputs import StructuredOutputsParams
+
 logger = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20  # OpenAI's cap on top_logprobs
@@ -55,8 +57,11 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Guided decoding (vLLM's field); a dict (the wire's form) is accepted and converted.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
         self._check_counts()
         self._check_floats()
         self._check_stops()

@@ -1,0 +1,45 @@
+"""Tool calls read back from the model's text, by ``tool_choice`` and ``--tool-call-parser``.
+
+    auto       the configured family parser (hermes, llama3_json)
+    required   the grammar-forced JSON array of {"name", "parameters"} (``CallSequenceParser``)
+    function   the whole output is the named function's arguments (``NamedFunctionParser``)
+    none       no parser: the text is the content
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from services.gateway.tool_parsers.base import ParsedDelta, ToolCall, ToolCallDelta, ToolParser
+from services.gateway.tool_parsers.hermes import HermesParser
+from services.gateway.tool_parsers.llama3_json import Llama3JsonParser
+from services.gateway.tool_parsers.sequence import CallSequenceParser
+from services.protocol.openai_structured import ToolSpec
+
+PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+
+__all__ = ["PARSERS", "ParsedDelta", "ToolCall", "ToolCallDelta", "ToolParser", "parser_factory"]
+
+
+class NamedFunctionParser(ToolParser):
+    """tool_choice names a function: the grammar makes the whole output its arguments."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self._begin_call(name)
+
+    def _feed(self, text: str) -> None:
+        self._emit_arguments(text)
+
+
+def parser_factory(spec: ToolSpec | None,
+                   configured: str | None) -> Callable[[], ToolParser] | None:
+    """A maker of one parser per choice, or None when the text is plain content. The caller
+    has refused tool_choice auto without a configured parser (``needs_parser``)."""
+    if spec is None or spec.choice == "none":
+        return None
+    if spec.choice == "required":
+        return CallSequenceParser
+    if spec.choice == "function":
+        return lambda: NamedFunctionParser(spec.function)
+    return PARSERS[configured]
