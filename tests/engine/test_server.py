@@ -192,6 +192,9 @@ def test_heartbeat_and_kv_events_reach_redis(engine, redis_server) -> None:
     asyncio.run(run())
 
 
+DRAIN_TOKENS = 200
+
+
 def test_sigterm_leaves_routing_first_then_drains(default_model_path, redis_server) -> None:
     """SIGTERM mid-stream: the heartbeat disappears from Redis at once, the running request
     still finishes completely, and the process exits cleanly."""
@@ -216,7 +219,9 @@ def test_sigterm_leaves_routing_first_then_drains(default_model_path, redis_serv
             assert "e-drain" in await live_ids(reader)
             frames: list[engine_api.StreamFrame] = []
             dec = engine_api.FrameDecoder()
-            body = gen_body("drain", list(range(500, 540)), max_tokens=48, ignore_eos=True)
+            # Long enough that the SIGTERM is handled while it runs, even on a loaded machine.
+            body = gen_body("drain", list(range(500, 540)), max_tokens=DRAIN_TOKENS,
+                            ignore_eos=True)
             async with aiohttp.ClientSession() as s, s.post(
                     proc.url + engine_api.GENERATE_PATH, data=body) as r:
                 frames.extend(dec.feed(await r.content.readany()))
@@ -233,7 +238,7 @@ def test_sigterm_leaves_routing_first_then_drains(default_model_path, redis_serv
     try:
         frames = asyncio.run(run())
         tokens = [t for f in frames if isinstance(f, engine_api.TokensFrame) for t in f.token_ids]
-        assert isinstance(frames[-1], engine_api.FinishedFrame) and len(tokens) == 48
+        assert isinstance(frames[-1], engine_api.FinishedFrame) and len(tokens) == DRAIN_TOKENS
         assert proc.proc.wait(30) == 0
     finally:
         proc.kill()
