@@ -246,8 +246,12 @@ def run_vllm(python: str, model: str, work, dtype: str, prefix: bool = True) -> 
         cfg.write_text(json.dumps({"model": model, "dtype": dtype, "work": work, "prefix": prefix}))
         script = Path(d, "run_vllm.py")
         script.write_text(VLLM_SCRIPT)
+        # vLLM pins its threads to the cores named here: the cores this process may use
+        # (under `taskset -c 1` that is core 1, as for Pagoda, not core 0).
+        cores = sorted(os.sched_getaffinity(0))
+        assert cores == list(range(cores[0], cores[-1] + 1)), "run on a contiguous core range"
         env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_HOST_IP": "127.0.0.1",
-               "VLLM_CPU_OMP_THREADS_BIND": f"0-{len(os.sched_getaffinity(0)) - 1}"}
+               "VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}-{cores[-1]}"}
         out = subprocess.run([python, str(script), str(cfg)], env=env, capture_output=True,
                              text=True, timeout=1800, check=False)
         for line in out.stdout.splitlines():

@@ -8,6 +8,9 @@ generic code (block size 16 with head_dim 64/128 and query groups 1-8; anything 
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -32,6 +35,21 @@ def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> int:
     eps = torch.finfo(b.dtype).eps
     scale = torch.maximum(a.float().abs(), b.float().abs()).clamp_min(1e-30)
     return int(((a.float() - b.float()).abs() / (scale * eps)).max().round())
+
+
+# ------------------------------------------------------------------------------ build
+
+
+@pytest.mark.skipif(shutil.which("nm") is None, reason="needs binutils' nm")
+def test_no_kernel_helper_is_compiled_out_of_line() -> None:
+    """Each kernel is cloned per ISA (AVX-512, AVX2, baseline); a helper it calls that the
+    compiler leaves out of line is compiled once, for baseline x86-64, and the clone then runs
+    SSE2 code (the decode kernel did, 2-4x slower)."""
+    names = subprocess.run(["nm", "-C", kernels.__file__], capture_output=True, text=True,
+                           check=True).stdout
+    helpers = ("decode_task<", "fast_exp(", "norm_row<", "rope_row<", "silu_mul_row<",
+               "bf16_to_f(", "f_to_bf16(", "prefetch_chunk<")
+    assert [h for h in helpers if h in names] == []
 
 
 # ------------------------------------------------------------------------------ elementwise

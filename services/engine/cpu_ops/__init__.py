@@ -9,6 +9,7 @@ take the torch implementation, which is also each kernel's reference in the test
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import sys
@@ -26,9 +27,12 @@ _CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno"]
 
 
 def build_dir() -> Path:
-    """Next to the interpreter's packages, so a new virtualenv (a new torch) builds afresh."""
+    """Next to the interpreter's packages, so a new virtualenv (a new torch) builds afresh;
+    one directory per source version, so checkouts of different versions sharing a virtualenv
+    each keep their own build instead of rebuilding over one another."""
     version = torch.__version__.replace("+", "_")
-    return Path(sys.prefix) / "pagoda-ext" / f"{_NAME}-torch{version}"
+    source = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+    return Path(sys.prefix) / "pagoda-ext" / f"{_NAME}-torch{version}-{source}"
 
 
 @functools.cache

@@ -29,11 +29,15 @@
 #define PAGODA_CLONES
 #endif
 
+// Helpers the cloned functions call must be inlined into each clone: a function compiled out
+// of line is compiled once, for baseline x86-64 (SSE2), whichever clone calls it.
+#define PAGODA_INLINE inline __attribute__((always_inline))
+
 namespace {
 
 using bf16_t = uint16_t;
 
-inline float bf16_to_f(bf16_t v) {
+PAGODA_INLINE float bf16_to_f(bf16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
   float f;
   std::memcpy(&f, &bits, sizeof f);
@@ -41,7 +45,7 @@ inline float bf16_to_f(bf16_t v) {
 }
 
 // Round to nearest even, as torch does (NaN stays NaN: a quiet bit is kept).
-inline bf16_t f_to_bf16(float f) {
+PAGODA_INLINE bf16_t f_to_bf16(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, sizeof bits);
   if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<bf16_t>((bits >> 16) | 0x40u);
@@ -49,37 +53,37 @@ inline bf16_t f_to_bf16(float f) {
   return static_cast<bf16_t>(bits >> 16);
 }
 
-inline float round_bf16(float f) { return bf16_to_f(f_to_bf16(f)); }
+PAGODA_INLINE float round_bf16(float f) { return bf16_to_f(f_to_bf16(f)); }
 
 template <typename T>
-inline float load(const T* p, int64_t i);
+PAGODA_INLINE float load(const T* p, int64_t i);
 template <>
-inline float load<float>(const float* p, int64_t i) { return p[i]; }
+PAGODA_INLINE float load<float>(const float* p, int64_t i) { return p[i]; }
 template <>
-inline float load<bf16_t>(const bf16_t* p, int64_t i) { return bf16_to_f(p[i]); }
+PAGODA_INLINE float load<bf16_t>(const bf16_t* p, int64_t i) { return bf16_to_f(p[i]); }
 
 template <typename T>
-inline void store(T* p, int64_t i, float v);
+PAGODA_INLINE void store(T* p, int64_t i, float v);
 template <>
-inline void store<float>(float* p, int64_t i, float v) { p[i] = v; }
+PAGODA_INLINE void store<float>(float* p, int64_t i, float v) { p[i] = v; }
 template <>
-inline void store<bf16_t>(bf16_t* p, int64_t i, float v) { p[i] = f_to_bf16(v); }
+PAGODA_INLINE void store<bf16_t>(bf16_t* p, int64_t i, float v) { p[i] = f_to_bf16(v); }
 
 // The value a torch op in T's dtype produces from a float result: itself in float32, rounded
 // in bfloat16.
 template <typename T>
-inline float as_t(float v);
+PAGODA_INLINE float as_t(float v);
 template <>
-inline float as_t<float>(float v) { return v; }
+PAGODA_INLINE float as_t<float>(float v) { return v; }
 template <>
-inline float as_t<bf16_t>(float v) { return round_bf16(v); }
+PAGODA_INLINE float as_t<bf16_t>(float v) { return round_bf16(v); }
 
 // exp(x) for float32 in plain arithmetic, so loops that call it vectorise (std::exp does not
 // without -ffast-math): x = n ln2 + r with |r| <= ln2 / 2, a degree-7 polynomial for e^r and
 // 2^n through the exponent bits (Cephes' expf). Within 1 ulp of exp; inputs are clamped to
 // [-87.3, 88.7], where float32 exp underflows and overflows.
 #pragma omp declare simd
-inline float fast_exp(float x) {
+PAGODA_INLINE float fast_exp(float x) {
   x = std::min(std::max(x, -87.3f), 88.7f);
   const float n = std::nearbyint(x * 1.44269504088896341f);
   const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // Cody-Waite ln2 split
@@ -194,14 +198,14 @@ void store_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
 // is a few KB in a random place of a large cache, too short a run for the hardware prefetcher
 // to find on its own.
 template <typename C>
-inline void prefetch_chunk(const C* p, int64_t elements) {
+PAGODA_INLINE void prefetch_chunk(const C* p, int64_t elements) {
   const char* c = reinterpret_cast<const char*>(p);
   const int64_t bytes = elements * static_cast<int64_t>(sizeof(C));
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
 }
 
 template <typename C, int BS, int DIM, int G>
-inline void decode_task(const float* __restrict__ q, const C* __restrict__ kc,
+PAGODA_INLINE void decode_task(const float* __restrict__ q, const C* __restrict__ kc,
                         const C* __restrict__ vc, const int32_t* __restrict__ table, int64_t len,
                         int64_t rt_bs, int64_t kv_heads, int64_t rt_dim, int64_t head,
                         int64_t rt_group, float scale, float* __restrict__ scores,
@@ -385,7 +389,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& query, const torch::Te
 // nothing rounds in between. With a residual: residual += x first (rounded to its dtype),
 // and the norm is of the new residual.
 template <typename T>
-inline void norm_row(const T* x, T* residual, const T* weight, T* out, int64_t n, float eps) {
+PAGODA_INLINE void norm_row(const T* x, T* residual, const T* weight, T* out, int64_t n, float eps) {
   const T* src = x;
   if (residual != nullptr) {
     for (int64_t i = 0; i < n; ++i) store(residual, i, load(residual, i) + load(x, i));
@@ -458,7 +462,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const c10::optional<torch::Tensor
 // Rotate-half RoPE in place on one token's heads: x' = x * cos + roll(x, d/2) * signed_sin,
 // each product and the sum rounded to the dtype (the torch reference's three ops).
 template <typename T>
-inline void rope_row(T* x, int64_t heads, int64_t head_stride, const T* cos, const T* ssin,
+PAGODA_INLINE void rope_row(T* x, int64_t heads, int64_t head_stride, const T* cos, const T* ssin,
                      int64_t dim, float* tmp) {
   const int64_t half = dim / 2;
   for (int64_t h = 0; h < heads; ++h) {
@@ -526,7 +530,7 @@ void rotary_(torch::Tensor x, const torch::Tensor& cos_sin, const torch::Tensor&
 
 // out = round(silu(gate)) * up, rounded: F.silu then a multiply, in the dtype.
 template <typename T>
-inline void silu_mul_row(const T* gu, T* out, int64_t half) {
+PAGODA_INLINE void silu_mul_row(const T* gu, T* out, int64_t half) {
 #pragma omp simd
   for (int64_t i = 0; i < half; ++i) {
     const float g = load(gu, i);
