@@ -138,7 +138,10 @@ def test_greedy_through_the_core_process_then_its_death_ends_the_server(tiny_mod
         assert asyncio.run(_greedy(proc.url, PROMPTS, 12)) == expected
         core = _core_pid(proc.proc.pid)
         os.kill(core, signal.SIGKILL)
+        start = time.monotonic()
         assert proc.proc.wait(15) == 1  # never a hang, never a clean exit
+        assert time.monotonic() - start < 8
+        assert "engine core process died" in proc.log_text()
     finally:
         proc.kill()
 
