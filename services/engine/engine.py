@@ -149,41 +149,8 @@ class LLMEngine:
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Returns the request's max_tokens, or raises ``BadRequest`` (a ValueError: a 400 on
         the server) naming the field at fault: the limits only the loaded model knows."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise BadRequest("prompt_token_ids must contain at least one token", "prompt_token_ids")
-        vocab = self.runner.model_config.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
-            raise BadRequest(
-                f"prompt_token_ids must be in [0, {vocab}) for this model", "prompt_token_ids"
-            )
-        check_logit_bias(params.logit_bias, vocab)
-        if n >= self.max_model_len:
-            raise BadRequest(
-                f"prompt_token_ids has {n} tokens; the model's context is {self.max_model_len} "
-                "tokens and at least one must be left to generate",
-                "prompt_token_ids",
-            )
-        if params.max_tokens is not None and params.max_tokens > self.max_model_len:
-            raise BadRequest(
-                f"max_tokens={params.max_tokens} is too large: the model's context is "
-                f"{self.max_model_len} tokens",
-                "max_tokens",
-            )
-        # As vLLM: a prompt + max_tokens past the context generates up to the context and
-        # finishes with "length".
-        room = self.max_model_len - n
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        needed = -(-(n + max_tokens) // self.config.block_size)
-        if needed > self.runner.num_blocks:
-            # Without max_tokens the prompt alone decides how much room is asked for.
-            param = "prompt_token_ids" if params.max_tokens is None else "max_tokens"
-            raise BadRequest(
-                f"{param}: prompt + max_tokens need {needed} KV blocks but the pool has "
-                f"{self.runner.num_blocks}",
-                param,
-            )
-        return max_tokens
+        return check_request(prompt_token_ids, params, self.runner.model_config.vocab_size,
+                             self.max_model_len, self.runner.num_blocks, self.config.block_size)
 
     def abort_request(self, request_id: str) -> RequestUpdate | None:
         req = self.requests.pop(request_id, None)
@@ -266,3 +233,45 @@ class LLMEngine:
             prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
         )
+
+
+def check_request(
+    prompt_token_ids: list[int], params: SamplingParams, vocab: int, max_model_len: int,
+    num_blocks: int, block_size: int,
+) -> int:
+    """``LLMEngine.check_request`` given the model's limits (the engine-core process's
+    server side checks with these, without the engine)."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise BadRequest("prompt_token_ids must contain at least one token", "prompt_token_ids")
+    if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+        raise BadRequest(
+            f"prompt_token_ids must be in [0, {vocab}) for this model", "prompt_token_ids"
+        )
+    check_logit_bias(params.logit_bias, vocab)
+    if n >= max_model_len:
+        raise BadRequest(
+            f"prompt_token_ids has {n} tokens; the model's context is {max_model_len} "
+            "tokens and at least one must be left to generate",
+            "prompt_token_ids",
+        )
+    if params.max_tokens is not None and params.max_tokens > max_model_len:
+        raise BadRequest(
+            f"max_tokens={params.max_tokens} is too large: the model's context is "
+            f"{max_model_len} tokens",
+            "max_tokens",
+        )
+    # As vLLM: a prompt + max_tokens past the context generates up to the context and
+    # finishes with "length".
+    room = max_model_len - n
+    max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+    needed = -(-(n + max_tokens) // block_size)
+    if needed > num_blocks:
+        # Without max_tokens the prompt alone decides how much room is asked for.
+        param = "prompt_token_ids" if params.max_tokens is None else "max_tokens"
+        raise BadRequest(
+            f"{param}: prompt + max_tokens need {needed} KV blocks but the pool has "
+            f"{num_blocks}",
+            param,
+        )
+    return max_tokens

@@ -15,7 +15,7 @@ import logging
 import time
 
 from services.common.redis_index import KVIndexPublisher
-from services.engine.engine_thread import EngineThread
+from services.engine.core_client import CoreClient
 from services.protocol.messages import EngineHeartbeat
 
 logger = logging.getLogger(__name__)
@@ -24,7 +24,7 @@ _MAX_EVENTS_PER_TICK = 50_000
 
 
 class EnginePublisher:
-    def __init__(self, server_config, core: EngineThread) -> None:
+    def __init__(self, server_config, core: CoreClient) -> None:
         self.cfg = server_config
         self.core = core
         self.engine_id = server_config.resolved_engine_id()

@@ -9,6 +9,8 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -22,8 +24,10 @@ from services.common import tracing
 from services.common.default_model import DEFAULT_MODEL_NAME
 from services.common.http_errors import json_error, json_errors
 from services.engine.config import EngineConfig
+from services.engine.core_client import CoreClient, InternalEngineError
+from services.engine.core_process import EngineCoreProcess
 from services.engine.engine import RequestUpdate
-from services.engine.engine_thread import EngineThread, InternalEngineError
+from services.engine.engine_thread import EngineThread
 from services.engine.metrics import EngineMetrics
 from services.engine.server_config import ServerConfig, configs_from_args
 from services.protocol import engine_api
@@ -40,12 +44,16 @@ class Lifecycle:
     # The caller's request id -> the engine's own (made unique), so /internal/abort can name
     # a request by the id its caller gave.
     active: dict[str, str] = field(default_factory=dict)
+    # The engine-core process died: the server exits non-zero once it has shut down.
+    core_died: bool = False
 
 
 _MIN_HEARTBEAT_GAP_S = 0.05
 _CUT_AFTER_DRAIN_S = 0.5  # early heartbeats are at most 20 per second
+_CORE_DEATH_EXIT_S = 5.0  # the shutdown after a core death, bounded: never a hang
+_EXIT_ON_CORE_DEATH = False  # set by main(): an app embedded in tests only reports it
 
-CORE = web.AppKey("core", EngineThread)
+CORE = web.AppKey("core", CoreClient)
 LIFECYCLE = web.AppKey("lifecycle", Lifecycle)
 METRICS = web.AppKey("metrics", EngineMetrics)
 SERVER_CONFIG = web.AppKey("server_config", ServerConfig)
@@ -70,15 +78,17 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig) -> web.
 
 def _engine_ctx(engine_config: EngineConfig):
     async def ctx(app: web.Application) -> AsyncIterator[None]:
-        core = EngineThread(engine_config, app[SERVER_CONFIG].debug_step_delay_s)
+        core = _make_core(engine_config, app[SERVER_CONFIG])
         app[CORE] = core
         name = engine_config.served_model_name or os.path.basename(
             (engine_config.model or DEFAULT_MODEL_NAME).rstrip("/")
         )
         metrics = app[METRICS] = EngineMetrics(name, lambda: core.stats,
                                                lambda: _cache_info(core))
-        core.on_step = lambda e: metrics.requests(e.max_model_len).observe_step(
-            e.last_step_tokens)
+        core.on_step = lambda tokens: metrics.requests(core.engine.max_model_len).observe_step(
+            tokens)
+        if isinstance(core, EngineCoreProcess):
+            core.on_death = lambda: _on_core_death(app)
         core.start(asyncio.get_running_loop())
         app[LIFECYCLE].publisher = asyncio.create_task(_publish_loop(app))
         try:
@@ -90,6 +100,24 @@ def _engine_ctx(engine_config: EngineConfig):
             logger.info("engine stopped")
 
     return ctx
+
+
+def _make_core(engine_config: EngineConfig, server_config: ServerConfig) -> CoreClient:
+    if server_config.engine_core == "process":
+        return EngineCoreProcess(engine_config, server_config.debug_step_delay_s)
+    return EngineThread(engine_config, server_config.debug_step_delay_s)
+
+
+def _on_core_death(app: web.Application) -> None:
+    """The core process died: /health turns 503 at once and, when this is the server's own
+    process, it shuts down (leaving Redis) and exits 1; a hard exit bounds that."""
+    app[LIFECYCLE].core_died = True
+    if not _EXIT_ON_CORE_DEATH:
+        return
+    timer = threading.Timer(_CORE_DEATH_EXIT_S, os._exit, (1,))
+    timer.daemon = True
+    timer.start()
+    signal.raise_signal(signal.SIGTERM)  # run_app's graceful shutdown: drain (none), cleanup
 
 
 async def _stop_publishing(app: web.Application) -> None:
@@ -217,7 +245,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-def _cache_info(core: EngineThread) -> dict[str, str] | None:
+def _cache_info(core: CoreClient) -> dict[str, str] | None:
     """vllm:cache_config_info's labels, once the engine has loaded."""
     engine = core.engine
     if engine is None:
@@ -378,6 +406,8 @@ def main(argv: list[str] | None = None) -> None:
     engine_config, server_config = configs_from_args(argv)  # flags: server_config.py
     logging.basicConfig(level=server_config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    global _EXIT_ON_CORE_DEATH
+    _EXIT_ON_CORE_DEATH = True
     app = create_app(engine_config, server_config)
     # handler_cancellation: a client that goes away cancels its handler at once (even during
     # prefill), and the handler's finally-block aborts the request and frees its KV blocks.
@@ -385,6 +415,9 @@ def main(argv: list[str] | None = None) -> None:
     # at once, so SIGTERM-to-exit stays within drain_timeout_s plus about a second.
     web.run_app(app, host=server_config.host, port=server_config.port, print=None,
                 shutdown_timeout=_CUT_AFTER_DRAIN_S, handler_cancellation=True)
+    if app[LIFECYCLE].core_died:
+        logger.error("exiting: the engine core process died")
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

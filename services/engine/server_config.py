@@ -14,6 +14,7 @@ from services.engine.config import EngineConfig
 
 PROG = "python -m services.engine.server"
 DESCRIPTION = "Pagoda engine server: the model, its KV cache and the internal streaming API."
+ENGINE_CORES = ("process", "inline")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -37,6 +38,12 @@ class ServerConfig:
         0.0, help="fault injection for tests and drills: seconds slept before every step"
     )
     log_level: str = flag("INFO", help="logging level")
+    engine_core: str = flag(
+        "process",
+        help="where the engine core (scheduler, model, sampler) runs: 'process' (its own "
+        "process, so the HTTP event loop and the step loop never share a GIL) or 'inline' "
+        "(a thread of the server process)",
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -47,6 +54,9 @@ class ServerConfig:
         for name in ("drain_timeout_s", "debug_step_delay_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.engine_core not in ENGINE_CORES:
+            raise ValueError(f"engine_core must be one of {', '.join(ENGINE_CORES)}, "
+                             f"got {self.engine_core!r}")
         if self.log_level.upper() not in _LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(_LOG_LEVELS)}")
 

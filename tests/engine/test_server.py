@@ -251,7 +251,8 @@ def test_sigterm_leaves_routing_first_then_drains(default_model_path, redis_serv
 async def engine_app(model_dir: Path) -> AsyncIterator[TestClient]:
     """The engine app on a tiny random model (vocabulary 256), context 64, loaded and ready."""
     config = EngineConfig(model=str(model_dir), num_blocks=16, max_model_len=64)
-    app = create_app(config, ServerConfig(engine_id="e-in-process"))
+    # The core inline (a thread of this process): the tests below patch the engine itself.
+    app = create_app(config, ServerConfig(engine_id="e-in-process", engine_core="inline"))
     async with TestClient(TestServer(app)) as client:
         for _ in range(600):
             if (await client.get("/health")).status == 200:

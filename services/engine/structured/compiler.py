@@ -58,6 +58,10 @@ class GrammarCompiler:
             raise BadRequest(f"{_PARAM}.{spec.kind} took more than {COMPILE_TIMEOUT_S:g} s to "
                              "compile; simplify it", _PARAM) from None
 
+    def is_cached(self, spec: StructuredOutputsParams) -> bool:
+        with self._lock:
+            return spec.key() in self._cache
+
     def compile(self, spec: StructuredOutputsParams) -> Any:
         """The compiled grammar of ``spec`` (from the cache when it was compiled before)."""
         key = spec.key()

@@ -1,0 +1,136 @@
+"""The event loop's handle on the engine core, wherever the core runs (thread or process).
+
+It keeps what the server reads between steps (stats, KV events, step time, requests in
+flight) and routes each ``CoreOutputs`` batch to the per-request sinks, on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Callable
+
+from services.engine.core_loop import (
+    BAD_REQUEST,
+    INTERNAL,
+    Abort,
+    Add,
+    Command,
+    CoreError,
+    CoreOutputs,
+    Resync,
+)
+from services.engine.engine import EngineStats, RequestUpdate
+from services.protocol.engine_api import BadRequest
+from services.protocol.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Sink = Callable[[RequestUpdate | Exception], None]
+
+
+class InternalEngineError(RuntimeError):
+    """A request failed on an engine bug, not on its input: a 500, never a 400."""
+
+
+def error_for(err: CoreError) -> Exception:
+    """The exception a request's sink receives for a ``CoreError``."""
+    if err.kind == BAD_REQUEST:
+        return BadRequest(err.message, err.param)
+    if err.kind == INTERNAL:
+        return InternalEngineError(err.message)
+    return RuntimeError(err.message)
+
+
+class CoreClient:
+    """Submit, abort and the latest snapshots; subclasses deliver commands to the core and
+    call ``_dispatch`` on the event loop with each batch it sends back."""
+
+    def __init__(self) -> None:
+        self.engine = None  # LLMEngine inline; a RemoteEngine for the core process
+        self.load_error: BaseException | None = None
+        self.stats: EngineStats | None = None
+        self.kv_events: deque = deque(maxlen=1_000_000)  # drained by the Redis publisher
+        # Median wall time (ms) of the recent steps, published in heartbeats: how slow this
+        # engine is compared with its peers, whatever its load.
+        self.step_ms = 0.0
+        # Set when a request arrives or finishes: the Redis publisher then sends a heartbeat
+        # early, so routers see the load change within milliseconds.
+        self.load_changed = asyncio.Event()
+        # Called on the event loop after each step with the tokens it computed.
+        self.on_step: Callable[[int], None] | None = None
+        self._sinks: dict[str, Sink] = {}
+
+    @property
+    def is_ready(self) -> bool:
+        return self.engine is not None and self.load_error is None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._sinks)
+
+    @property
+    def num_accepted(self) -> int:
+        """Requests submitted and not yet finished: unlike ``stats`` (updated after each
+        step) it includes requests that arrived since the last step."""
+        return len(self._sinks)
+
+    # -- called from the event loop -------------------------------------------------------------
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None,
+        sink: Sink,
+    ) -> None:
+        assert request_id not in self._sinks, request_id  # the server makes ids unique
+        self._sinks[request_id] = sink
+        self._send(Add(request_id, prompt_token_ids, params, cache_salt))
+        self.load_changed.set()
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self._sinks:
+            self._send(Abort(request_id))
+
+    def request_kv_resync(self) -> None:
+        """Asks the core to queue its whole prefix cache on ``kv_events`` ("cleared", then
+        every cached hash), after the events already queued: for an index that lost this
+        engine's entries."""
+        self._send(Resync())
+
+    def _send(self, cmd: Command) -> None:
+        raise NotImplementedError
+
+    def _dispatch(self, out: CoreOutputs) -> None:
+        sinks = self._sinks
+        done = bool(out.errors)
+        for err in out.errors:
+            sink = sinks.pop(err.request_id, None)
+            if sink is not None:
+                sink(error_for(err))
+        for update in out.updates:
+            if update.finished:
+                done = True
+                sink = sinks.pop(update.request_id, None)
+            else:
+                sink = sinks.get(update.request_id)
+            if sink is not None:
+                sink(update)
+        if out.stats is not None:
+            self.stats = out.stats
+        self.kv_events.extend(out.kv_events)
+        self.step_ms = out.step_ms
+        if out.step_tokens is not None and self.on_step is not None:
+            self.on_step(out.step_tokens)
+        if done:
+            self.load_changed.set()
+
+    def _fail_all(self, message: str) -> None:
+        """The core is gone: every request in flight ends with an error now."""
+        sinks, self._sinks = self._sinks, {}
+        for sink in sinks.values():
+            sink(RuntimeError(message))
+        self.load_changed.set()

@@ -1,0 +1,240 @@
+"""``--engine-core process``: the engine core (scheduler, runner, sampler; with tensor
+parallelism rank 0, which owns the workers) in its own process, as vLLM v1 does.
+
+The server's event loop and the step loop then each have a GIL of their own. Two one-way
+pipes join them (``core_ipc`` frames the messages): commands in (add, abort, resync, stop),
+read by a thread of the core process so a client never waits on a step; one ``CoreOutputs``
+message out per step (every request's new tokens, the stats snapshot, the KV events), read
+by the event loop (``add_reader``), never one message per token.
+
+Lifecycle, never a hang and no orphans:
+
+* the core process dies (killed, crashed): the server sees its pipe close, fails the requests
+  in flight, and ``on_death`` exits the server non-zero (the pod restarts);
+* the server dies: the kernel kills the core (``PR_SET_PDEATHSIG``), which kills its workers;
+* SIGTERM to the server drains as before, then ``stop`` asks the core to close (its workers
+  with it) and kills it if it has not within ``_STOP_GRACE_S``. The core ignores SIGINT and
+  SIGTERM sent to the process group: the server decides when it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import multiprocessing.connection
+import signal
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from services.engine import core_ipc
+from services.engine.config import EngineConfig
+from services.engine.core_client import CoreClient
+from services.engine.core_loop import Command, CoreLoop, CoreOutputs, Stop
+from services.engine.engine import LLMEngine, check_request
+from services.engine.parallel.workers import _die_with_parent
+from services.engine.structured.compiler import GrammarCompiler
+from services.protocol.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_STOP_GRACE_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What the server needs to know of the loaded engine, sent once when it is ready."""
+
+    model_name: str
+    model_path: str
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    eos_token_ids: tuple[int, ...]
+    dtype: str
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> EngineInfo:
+        return cls(engine.model_name, str(engine.model_path), engine.max_model_len,
+                   engine.runner.model_config.vocab_size, engine.runner.num_blocks,
+                   engine.eos_token_ids, str(engine.runner.dtype))
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerInfo:
+    dtype: str
+    num_blocks: int
+
+
+class RemoteEngine:
+    """The server's stand-in for the engine in the core process: the same attributes the
+    handlers read (name, limits, ``check_request``, ``grammars``), answered locally."""
+
+    def __init__(self, config: EngineConfig, info: EngineInfo) -> None:
+        self.config = config
+        self.info = info
+        self.model_name = info.model_name
+        self.max_model_len = info.max_model_len
+        self.runner = RunnerInfo(info.dtype, info.num_blocks)
+        # Compiles on the server too (on a thread, as inline): a bad grammar is the client's
+        # 400 before the request travels; the core compiles its own copy off its step loop.
+        self.grammars = GrammarCompiler(info.model_path, info.vocab_size, info.eos_token_ids)
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        i = self.info
+        return check_request(prompt_token_ids, params, i.vocab_size, i.max_model_len,
+                             i.num_blocks, self.config.block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class _CoreArgs:
+    config: EngineConfig
+    step_delay_s: float
+    log_level: int
+
+
+class EngineCoreProcess(CoreClient):
+    """The event loop's handle on the engine-core process."""
+
+    def __init__(self, config: EngineConfig, step_delay_s: float = 0.0) -> None:
+        if not step_delay_s >= 0:
+            raise ValueError(f"step_delay_s must be >= 0, got {step_delay_s!r}")
+        super().__init__()
+        self.config = config
+        self.step_delay_s = step_delay_s
+        # Called on the event loop when the core process dies unasked (the server exits).
+        self.on_death: Callable[[], None] | None = None
+        self.loaded = threading.Event()
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self._commands: multiprocessing.connection.Connection | None = None
+        self._outputs: multiprocessing.connection.Connection | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self.died = False
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        ctx = multiprocessing.get_context("spawn")  # never a fork of a threaded process
+        cmd_read, self._commands = ctx.Pipe(duplex=False)
+        self._outputs, out_write = ctx.Pipe(duplex=False)
+        args = _CoreArgs(self.config, self.step_delay_s, logging.getLogger().level)
+        self.process = ctx.Process(target=core_main, args=(args, cmd_read, out_write),
+                                   name="engine-core", daemon=False)
+        self.process.start()
+        # Only the core holds its ends now: its death closes the pipe under our reader.
+        cmd_read.close()
+        out_write.close()
+        loop.add_reader(self._outputs.fileno(), self._on_readable)
+        logger.info("engine core process started pid=%d", self.process.pid)
+
+    def stop(self, timeout: float = _STOP_GRACE_S) -> None:
+        """Asks the core to close, waits for it, kills it past ``timeout`` (any thread)."""
+        self._stopping = True
+        proc = self.process
+        if proc is None:
+            return
+        if proc.is_alive():
+            try:
+                self._commands.send_bytes(core_ipc.encode(Stop()))
+            except OSError:
+                pass
+            proc.join(timeout)
+        if proc.is_alive():
+            logger.warning("engine core did not stop within %.0f s: killing it", timeout)
+            proc.kill()
+            proc.join(5)
+        logger.info("engine core exited code=%s", proc.exitcode)
+
+    def _send(self, cmd: Command) -> None:
+        if self.died:
+            return
+        try:
+            self._commands.send_bytes(core_ipc.encode(cmd))
+        except OSError:  # the core is gone: the reader reports it
+            logger.warning("engine core pipe closed while sending %s", type(cmd).__name__)
+
+    # -- the event loop's reader ----------------------------------------------------------------
+
+    def _on_readable(self) -> None:
+        conn = self._outputs
+        try:
+            while conn.poll():
+                self._handle(core_ipc.decode(conn.recv_bytes()))
+        except (EOFError, OSError):
+            self._loop.remove_reader(conn.fileno())
+            self._core_gone()
+
+    def _handle(self, msg: object) -> None:
+        if isinstance(msg, CoreOutputs):
+            self._dispatch(msg)
+        elif isinstance(msg, EngineInfo):
+            self.engine = RemoteEngine(self.config, msg)
+            self.loaded.set()
+            logger.info("engine ready: model=%s (core process pid=%d)", msg.model_name,
+                        self.process.pid)
+        elif isinstance(msg, core_ipc.LoadFailed):
+            self.load_error = RuntimeError(msg.message)
+            self.loaded.set()
+        else:
+            raise TypeError(f"unexpected message from the engine core: {msg!r}")
+
+    def _core_gone(self) -> None:
+        if self._stopping:
+            return
+        proc = self.process
+        proc.join(1)
+        code = proc.exitcode
+        if self.load_error is not None and code == 0:
+            return  # reported its load error and left: /health says so
+        self.died = True
+        logger.error("engine core process died (exit code %s): failing %d requests in flight",
+                     code, self.num_in_flight)
+        if self.load_error is None:
+            self.load_error = RuntimeError(f"engine core process died (exit code {code})")
+        self.loaded.set()
+        self._fail_all(f"engine core process died (exit code {code})")
+        if self.on_death is not None:
+            self.on_death()
+
+
+# -- the core process ---------------------------------------------------------------------------
+
+
+def core_main(args: _CoreArgs, commands: multiprocessing.connection.Connection,
+              outputs: multiprocessing.connection.Connection) -> None:
+    _die_with_parent()
+    # The server decides when the core ends (it drains first): a Ctrl-C or a SIGTERM sent to
+    # the whole process group must not cut the core from under it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=args.log_level,
+                        format="%(asctime)s %(levelname)s %(name)s[core] %(message)s")
+    send_lock = threading.Lock()  # the grammar thread never sends, but be explicit
+
+    def emit(out: CoreOutputs) -> None:
+        with send_lock:
+            outputs.send_bytes(core_ipc.encode(out))
+
+    core = CoreLoop(args.config, emit, args.step_delay_s)
+    try:
+        engine = core.load()
+    except BaseException as exc:  # reported by the server's /health
+        logger.exception("engine failed to load")
+        outputs.send_bytes(core_ipc.encode(core_ipc.LoadFailed(f"{type(exc).__name__}: {exc}")))
+        return
+    threading.Thread(target=_read_commands, args=(commands, core), name="core-input",
+                     daemon=True).start()
+    outputs.send_bytes(core_ipc.encode(EngineInfo.of(engine)))
+    emit(CoreOutputs(stats=engine.stats()))  # heartbeats start with the first snapshot
+    core.run()
+
+
+def _read_commands(conn: multiprocessing.connection.Connection, core: CoreLoop) -> None:
+    """Moves commands from the pipe to the loop's queue as they come (a blocked read holds
+    no GIL); the server gone (EOF) stops the core."""
+    try:
+        while True:
+            core.commands.put(core_ipc.decode(conn.recv_bytes()))
+    except (EOFError, OSError):
+        core.stop()

@@ -1,0 +1,157 @@
+"""The engine core in its own process (``--engine-core process``): the IPC messages survive
+their framing, greedy outputs through the server equal the offline engine's, the core's
+death ends the server (non-zero, within seconds) and the server's death ends the core."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import signal
+import time
+from pathlib import Path
+
+import aiohttp
+
+from services.engine.config import EngineConfig
+from services.engine.core_ipc import LoadFailed, decode, encode
+from services.engine.core_loop import (
+    BAD_REQUEST,
+    Abort,
+    Add,
+    CoreError,
+    CoreOutputs,
+    Resync,
+    Stop,
+)
+from services.engine.core_process import EngineInfo
+from services.engine.engine import EngineStats, LLMEngine, RequestUpdate
+from services.protocol import engine_api
+from services.protocol.engine_api import TokenLogprobs
+from services.protocol.kv_events import KVEvent, KVEventKind
+from services.protocol.sampling_params import SamplingParams
+from services.protocol.structured_outputs import StructuredOutputsParams
+from tests.support.services import ServiceProcess
+
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], list(range(20, 40))]
+
+
+def _outputs(n: int) -> CoreOutputs:
+    updates = [
+        RequestUpdate(f"r{i}", [i], [None], finished=i % 2 == 0,
+                      finish_reason="length" if i % 2 == 0 else None, num_prompt_tokens=60,
+                      num_output_tokens=i, arrival_time=1.5, first_token_time=2.5)
+        for i in range(n)
+    ]
+    updates[1].new_logprobs = [TokenLogprobs(1, -0.5, 3, [(1, -0.5), (2, -1.25)])]
+    return CoreOutputs(
+        updates=updates,
+        errors=[CoreError("bad", BAD_REQUEST, "max_tokens: no", "max_tokens")],
+        stats=EngineStats(3, 1, 0.25, 10, 40, 100, 50, 2),
+        kv_events=[KVEvent(KVEventKind.STORED, (7, 8), 16, None, tuple(range(32))),
+                   KVEvent(KVEventKind.CLEARED)],
+        step_tokens=n,
+        step_ms=1.25,
+    )
+
+
+def test_ipc_messages_round_trip_through_one_frame_each() -> None:
+    params = SamplingParams(max_tokens=7, temperature=0.5, seed=3, stop=["x"],
+                            logit_bias={4: 1.0},
+                            structured_outputs=StructuredOutputsParams(regex="[a-z]+"))
+    messages = [
+        Add("r1", [1, 2, 3], params, "salt"), Abort("r1"), Resync(), Stop(),
+        _outputs(256), CoreOutputs(), LoadFailed("OSError: no weights"),
+        EngineInfo("m", "/m", 2048, 512, 64, (2,), "torch.float32"),
+    ]
+    for msg in messages:
+        assert decode(encode(msg)) == msg
+    # One frame per message over a real pipe, in order, whatever their sizes.
+    recv, send = multiprocessing.Pipe(duplex=False)
+    for msg in messages:
+        send.send_bytes(encode(msg))
+    assert [decode(recv.recv_bytes()) for _ in messages] == messages
+    # A 256-request step is one message of a few bytes per token, not one per request.
+    assert len(encode(_outputs(256))) < 256 * 160
+    assert not CoreOutputs() and CoreOutputs(step_tokens=0)
+
+
+def _core_pid(server_pid: int) -> int:
+    """The server's engine-core child (multiprocessing's resource tracker is the other)."""
+    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    cores = [int(c) for c in children
+             if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
+    assert len(cores) == 1, children
+    return cores[0]
+
+
+def _gone(pid: int, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            # A zombie (exited, not yet reaped by its parent) counts as gone.
+            if Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z"):
+                return True
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+async def _greedy(url: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    async def one(s: aiohttp.ClientSession, i: int, prompt: list[int]) -> list[int]:
+        body = engine_api.GenerateRequest(
+            f"g{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0,
+                                            ignore_eos=True)).to_msgpack()
+        async with s.post(url + engine_api.GENERATE_PATH, data=body) as r:
+            assert r.status == 200, await r.text()
+            frames = engine_api.FrameDecoder().feed(await r.read())
+        assert isinstance(frames[-1], engine_api.FinishedFrame), frames
+        return [t for f in frames if isinstance(f, engine_api.TokensFrame) for t in f.token_ids]
+
+    async with aiohttp.ClientSession() as s:
+        return list(await asyncio.gather(*(one(s, i, p) for i, p in enumerate(prompts))))
+
+
+def _offline(model: Path, max_tokens: int) -> list[list[int]]:
+    """The same requests stepped by an engine in this process (the tiny model has no
+    tokenizer for ``LLM``)."""
+    engine = LLMEngine(EngineConfig(model=str(model), num_blocks=64, max_model_len=128))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    reqs = [engine.add_request(f"g{i}", p, params) for i, p in enumerate(PROMPTS)]
+    while engine.has_unfinished_requests():
+        engine.step()
+    return [r.output_token_ids for r in reqs]
+
+
+def _server(model: Path) -> ServiceProcess:
+    return ServiceProcess("services.engine.server", [
+        "--model", str(model), "--engine-core", "process", "--num-blocks", "64",
+        "--max-model-len", "128"])
+
+
+def test_greedy_through_the_core_process_then_its_death_ends_the_server(tiny_model_dir) -> None:
+    model = tiny_model_dir("LlamaForCausalLM")
+    expected = _offline(model, 12)
+    proc = _server(model).start()
+    try:
+        assert asyncio.run(_greedy(proc.url, PROMPTS, 12)) == expected
+        core = _core_pid(proc.proc.pid)
+        os.kill(core, signal.SIGKILL)
+        start = time.monotonic()
+        assert proc.proc.wait(15) == 1  # never a hang, never a clean exit
+        assert time.monotonic() - start < 8
+        assert "engine core process died" in proc.log_text()
+    finally:
+        proc.kill()
+
+
+def test_the_core_dies_with_its_server(tiny_model_dir) -> None:
+    proc = _server(tiny_model_dir("LlamaForCausalLM")).start()
+    try:
+        core = _core_pid(proc.proc.pid)
+        proc.proc.kill()  # SIGKILL: no cleanup code runs in the server
+        proc.proc.wait(10)
+        assert _gone(core, 10), "the engine core outlived its server"
+    finally:
+        proc.kill()
