@@ -121,7 +121,8 @@ async def test_client_disconnect_aborts_the_engine_request(stack: Stack, stream:
     script(stack, "word " * 200)
     engine = stack.engines["e1"]
     engine.behaviour.delay = 0.02
-    body = {"model": MODEL, "prompt": "x", "stream": stream}
+    # max_tokens: completions stop at 16 tokens by default, before the client gives up
+    body = {"model": MODEL, "prompt": "x", "stream": stream, "max_tokens": 1000}
     async with aiohttp.ClientSession() as s:
         if stream:
             resp = await s.post(f"{stack.url}/v1/completions", json=body)
@@ -154,7 +155,9 @@ async def test_request_timeout(make_stack: StackFactory) -> None:
     stack = await make_stack(request_timeout=0.5)
     script(stack, "word " * 200)
     stack.engines["e1"].behaviour.delay = 0.05
-    events = await sse_events(stack, {"model": MODEL, "prompt": "x", "stream": True})
+    events = await sse_events(
+        stack, {"model": MODEL, "prompt": "x", "stream": True, "max_tokens": 1000}
+    )
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["message"] == "the request timed out"
     with pytest.raises(openai.APIStatusError) as exc:
@@ -174,7 +177,8 @@ async def test_shutdown_drains_then_ends_open_streams(make_stack: StackFactory) 
     engine.behaviour.delay = 0.02
     async with aiohttp.ClientSession() as s:
         resp = await s.post(
-            f"{stack.url}/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True}
+            f"{stack.url}/v1/completions",
+            json={"model": MODEL, "prompt": "x", "stream": True, "max_tokens": 1000},
         )
         await resp.content.readuntil(b"\n\n")
         stopping = asyncio.create_task(stack.stop_gateway())
