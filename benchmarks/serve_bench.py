@@ -84,7 +84,7 @@ def run_client(
         "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
         "--max-concurrency", str(args.concurrency), "--ignore-eos", "--seed", "0",
         "--num-warmups", "2", "--save-result", "--result-dir", str(out.parent),
-        "--result-filename", out.name, "--disable-tqdm",
+        "--result-filename", out.name, "--disable-tqdm", "--save-detailed",
     ]
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
@@ -94,7 +94,7 @@ def bench_pagoda(vllm: Path, model_dir: Path, args, tmp: Path, env: dict[str, st
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.serve", "--port", str(port), "--model", str(model_dir),
-         "--dtype", args.dtype],
+         "--dtype", args.dtype, *args.pagoda_flags.split()],
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
     try:
@@ -128,6 +128,12 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--skip-peer", action="store_true", help="measure Pagoda only")
+    ap.add_argument("--pagoda-flags", default="",
+                    help="extra engine flags for Pagoda, e.g. '--max-num-batched-tokens 512'")
+    ap.add_argument("--skip-pagoda", action="store_true", help="measure the peer only")
+    ap.add_argument("--save-dir", type=Path, default=None,
+                    help="keep each server's `vllm bench serve` result JSON (per-request "
+                         "TTFTs and inter-token latencies) here")
     args = ap.parse_args()
     vllm = Path(args.vllm_venv) / "bin" / "vllm"
     if not vllm.exists():
@@ -141,22 +147,24 @@ def main() -> None:
           f"{args.num_prompts} prompts, concurrency {args.concurrency}, {args.dtype}", flush=True)
     results = {}
     with tempfile.TemporaryDirectory() as d:
-        results["pagoda"] = bench_pagoda(vllm, model_dir, args, Path(d), env)
+        out = args.save_dir or Path(d)
+        out.mkdir(parents=True, exist_ok=True)
+        if not args.skip_pagoda:
+            results["pagoda"] = bench_pagoda(vllm, model_dir, args, out, env)
         if not args.skip_peer:
-            results["vllm"] = bench_vllm(vllm, model_dir, args, Path(d), env)
+            results["vllm"] = bench_vllm(vllm, model_dir, args, out, env)
     report(results)
 
 
 def report(results: dict[str, dict]) -> None:
     names = list(results)
-    print(
-        "\n| metric | " + " | ".join(names) + (" | Pagoda / vLLM |" if "vllm" in results else " |")
-    )
-    print("| --- " * (len(names) + 1 + ("vllm" in results)) + "|")
+    both = "pagoda" in results and "vllm" in results
+    print("\n| metric | " + " | ".join(names) + (" | Pagoda / vLLM |" if both else " |"))
+    print("| --- " * (len(names) + 1 + both) + "|")
     for key, label in METRICS:
         row = [f"{results[n].get(key, float('nan')):.1f}" for n in names]
         ratio = ""
-        if "vllm" in results and results["vllm"].get(key):
+        if both and results["vllm"].get(key):
             ratio = f" | {results['pagoda'][key] / results['vllm'][key]:.2f}x"
         print(f"| {label} | " + " | ".join(row) + ratio + " |")
 

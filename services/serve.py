@@ -81,6 +81,9 @@ def _default_model() -> Path:
     return path
 
 
+_FIXED_ENGINE_FLAGS = {"--port", "--model", "--engine-id", "--redis-url"}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--port", type=int, default=8000, help="gateway port")
@@ -89,7 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default="prefix", help="routing policy")
     ap.add_argument("--dtype", default="auto", help="engine dtype (auto: float32 on the CPU)")
     ap.add_argument("--api-key", action="append", default=[], help="require this API key")
-    args = ap.parse_args(argv)
+    # Any other flag is an engine flag (`python -m services.engine.server --help`), passed to
+    # every engine, as `vllm serve` takes the engine's arguments.
+    args, engine_flags = ap.parse_known_args(argv)
+    if any(f.split("=")[0] in _FIXED_ENGINE_FLAGS for f in engine_flags):
+        raise SystemExit(f"these engine flags are set by serve itself: {sorted(_FIXED_ENGINE_FLAGS)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     # Started in the background by a shell, SIGINT arrives ignored; Ctrl-C must still stop us.
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -135,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             p = start(f"engine-{i}", [_PY, "-m", "services.engine.server", "--port", str(port),
                                       "--model", str(model_dir), "--engine-id", f"engine-{i}",
                                       "--redis-url", redis_url, "--cpu-threads", str(len(cpus)),
-                                      "--dtype", args.dtype],
+                                      "--dtype", args.dtype, *engine_flags],
                       cpus=cpus if args.engines > 1 else None)
             wait_http(f"{url}/health", 600, p)
         router_port = free_port()

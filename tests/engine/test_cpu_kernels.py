@@ -149,9 +149,25 @@ def test_decode_matches_dense_attention(dtype, heads, kv_heads, dim, bs) -> None
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "bs"), SHAPES)
+def test_prefill_rows_match_dense_causal_attention(dtype, heads, kv_heads, dim, bs) -> None:
+    """Prompts go through the kernel as causal rows: a fresh prompt, a chunk over a cached
+    prefix that ends mid-block, a two-token chunk and a decode, in one step."""
+    lens = [3 * bs + 5, 300, bs + 1, 40]
+    q_lens = [3 * bs + 5, 41, 2, 1]
+    batch = make_batch(lens, q_lens, block_size=bs, num_heads=heads, num_kv_heads=kv_heads,
+                       head_dim=dim, dtype=dtype, seed=heads * dim)
+    k, v = _cpu_caches(batch)
+    got = CpuAttentionBackend().forward(batch.query, k, v, batch.meta, 0.3)
+    expected = naive_attention(batch, 0.3)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), expected.double(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_mixed_step_equals_the_torch_backend(dtype: torch.dtype) -> None:
-    """Decodes (the kernel), a chunk over a cached prefix and a fresh prefill (SDPA over the
-    CPU layout) in one step."""
+    """Decodes, a chunk over a cached prefix and a fresh prefill in one step: the kernel's
+    rows against the torch backend's SDPA over the plain layout."""
     batch = make_batch([40, 1, 70, 16, 23], [1, 1, 30, 16, 1], num_heads=9, num_kv_heads=3,
                        head_dim=64, dtype=dtype, seed=5)
     k, v = _cpu_caches(batch)
