@@ -31,8 +31,10 @@ class EngineConfig:
         None, help="bytes for the KV pool (default: 2 GiB on the CPU, 85% of free GPU memory)"
     )
     max_num_seqs: int = flag(128, help="requests in one batch")
-    max_num_batched_tokens: int = flag(
-        1024, help="tokens per step; longer prompts are prefilled in chunks"
+    max_num_batched_tokens: int | None = flag(
+        None,
+        help="tokens per step; longer prompts are prefilled in chunks (default: 1024 on a GPU; "
+        "on the CPU 256, or max_num_seqs if larger)",
     )
     max_model_len: int | None = flag(
         None, help="context limit (default: the model's max_position_embeddings)"
@@ -64,12 +66,24 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens",
-                     "tensor_parallel_size"):
+        for name in ("block_size", "max_num_seqs", "tensor_parallel_size"):
             _require_positive(name, getattr(self, name))
-        for name in ("num_blocks", "kv_cache_memory", "max_model_len", "cpu_threads"):
+        for name in ("num_blocks", "kv_cache_memory", "max_model_len", "cpu_threads",
+                     "max_num_batched_tokens"):
             if getattr(self, name) is not None:
                 _require_positive(name, getattr(self, name))
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = self._default_step_tokens()
+
+    def _default_step_tokens(self) -> int:
+        if self.torch_device().type == "cuda":
+            return 1024
+        # On the CPU a step of 256 new tokens already runs the projections at their full rate
+        # (compute-bound, and oneDNN takes rows 256 at a time anyway), so a bigger step only
+        # makes every prompt in it wait for all of them: under a burst of prompts, steps of 256
+        # cut the mean time to first token by ~40% at the same throughput (README, CPU
+        # serving). Never below max_num_seqs, or running requests past the budget would starve.
+        return max(256, self.max_num_seqs)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -271,3 +271,13 @@ def test_finished_blocks_are_cached_for_the_next_prompt() -> None:
     sched.add(b)
     sched.schedule()
     assert b.num_cached_tokens == 12
+
+
+def test_the_cpu_step_budget_defaults_to_256_tokens_and_never_below_max_num_seqs() -> None:
+    from services.engine.config import EngineConfig
+
+    assert EngineConfig(device="cpu").max_num_batched_tokens == 256
+    assert EngineConfig(device="cpu", max_num_seqs=512).max_num_batched_tokens == 512
+    assert EngineConfig(device="cpu", max_num_batched_tokens=2048).max_num_batched_tokens == 2048
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineConfig(device="cpu", max_num_batched_tokens=0)
