@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from aiohttp import web
 from opentelemetry import trace
@@ -279,7 +279,10 @@ async def _stream(
     model = metrics.model_name
     span = trace.get_current_span()
     spans = _SpanEvents(span) if span.is_recording() else None
+    pending = None
     while True:
+        if not isinstance(item, Exception):
+            item, pending = _coalesced(item, updates)
         if isinstance(item, Exception):
             span.set_status(trace.StatusCode.ERROR, str(item))
             await resp.write(engine_api.ErrorFrame(str(item)).to_msgpack())
@@ -292,6 +295,8 @@ async def _stream(
                 metrics.ttft.labels(model).observe(now - start)
             else:
                 metrics.itl.labels(model).observe(now - last)
+            for _ in range(len(item.new_token_ids) - 1):  # coalesced: delivered together
+                metrics.itl.labels(model).observe(0.0)
             last = now
             cached = item.num_cached_tokens if first_frame else None
             prompt_lps = item.prompt_logprobs if first_frame else None
@@ -312,7 +317,24 @@ async def _stream(
             await resp.write(_finished(item))
             await resp.write_eof()
             return True
-        item = await updates.get()
+        item, pending = (pending, None) if pending is not None else (await updates.get(), None)
+
+
+def _coalesced(item: RequestUpdate, updates: asyncio.Queue) -> tuple[object, object]:
+    """``item`` merged with the updates already queued behind it, so a stream that fell
+    behind the engine (many streams, a fast model) catches up in one frame and one write
+    instead of one per step. Returns the merged update and an error met after it (None)."""
+    while not item.finished and not updates.empty():
+        nxt = updates.get_nowait()
+        if isinstance(nxt, Exception):
+            return item, nxt
+        item = replace(
+            nxt,
+            new_token_ids=item.new_token_ids + nxt.new_token_ids,
+            new_logprobs=item.new_logprobs + nxt.new_logprobs,
+            prompt_logprobs=item.prompt_logprobs or nxt.prompt_logprobs,
+        )
+    return item, None
 
 
 class _SpanEvents:

@@ -336,3 +336,32 @@ def test_an_engine_failure_is_a_500_never_a_400(tiny_model_dir) -> None:
             assert client.server.app[CORE].num_in_flight == 0
 
     asyncio.run(run())
+
+
+# -- a stream that fell behind catches up in one frame ----------------------------------------
+
+
+def test_queued_updates_coalesce_into_one_frame_in_order() -> None:
+    from services.engine.engine import RequestUpdate
+    from services.engine.server import _coalesced
+
+    def update(toks: list[int], finished: bool = False, **kw: Any) -> RequestUpdate:
+        return RequestUpdate("r", toks, [None] * len(toks), finished,
+                             finish_reason="length" if finished else None, **kw)
+
+    queue: asyncio.Queue = asyncio.Queue()
+    for u in (update([2], num_output_tokens=2), update([3, 4], num_output_tokens=4),
+              update([5], True, num_output_tokens=5), update([9])):
+        queue.put_nowait(u)
+    merged, pending = _coalesced(update([1], prompt_logprobs=[None, {}]), queue)
+    assert merged.new_token_ids == [1, 2, 3, 4, 5] and len(merged.new_logprobs) == 5
+    assert merged.finished and merged.finish_reason == "length"
+    assert merged.num_output_tokens == 5 and merged.prompt_logprobs == [None, {}]
+    assert pending is None and queue.qsize() == 1  # nothing after the finish is read
+
+    failure = RuntimeError("engine step failed")
+    queue = asyncio.Queue()
+    for u in (update([2]), failure, update([3])):
+        queue.put_nowait(u)
+    merged, pending = _coalesced(update([1]), queue)
+    assert merged.new_token_ids == [1, 2] and not merged.finished and pending is failure
