@@ -9,13 +9,14 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.engine.async_scheduling import StepPipeline
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
 from services.engine.logit_bias import LogitBias, check_logit_bias
-from services.engine.model_runner import ModelRunner
+from services.engine.model_runner import ModelRunner, StepResult
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import make_generator
-from services.engine.scheduler import Scheduler
+from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.structured.compiler import GrammarCompiler
 from services.engine.structured.masks import GrammarState
 from services.protocol.block_hash import BlockHasher, HashAlgorithm
@@ -87,9 +88,21 @@ class LLMEngine:
             self.max_model_len,
         )
         self.requests: dict[str, Request] = {}
+        self.pipeline = StepPipeline(self.runner) if self._async_scheduling() else None
         self.last_step_tokens = 0
         self.grammars = GrammarCompiler(str(model_path), mc.vocab_size, self.eos_token_ids)
         self._hashers: dict[str | None, BlockHasher] = {}
+
+    def _async_scheduling(self) -> bool:
+        wanted = self.config.async_scheduling
+        if wanted is None:  # measured per device: see README, "Async scheduling"
+            wanted = self.runner.device.type == "cuda"
+        if wanted and self.config.tensor_parallel_size > 1:
+            # The other ranks get a step's input ids in its broadcast, before its placeholders
+            # are known: tensor-parallel engines step synchronously.
+            logger.info("async scheduling is off with tensor_parallel_size > 1")
+            return False
+        return wanted
 
     def _resolve_max_model_len(self, model_limit: int) -> int:
         wanted = self.config.max_model_len
@@ -161,7 +174,9 @@ class LLMEngine:
         return self._update(req, [], [])
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        # A step in flight is unfinished work even when all its requests are gone.
+        return self.scheduler.has_unfinished() or (
+            self.pipeline is not None and self.pipeline.in_flight is not None)
 
     # -- stepping ---------------------------------------------------------------------------
 
@@ -174,20 +189,57 @@ class LLMEngine:
     def step_requests(self) -> list[tuple[Request, TokenLogprobs | None]]:
         """``step`` without building its updates (the offline ``LLM`` reads the requests):
         each request that got a token this step, with the token's logprobs. The token is the
-        request's last output token; a finished request has left the engine."""
+        request's last output token; a finished request has left the engine.
+
+        With async scheduling the step applied is the one in flight, and the next one is
+        already running when this returns."""
+        if self.pipeline is None:
+            sched = self._schedule()
+            return [] if sched.is_empty else self._apply(sched, self.runner.execute(sched))
+        try:
+            return self._step_async(self.pipeline)
+        except BaseException:
+            self.pipeline.drain()
+            raise
+
+    def _step_async(self, pipe: StepPipeline) -> list[tuple[Request, TokenLogprobs | None]]:
+        if pipe.in_flight is None:
+            sched = self._schedule()
+            if sched.is_empty:
+                return []
+            pipe.launch(sched, self.runner.prepare(sched))
+        assert pipe.in_flight is not None
+        if pipe.in_flight.needs_host:  # the next step needs this one's tokens on the host
+            return self._apply(*pipe.wait())
+        # Step n runs: schedule and prepare step n+1, with placeholders for step n's tokens.
+        sched = self._schedule()
+        step = None if sched.is_empty else self.runner.prepare(
+            sched, pipe.in_flight.sampled_rows())
+        done, result = pipe.wait()
+        if step is not None:
+            pipe.launch(sched, step, after=result)
+        return self._apply(done, result)  # while step n+1 runs
+
+    def _schedule(self) -> SchedulerOutput:
         sched = self.scheduler.schedule()
         self.last_step_tokens = sched.num_batched_tokens  # vllm:iteration_tokens_total
-        if sched.is_empty:
-            return []
-        result = self.runner.execute(sched)
+        return sched
+
+    def _apply(
+        self, sched: SchedulerOutput, result: StepResult
+    ) -> list[tuple[Request, TokenLogprobs | None]]:
         for req, scored in result.prompt_logprobs:
             req.prompt_logprobs.extend(scored)
         out = result.sampler_output
+        # A request that finished (or was aborted) after this step was scheduled gets no token.
+        lps = [lp for s, lp in zip((s for s in sched.scheduled if s.completes_sequence),
+                                   out.logprobs, strict=True)
+               if not s.request.status.is_finished]
         sampled = self.scheduler.update(sched, out.token_ids)
         for req in sampled:
             if req.status.is_finished:  # the scheduler has already freed its blocks
                 del self.requests[req.request_id]
-        return list(zip(sampled, out.logprobs, strict=True))
+        return list(zip(sampled, lps, strict=True))
 
     def _update(
         self, req: Request, toks: list[int], lps: list[TokenLogprobs | None]
@@ -213,7 +265,10 @@ class LLMEngine:
         )
 
     def close(self) -> None:
-        """Releases what outlives the object: a tensor-parallel engine's worker processes."""
+        """Releases what outlives the object: the step thread of async scheduling, a
+        tensor-parallel engine's worker processes."""
+        if self.pipeline is not None:
+            self.pipeline.close()
         self.runner.close()
 
     # -- observability ----------------------------------------------------------------------
