@@ -19,6 +19,8 @@ are valid SmolLM2 tokens), ``max_num_seqs=256, max_num_batched_tokens=8192``; 25
 48-80 random ids, 128 output tokens each, ignore_eos; the wall time of ``LLM.generate``
 (detokenization included) / 130 steps (as the issue counts them: the ~16k prompt tokens take
 two or three steps of the 8,192-token budget, then 127 decode steps). Target: <= 3 ms.
+It runs with async scheduling off and on (``--async-scheduling off|on|both``), each in its own
+engine, alternating rounds so both see the same machine.
 """
 
 from __future__ import annotations
@@ -185,27 +187,38 @@ def write_host_model(out: Path) -> Path:
     return out
 
 
-def host_overhead(runs: int) -> dict:
-    """ms per step of ``LLM.generate`` at 256 running requests with a near-zero model."""
+def host_overhead(runs: int, modes: tuple[bool, ...] = (False, True)) -> dict[bool, dict]:
+    """ms per step of ``LLM.generate`` at 256 running requests with a near-zero model, per
+    async-scheduling mode (rounds alternate between the modes)."""
     rng = random.Random(0)
     prompts = [[rng.randrange(512) for _ in range(rng.randint(48, 80))] for _ in range(256)]
     params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
     with tempfile.TemporaryDirectory() as d:
-        llm = LLM(str(write_host_model(Path(d))), max_num_seqs=256, max_num_batched_tokens=8192)
-    steps = _count_steps(llm)
-    llm.generate(prompts, params, use_tqdm=False)  # warm-up: first-call costs (oneDNN, caches)
-    times = []
+        path = str(write_host_model(Path(d)))
+        llms = {on: LLM(path, max_num_seqs=256, max_num_batched_tokens=8192,
+                        async_scheduling=on) for on in modes}
+    steps = {on: _count_steps(llm) for on, llm in llms.items()}
+    outs = {on: llm.generate(prompts, params, use_tqdm=False)  # warm-up: oneDNN, caches
+            for on, llm in llms.items()}
+    ids = {on: [o.outputs[0].token_ids for o in out] for on, out in outs.items()}
+    assert all(v == ids[modes[0]] for v in ids.values()), "async scheduling changed outputs"
+    times: dict[bool, list[float]] = {on: [] for on in modes}
     for _ in range(runs):
-        steps[0] = 0
-        t = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        times.append(time.perf_counter() - t)
-    best, median = min(times), statistics.median(times)
+        for on, llm in llms.items():
+            steps[on][0] = 0
+            t = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            times[on].append(time.perf_counter() - t)
+    for llm in llms.values():
+        llm.engine.close()
     return {
-        "runs_s": times,
-        "steps": steps[0],
-        "ms_per_step": median / HOST_STEPS * 1e3,
-        "best_ms_per_step": best / HOST_STEPS * 1e3,
+        on: {
+            "runs_s": times[on],
+            "steps": steps[on][0],
+            "ms_per_step": statistics.median(times[on]) / HOST_STEPS * 1e3,
+            "best_ms_per_step": min(times[on]) / HOST_STEPS * 1e3,
+        }
+        for on in modes
     }
 
 
@@ -279,14 +292,18 @@ def main() -> None:
         help="only the engine's host work per step at 256 running requests",
     )
     ap.add_argument("--runs", type=int, default=3, help="timed runs of --host-overhead")
+    ap.add_argument("--async-scheduling", choices=["off", "on", "both"], default="both",
+                    help="--host-overhead and the pagoda section: which modes to run")
     args = ap.parse_args()
     print(machine_line(), flush=True)
+    modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.async_scheduling]
     if args.host_overhead:
-        r = host_overhead(args.runs)
-        print(
-            f"host overhead: {r['ms_per_step']:.2f} ms/step (median of {args.runs}; best "
-            f"{r['best_ms_per_step']:.2f}; {r['steps']} steps taken; target <= 3 ms)"
-        )
+        for on, r in host_overhead(args.runs, modes).items():
+            print(
+                f"host overhead, async scheduling {'on' if on else 'off'}: "
+                f"{r['ms_per_step']:.2f} ms/step (median of {args.runs}; best "
+                f"{r['best_ms_per_step']:.2f}; {r['steps']} steps taken; target <= 3 ms)"
+            )
         return
     sections = set(args.sections.split(","))
     model = args.model or str(default_model_path())
@@ -295,10 +312,12 @@ def main() -> None:
     res: dict[str, dict] = {}
 
     if "pagoda" in sections:
-        res["pagoda_fp32"] = run_pagoda(model, work, "float32")
-        print("pagoda fp32", res["pagoda_fp32"], flush=True)
-        res["pagoda_bf16"] = run_pagoda(model, work, "bfloat16")
-        print("pagoda bf16", res["pagoda_bf16"], flush=True)
+        for on in modes:  # the engine's default where one mode runs; "_async" marks "on" of two
+            tag = "_async" if on and len(modes) > 1 else ""
+            for dtype, short in (("float32", "fp32"), ("bfloat16", "bf16")):
+                key = f"pagoda_{short}{tag}"
+                res[key] = run_pagoda(model, work, dtype, async_scheduling=on)
+                print(key, res[key], flush=True)
     if "hf" in sections:
         for b in (8, 16):
             res[f"hf_b{b}"] = run_transformers(model, work[: args.hf_requests], b)
@@ -345,6 +364,10 @@ def report(res: dict) -> None:
     fp32 = res.get("pagoda_fp32", {}).get("tok_s")
     bf16 = res.get("pagoda_bf16", {}).get("tok_s")
     print("\nratios:")
+    for short in ("fp32", "bf16"):
+        if f"pagoda_{short}_async" in res:
+            ratio = res[f"pagoda_{short}_async"]["tok_s"] / res[f"pagoda_{short}"]["tok_s"]
+            print(f"  pagoda {short}: async scheduling on / off = {ratio:.2f}x")
     if hf_best and fp32:
         print(f"  pagoda fp32 / transformers best static batch = {fp32 / hf_best:.2f}x (target 5x)")
     if "vllm_float32" in res and fp32:

@@ -20,6 +20,8 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import torch
+
 from services.engine.model_runner import ModelRunner, PreparedStep, StepResult
 from services.engine.request import Request
 from services.engine.scheduler import SchedulerOutput
@@ -44,6 +46,11 @@ def needs_host_tokens(req: Request) -> bool:
     )
 
 
+def _use_device(device: torch.device) -> None:
+    if device.type == "cuda":  # a new thread starts on device 0: launch on the runner's
+        torch.cuda.set_device(device)
+
+
 @dataclass(slots=True)
 class InFlightStep:
     sched: SchedulerOutput
@@ -65,7 +72,9 @@ class StepPipeline:
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+        self._pool = ThreadPoolExecutor(
+            1, thread_name_prefix="engine-step", initializer=_use_device,
+            initargs=(runner.device,))
         self.in_flight: InFlightStep | None = None
 
     def launch(

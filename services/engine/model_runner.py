@@ -308,8 +308,7 @@ class ModelRunner:
         fill = None
         if fill_at:
             assert self.workers is None, "placeholders never cross to tensor-parallel ranks"
-            fill = (torch.tensor(fill_at, device=self.device),
-                    torch.tensor(fill_from, device=self.device))
+            fill = (torch.tensor(fill_at), torch.tensor(fill_from))  # to the device in run()
         cpu = self._cpu_inputs(batch) if self.buffers is None and self.workers is None else None
         return PreparedStep(batch, sampling_rows, grammars, scorer, fill, cpu)
 
@@ -323,7 +322,7 @@ class ModelRunner:
         fill = None
         if step.fill is not None:
             assert in_flight_tokens is not None
-            at, rows = step.fill
+            at, rows = (t.to(self.device, non_blocking=True) for t in step.fill)
             fill = (at, in_flight_tokens.index_select(0, rows))
         scorer = step.scorer
         logits = self.forward_logits(
