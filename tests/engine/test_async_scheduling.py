@@ -3,12 +3,15 @@ synchronous stepping gives, frees every block, and really overlaps."""
 
 from __future__ import annotations
 
+import queue
 import threading
 from pathlib import Path
 
 import pytest
 
 from services.engine.block_manager import BlockManager
+from services.engine.config import EngineConfig
+from services.engine.core_loop import Abort, Add, CoreLoop, CoreOutputs
 from services.engine.engine import LLMEngine
 from services.engine.llm import LLM
 from services.engine.request import Request, RequestStatus
@@ -129,9 +132,25 @@ def test_async_equals_sync_for_requests_that_need_host_tokens(engines) -> None:
         SamplingParams(max_tokens=10, temperature=0.8, seed=5, ignore_eos=True),
         SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
     ]
+    pipeline = engines[True].engine.pipeline
+    real_launch, launched = pipeline.launch, []
+
+    def launch(sched, step, after=None):
+        # A step starts while a token of such a request is still on its way: never.
+        for s in sched.scheduled:  # (min_tokens only matters early: not checked here)
+            if any(s.request.params is params[i] for i in (0, 1, 3)):
+                assert s.request.num_placeholders <= 1, s.request.params
+        launched.append(after is not None)
+        real_launch(sched, step, after)
+
+    pipeline.launch = launch
     results = {}
     for on, llm in engines.items():
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            if on:
+                del pipeline.launch
         assert outs[0].outputs[0].finish_reason == "stop"
         prompt_lps = [[None if d is None else sorted((t, lp.rank) for t, lp in d.items())
                        for d in o.prompt_logprobs or []] for o in outs]
@@ -139,6 +158,7 @@ def test_async_equals_sync_for_requests_that_need_host_tokens(engines) -> None:
         _no_leak(llm)
     _same(results[True][0], results[False][0])
     assert results[True][1] == results[False][1]
+    assert any(launched) and not all(launched)  # some steps overlapped, some ran in turn
     assert len(results[True][1][3]) == len(prompts[3])
 
 
@@ -300,3 +320,51 @@ def test_a_request_preempted_with_a_token_in_flight_keeps_it() -> None:
         sched.update(out, [5] * sum(s.completes_sequence for s in out.scheduled))
     assert a.num_output_tokens == b.num_output_tokens == 4
     assert sched.block_manager.num_free_blocks == 4
+
+
+# -- the server's step loop -----------------------------------------------------------------
+
+
+def _serve(model: Path, on: bool) -> tuple[dict, dict, int]:
+    """Runs the core loop on its own thread (as the server does) with five requests; aborts r0
+    once it has streamed three tokens. Returns each request's streamed tokens, its finish
+    (reason, output tokens counted), and the blocks still held once the loop stopped."""
+    outputs: queue.Queue[CoreOutputs] = queue.Queue()
+    loop = CoreLoop(EngineConfig(model=str(model), async_scheduling=on, **ENGINE), outputs.put,
+                    step_delay_s=0.005)  # slow enough for the abort to land mid-request
+    engine = loop.load()
+    thread = threading.Thread(target=loop.run)
+    thread.start()
+    try:
+        for i, prompt in enumerate(_prompts(5)):
+            loop.commands.put(Add(f"r{i}", prompt, SamplingParams(
+                max_tokens=200 if i == 0 else 10 + i, temperature=0.0, ignore_eos=True), None))
+        tokens: dict[str, list[int]] = {}
+        finished: dict[str, tuple[str, int]] = {}
+        while len(finished) < 5:
+            for u in outputs.get(timeout=60).updates:
+                assert u.request_id not in finished  # nothing after the last update
+                tokens.setdefault(u.request_id, []).extend(u.new_token_ids)
+                if u.finished:
+                    finished[u.request_id] = (u.finish_reason, u.num_output_tokens)
+                elif u.request_id == "r0" and len(tokens["r0"]) == 3:
+                    loop.commands.put(Abort("r0"))
+    finally:
+        loop.stop()
+        thread.join(timeout=30)
+    bm = engine.block_manager
+    return tokens, finished, bm.num_total_blocks - bm.num_free_blocks
+
+
+def test_the_core_loop_streams_the_same_tokens_and_aborts_cleanly(fast_model_dir) -> None:
+    runs = {on: _serve(fast_model_dir, on) for on in (False, True)}
+    for tokens, finished, held in runs.values():
+        assert held == 0
+        reason, count = finished["r0"]
+        assert reason == "abort" and count == len(tokens["r0"]) < 200
+        assert all(finished[f"r{i}"] == ("length", 10 + i) for i in range(1, 5))
+    (sync_tokens, _, _), (async_tokens, _, _) = runs[False], runs[True]
+    for i in range(1, 5):
+        assert async_tokens[f"r{i}"] == sync_tokens[f"r{i}"]
+    short = min(len(sync_tokens["r0"]), len(async_tokens["r0"]))  # the abort lands anywhere
+    assert async_tokens["r0"][:short] == sync_tokens["r0"][:short]
