@@ -368,3 +368,11 @@ def test_the_core_loop_streams_the_same_tokens_and_aborts_cleanly(fast_model_dir
         assert async_tokens[f"r{i}"] == sync_tokens[f"r{i}"]
     short = min(len(sync_tokens["r0"]), len(async_tokens["r0"]))  # the abort lands anywhere
     assert async_tokens["r0"][:short] == sync_tokens["r0"][:short]
+
+
+def test_the_server_flag() -> None:
+    from services.engine.server_config import configs_from_args
+
+    assert configs_from_args([])[0].async_scheduling is None  # the device decides
+    assert configs_from_args(["--async-scheduling"])[0].async_scheduling is True
+    assert configs_from_args(["--async-scheduling=false"])[0].async_scheduling is False
