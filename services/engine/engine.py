@@ -193,8 +193,9 @@ class LLMEngine:
 
         With async scheduling the step applied is the one in flight, and the next one is
         already running when this returns."""
+        self.last_step_tokens = 0  # vllm:iteration_tokens_total: the applied step's (_apply)
         if self.pipeline is None:
-            sched = self._schedule()
+            sched = self.scheduler.schedule()
             return [] if sched.is_empty else self._apply(sched, self.runner.execute(sched))
         try:
             return self._step_async(self.pipeline)
@@ -204,7 +205,7 @@ class LLMEngine:
 
     def _step_async(self, pipe: StepPipeline) -> list[tuple[Request, TokenLogprobs | None]]:
         if pipe.in_flight is None:
-            sched = self._schedule()
+            sched = self.scheduler.schedule()
             if sched.is_empty:
                 return []
             pipe.launch(sched, self.runner.prepare(sched))
@@ -212,7 +213,7 @@ class LLMEngine:
         if pipe.in_flight.needs_host:  # the next step needs this one's tokens on the host
             return self._apply(*pipe.wait())
         # Step n runs: schedule and prepare step n+1, with placeholders for step n's tokens.
-        sched = self._schedule()
+        sched = self.scheduler.schedule()
         step = None if sched.is_empty else self.runner.prepare(
             sched, pipe.in_flight.sampled_rows())
         done, result = pipe.wait()
@@ -220,22 +221,19 @@ class LLMEngine:
             pipe.launch(sched, step, after=result)
         return self._apply(done, result)  # while step n+1 runs
 
-    def _schedule(self) -> SchedulerOutput:
-        sched = self.scheduler.schedule()
-        self.last_step_tokens = sched.num_batched_tokens  # vllm:iteration_tokens_total
-        return sched
-
     def _apply(
         self, sched: SchedulerOutput, result: StepResult
     ) -> list[tuple[Request, TokenLogprobs | None]]:
+        self.last_step_tokens = sched.num_batched_tokens
         for req, scored in result.prompt_logprobs:
             req.prompt_logprobs.extend(scored)
         out = result.sampler_output
-        # A request that finished (or was aborted) after this step was scheduled gets no token.
-        lps = [lp for s, lp in zip((s for s in sched.scheduled if s.completes_sequence),
-                                   out.logprobs, strict=True)
-               if not s.request.status.is_finished]
         sampled = self.scheduler.update(sched, out.token_ids)
+        lps = out.logprobs
+        if len(sampled) < len(lps):  # some had finished (or were aborted) since: no token
+            kept = {id(req) for req in sampled}
+            rows = (s.request for s in sched.scheduled if s.completes_sequence)
+            lps = [lp for req, lp in zip(rows, lps, strict=True) if id(req) in kept]
         for req in sampled:
             if req.status.is_finished:  # the scheduler has already freed its blocks
                 del self.requests[req.request_id]

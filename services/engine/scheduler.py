@@ -71,6 +71,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_steps_in_flight = 0  # scheduled, not applied yet (async scheduling: up to 2)
 
     # -- queue management -------------------------------------------------------------------
 
@@ -92,11 +93,13 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        self._cache_in_flight()
+        if self.num_steps_in_flight:
+            self._cache_in_flight()
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        self.num_steps_in_flight += not out.is_empty
         return out
 
     def _cache_in_flight(self) -> None:
@@ -210,6 +213,7 @@ class Scheduler:
         """
         sampled = [s.request for s in sched.scheduled if s.completes_sequence]
         assert len(token_ids) == len(sampled), (len(token_ids), len(sampled))
+        self.num_steps_in_flight -= 1
         self._advance(sched)
         now = time.monotonic()
         finished = False
