@@ -74,7 +74,11 @@ class LLMEngine:
             model_path = str(default_model_path())
         self.model_path = model_path
         self.model_name = config.served_model_name or Path(model_path).name
-        self.runner = ModelRunner(config, model_path)
+        self.pipeline = StepPipeline(config.torch_device()) if self._async_scheduling() else None
+        if self.pipeline is None:
+            self.runner = ModelRunner(config, model_path)
+        else:  # built (loaded, warmed up) on the thread that will run it: see StepPipeline
+            self.runner = self.pipeline.start(lambda: ModelRunner(config, model_path))
         mc = self.runner.model_config
         self.eos_token_ids = tuple(mc.eos_token_ids)
         self.max_model_len = self._resolve_max_model_len(mc.max_position_embeddings)
@@ -88,7 +92,6 @@ class LLMEngine:
             self.max_model_len,
         )
         self.requests: dict[str, Request] = {}
-        self.pipeline = StepPipeline(self.runner) if self._async_scheduling() else None
         self.last_step_tokens = 0
         self.grammars = GrammarCompiler(str(model_path), mc.vocab_size, self.eos_token_ids)
         self._hashers: dict[str | None, BlockHasher] = {}
@@ -96,7 +99,7 @@ class LLMEngine:
     def _async_scheduling(self) -> bool:
         wanted = self.config.async_scheduling
         if wanted is None:  # measured per device: see README, "Async scheduling"
-            wanted = self.runner.device.type == "cuda"
+            wanted = self.config.torch_device().type == "cuda"
         if wanted and self.config.tensor_parallel_size > 1:
             # The other ranks get a step's input ids in its broadcast, before its placeholders
             # are known: tensor-parallel engines step synchronously.
