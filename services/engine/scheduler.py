@@ -11,7 +11,7 @@ One step is ``schedule()`` -> the model runs -> ``update()``: the scheduler deci
 and applies the result (tokens computed and cached, sampled tokens appended, stop checks,
 finished requests freed), as vLLM's ``update_from_output`` and nano-vllm's ``postprocess``.
 
-Async scheduling (``engine_pipeline``) schedules step n+1 before step n is applied: a request
+Async scheduling (``async_scheduling``) schedules step n+1 before step n is applied: a request
 counts the tokens of steps scheduled but not applied (``num_scheduled_tokens``) as computed,
 and each token such a step samples for it as known (a placeholder, ``num_placeholders``: its
 value reaches the model runner from step n's sampled ids). ``update`` of step n then drops the
@@ -42,7 +42,7 @@ class ScheduledRequest:
     # Decided by schedule(): this step reaches the last known token, so a token is sampled
     # from its logits (False for every chunk of a chunked prefill but the last).
     completes_sequence: bool
-    start: int = 0  # the request's first position computed this step
+    start: int  # the request's first position computed this step
 
 
 @dataclass(slots=True)
