@@ -376,3 +376,32 @@ def test_the_server_flag() -> None:
     assert configs_from_args([])[0].async_scheduling is None  # the device decides
     assert configs_from_args(["--async-scheduling"])[0].async_scheduling is True
     assert configs_from_args(["--async-scheduling=false"])[0].async_scheduling is False
+
+
+def test_the_runner_is_built_on_the_step_thread(fast_model_dir, monkeypatch) -> None:
+    """One thread does the model's math from load to the last step (a second OpenMP team in
+    the process slows every CPU step: see StepPipeline)."""
+    import services.engine.engine as engine_module
+    from services.engine.model_runner import ModelRunner
+
+    built_on, ran_on = [], []
+
+    class Recording(ModelRunner):
+        def __init__(self, *args, **kw) -> None:
+            built_on.append(threading.current_thread())
+            super().__init__(*args, **kw)
+
+        def run(self, *args, **kw):
+            ran_on.append(threading.current_thread())
+            return super().run(*args, **kw)
+
+    monkeypatch.setattr(engine_module, "ModelRunner", Recording)
+    engine = LLMEngine(EngineConfig(model=str(fast_model_dir), async_scheduling=True, **ENGINE))
+    try:
+        engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0))
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        engine.close()
+    assert built_on[0] is not threading.main_thread()
+    assert ran_on and set(ran_on) == {built_on[0]}
