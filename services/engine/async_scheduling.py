@@ -48,7 +48,8 @@ def needs_host_tokens(req: Request) -> bool:
 
 
 def _use_device(device: torch.device) -> None:
-    if device.type == "cuda":  # a new thread starts on device 0: launch on the runner's
+    # A new thread starts on CUDA device 0: launch on the runner's ("cuda" alone means 0).
+    if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
 
 
