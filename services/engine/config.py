@@ -55,6 +55,13 @@ class EngineConfig:
         "this process may use: its affinity, capped by a cgroup CPU quota; divided among the "
         "tensor-parallel ranks)",
     )
+    async_scheduling: bool | None = flag(
+        None,
+        help="schedule and prepare step n+1 while step n runs (vLLM's async scheduling); "
+        "steps of requests with structured outputs, penalties, min_tokens or prompt_logprobs "
+        "still run one after another, and tensor-parallel engines always do (default: on with "
+        "CUDA, off on the CPU, as measured)",
+    )
     tensor_parallel_size: int = flag(
         1,
         help="model ranks (GPUs) the model is split over, Megatron style: one process each, "

@@ -9,13 +9,14 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.engine.async_scheduling import StepPipeline
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
 from services.engine.logit_bias import LogitBias, check_logit_bias
-from services.engine.model_runner import ModelRunner
+from services.engine.model_runner import ModelRunner, StepResult
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import make_generator
-from services.engine.scheduler import Scheduler
+from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.structured.compiler import GrammarCompiler
 from services.engine.structured.masks import GrammarState
 from services.protocol.block_hash import BlockHasher, HashAlgorithm
@@ -73,7 +74,11 @@ class LLMEngine:
             model_path = str(default_model_path())
         self.model_path = model_path
         self.model_name = config.served_model_name or Path(model_path).name
-        self.runner = ModelRunner(config, model_path)
+        self.pipeline = StepPipeline(config.torch_device()) if self._async_scheduling() else None
+        if self.pipeline is None:
+            self.runner = ModelRunner(config, model_path)
+        else:  # built (loaded, warmed up) on the thread that will run it: see StepPipeline
+            self.runner = self.pipeline.start(lambda: ModelRunner(config, model_path))
         mc = self.runner.model_config
         self.eos_token_ids = tuple(mc.eos_token_ids)
         self.max_model_len = self._resolve_max_model_len(mc.max_position_embeddings)
@@ -90,6 +95,17 @@ class LLMEngine:
         self.last_step_tokens = 0
         self.grammars = GrammarCompiler(str(model_path), mc.vocab_size, self.eos_token_ids)
         self._hashers: dict[str | None, BlockHasher] = {}
+
+    def _async_scheduling(self) -> bool:
+        wanted = self.config.async_scheduling
+        if wanted is None:  # measured per device: see README, "Async scheduling"
+            wanted = self.config.torch_device().type == "cuda"
+        if wanted and self.config.tensor_parallel_size > 1:
+            # The other ranks get a step's input ids in its broadcast, before its placeholders
+            # are known: tensor-parallel engines step synchronously.
+            logger.info("async scheduling is off with tensor_parallel_size > 1")
+            return False
+        return wanted
 
     def _resolve_max_model_len(self, model_limit: int) -> int:
         wanted = self.config.max_model_len
@@ -161,7 +177,9 @@ class LLMEngine:
         return self._update(req, [], [])
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        # A step in flight is unfinished work even when all its requests are gone.
+        return self.scheduler.has_unfinished() or (
+            self.pipeline is not None and self.pipeline.in_flight is not None)
 
     # -- stepping ---------------------------------------------------------------------------
 
@@ -174,20 +192,55 @@ class LLMEngine:
     def step_requests(self) -> list[tuple[Request, TokenLogprobs | None]]:
         """``step`` without building its updates (the offline ``LLM`` reads the requests):
         each request that got a token this step, with the token's logprobs. The token is the
-        request's last output token; a finished request has left the engine."""
+        request's last output token; a finished request has left the engine.
+
+        With async scheduling the step applied is the one in flight, and the next one is
+        already running when this returns."""
+        self.last_step_tokens = 0  # vllm:iteration_tokens_total: the applied step's (_apply)
+        if self.pipeline is None:
+            sched = self.scheduler.schedule()
+            return [] if sched.is_empty else self._apply(sched, self.runner.execute(sched))
+        try:
+            return self._step_async(self.pipeline)
+        except BaseException:
+            self.pipeline.drain()
+            raise
+
+    def _step_async(self, pipe: StepPipeline) -> list[tuple[Request, TokenLogprobs | None]]:
+        if pipe.in_flight is None:
+            sched = self.scheduler.schedule()
+            if sched.is_empty:
+                return []
+            pipe.launch(sched, self.runner.prepare(sched))
+        assert pipe.in_flight is not None
+        if pipe.in_flight.needs_host:  # the next step needs this one's tokens on the host
+            return self._apply(*pipe.wait())
+        # Step n runs: schedule and prepare step n+1, with placeholders for step n's tokens.
         sched = self.scheduler.schedule()
-        self.last_step_tokens = sched.num_batched_tokens  # vllm:iteration_tokens_total
-        if sched.is_empty:
-            return []
-        result = self.runner.execute(sched)
+        step = None if sched.is_empty else self.runner.prepare(
+            sched, pipe.in_flight.sampled_rows())
+        done, result = pipe.wait()
+        if step is not None:
+            pipe.launch(sched, step, after=result)
+        return self._apply(done, result)  # while step n+1 runs
+
+    def _apply(
+        self, sched: SchedulerOutput, result: StepResult
+    ) -> list[tuple[Request, TokenLogprobs | None]]:
+        self.last_step_tokens = sched.num_batched_tokens
         for req, scored in result.prompt_logprobs:
             req.prompt_logprobs.extend(scored)
         out = result.sampler_output
         sampled = self.scheduler.update(sched, out.token_ids)
+        lps = out.logprobs
+        if len(sampled) < len(lps):  # some had finished (or were aborted) since: no token
+            kept = {id(req) for req in sampled}
+            rows = (s.request for s in sched.scheduled if s.completes_sequence)
+            lps = [lp for req, lp in zip(rows, lps, strict=True) if id(req) in kept]
         for req in sampled:
             if req.status.is_finished:  # the scheduler has already freed its blocks
                 del self.requests[req.request_id]
-        return list(zip(sampled, out.logprobs, strict=True))
+        return list(zip(sampled, lps, strict=True))
 
     def _update(
         self, req: Request, toks: list[int], lps: list[TokenLogprobs | None]
@@ -213,7 +266,10 @@ class LLMEngine:
         )
 
     def close(self) -> None:
-        """Releases what outlives the object: a tensor-parallel engine's worker processes."""
+        """Releases what outlives the object: the step thread of async scheduling, a
+        tensor-parallel engine's worker processes."""
+        if self.pipeline is not None:
+            self.pipeline.close()
         self.runner.close()
 
     # -- observability ----------------------------------------------------------------------

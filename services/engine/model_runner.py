@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from services.engine import cpu_threads, prompt_logprobs
+from services.engine.attention.base import AttentionMetadata
 from services.engine.attention.contract import check_kv_caches, check_step
 from services.engine.attention.metadata import build_attention_metadata
 from services.engine.attention.selector import get_attention_backend
@@ -29,6 +30,7 @@ from services.engine.parallel.group import SINGLE, TPGroup, building
 from services.engine.parallel.partition import local_kv_heads
 from services.engine.parallel.step_broadcast import StepBatch, send_step
 from services.engine.parallel.workers import WorkerGroup, rank_config
+from services.engine.request import Request
 from services.engine.sampler import Sampler, SamplerOutput, SamplingRequest
 from services.engine.scheduler import SchedulerOutput
 from services.engine.step_buffers import StagedStep, StepBuffers
@@ -39,6 +41,29 @@ logger = logging.getLogger(__name__)
 
 _DEFAULT_CPU_KV_BYTES = 2 * 1024**3
 _GPU_MEMORY_FRACTION = 0.85
+
+
+@dataclass(slots=True)
+class CpuInputs:
+    """A CPU step's tensors, built by ``prepare`` (on the host thread, under async scheduling)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor | None  # hidden rows that get logits; None: every row
+
+
+@dataclass(slots=True)
+class PreparedStep:
+    """A step ready to run: what ``ModelRunner.prepare`` built from its ``SchedulerOutput``."""
+
+    batch: StepBatch
+    sampling_rows: list[SamplingRequest]
+    grammars: list | None  # the sampled rows' grammar states, when any is constrained
+    scorer: prompt_logprobs.PromptScorer | None
+    # (positions in the input ids, rows of the in-flight step's sampled ids) of placeholders
+    fill: tuple[torch.Tensor, torch.Tensor] | None
+    cpu_inputs: CpuInputs | None
 
 
 @dataclass(slots=True)
@@ -235,13 +260,30 @@ class ModelRunner:
 
     # -- one step ---------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
+        """One step, start to end (synchronous stepping)."""
+        return self.run(self.prepare(sched))
+
+    @torch.inference_mode()
+    def prepare(
+        self, sched: SchedulerOutput, in_flight_rows: Mapping[Request, int] | None = None
+    ) -> PreparedStep:
+        """The host half of a step: its batch, and on the CPU its input tensors and attention
+        metadata. With async scheduling a request's input may be a token that the step in
+        flight samples (a placeholder): ``in_flight_rows`` maps each request that step samples
+        for to its row of the sampled ids, which ``run`` is given."""
         batch = StepBatch([], [], [], [], [], [])
+        fill_at, fill_from = [], []
         for s in sched.scheduled:
-            start = s.request.num_computed_tokens
-            batch.input_ids.extend(s.request.token_ids[start : start + s.num_new_tokens])
-            batch.seq_lens.append(start + s.num_new_tokens)
+            req = s.request
+            ids = req.token_ids[s.start : s.start + s.num_new_tokens]
+            if len(ids) < s.num_new_tokens:  # at most its last token is not known yet
+                assert len(ids) + 1 == s.num_new_tokens and in_flight_rows is not None
+                fill_at.append(len(batch.input_ids) + len(ids))
+                fill_from.append(in_flight_rows[req])
+                ids.append(0)
+            batch.input_ids.extend(ids)
+            batch.seq_lens.append(s.start + s.num_new_tokens)
             batch.query_lens.append(s.num_new_tokens)
             batch.block_tables.append(s.block_table)
         # Logits only where a token is sampled: the last new token of completed sequences.
@@ -250,13 +292,7 @@ class ModelRunner:
         if any(s.request.params.prompt_logprobs is not None for s in sched.scheduled):
             scorer = prompt_logprobs.PromptScorer(sched.scheduled, batch.query_lens)
             batch.scored = scorer.flat_slices()
-        logits = self.forward_logits(batch, None if scorer is None else scorer.add)
-        scored = [] if scorer is None else scorer.results()
-        if logits is None:
-            return StepResult(SamplerOutput(token_ids=[], logprobs=[]), scored)
         reqs = [sched.scheduled[i].request for i in batch.rows]
-        if any(r.grammar is not None for r in reqs):  # structured outputs: before sampling
-            self._token_masker().apply(logits, [r.grammar for r in reqs])
         sampling_rows = [
             SamplingRequest(
                 params=r.params,
@@ -268,36 +304,73 @@ class ModelRunner:
             )
             for r in reqs
         ]
-        return StepResult(self.sampler(logits, sampling_rows), scored)
+        grammars = [r.grammar for r in reqs] if any(r.grammar is not None for r in reqs) else None
+        fill = None
+        if fill_at:
+            assert self.workers is None, "placeholders never cross to tensor-parallel ranks"
+            fill = (torch.tensor(fill_at), torch.tensor(fill_from))  # to the device in run()
+        cpu = self._cpu_inputs(batch) if self.buffers is None and self.workers is None else None
+        return PreparedStep(batch, sampling_rows, grammars, scorer, fill, cpu)
+
+    @torch.inference_mode()
+    def run(
+        self, step: PreparedStep, in_flight_tokens: torch.Tensor | None = None
+    ) -> StepResult:
+        """The model half of a step: forward, logits, masks, sampling. ``in_flight_tokens``:
+        the previous step's sampled ids, where ``prepare`` left placeholders (they stay on the
+        device)."""
+        fill = None
+        if step.fill is not None:
+            assert in_flight_tokens is not None
+            at, rows = (t.to(self.device, non_blocking=True) for t in step.fill)
+            fill = (at, in_flight_tokens.index_select(0, rows))
+        scorer = step.scorer
+        logits = self.forward_logits(
+            step.batch, None if scorer is None else scorer.add, step.cpu_inputs, fill
+        )
+        scored = [] if scorer is None else scorer.results()
+        if logits is None:
+            return StepResult(SamplerOutput(token_ids=[], logprobs=[]), scored)
+        if step.grammars is not None:  # structured outputs: before sampling
+            self._token_masker().apply(logits, step.grammars)
+        return StepResult(self.sampler(logits, step.sampling_rows), scored)
 
     @torch.inference_mode()
     def forward_logits(
-        self, batch: StepBatch, score: Callable[[torch.Tensor], None] | None = None
+        self,
+        batch: StepBatch,
+        score: Callable[[torch.Tensor], None] | None = None,
+        cpu_inputs: CpuInputs | None = None,
+        fill: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
         """Runs the model over ``batch``; returns the logits of its ``rows`` (float32), or None
         without rows or on a tensor-parallel rank other than 0. The logits of each hidden-row
         slice in ``batch.scored`` go to ``score`` first (rank 0; every rank computes them, as
-        the LM head is a collective). Rank 0 sends the batch to the
-        other ranks first, and a failure after that is fatal (``WorkerGroup.abort``): the
-        ranks would be out of step."""
+        the LM head is a collective). ``cpu_inputs``: the batch's tensors if ``prepare`` built
+        them; ``fill``: (positions, token ids) that replace placeholder input ids. Rank 0
+        sends the batch to the other ranks first, and a failure after that is fatal
+        (``WorkerGroup.abort``): the ranks would be out of step."""
         if self.workers is None:
-            return self._logits(batch, score)
+            return self._logits(batch, score, cpu_inputs, fill)
         try:
             send_step(self.tp, batch)
-            return self._logits(batch, score)
+            return self._logits(batch, score, cpu_inputs, fill)
         except Exception as exc:  # any failure here leaves the ranks apart
             logger.exception("tensor-parallel step failed on rank 0")
             self.workers.abort(f"a step failed on rank 0 ({type(exc).__name__}: {exc})")
             raise  # not reached: abort exits
 
     def _logits(
-        self, batch: StepBatch, score: Callable[[torch.Tensor], None] | None
+        self,
+        batch: StepBatch,
+        score: Callable[[torch.Tensor], None] | None,
+        cpu_inputs: CpuInputs | None = None,
+        fill: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
-        args = (batch.input_ids, batch.block_tables, batch.seq_lens, batch.query_lens, batch.rows)
         if self.buffers is None:
-            hidden, last = self._forward_cpu(*args)
+            hidden, last = self._forward_cpu(cpu_inputs or self._cpu_inputs(batch), fill)
         else:
-            hidden, last = self._forward_gpu(*args)
+            hidden, last = self._forward_gpu(batch, fill)
         # hidden holds every new token's row (a decode graph's: one per request)
         for row, count in zip(batch.scored[::2], batch.scored[1::2], strict=True):
             logits = self.model.compute_logits(hidden[row : row + count])
@@ -312,29 +385,39 @@ class ModelRunner:
             self.masker = TokenMasker(self.model_config.vocab_size, self.config.max_num_seqs)
         return self.masker
 
-    def _forward_cpu(self, input_ids, block_tables, seq_lens, query_lens, rows):
-        """Returns the hidden states and the rows of them that get logits."""
+    def _cpu_inputs(self, batch: StepBatch) -> CpuInputs:
         meta, positions = build_attention_metadata(
-            block_tables, seq_lens, query_lens, self.block_size, self.device
+            batch.block_tables, batch.seq_lens, batch.query_lens, self.block_size, self.device
         )
-        check_step(meta, len(input_ids), self.kv_caches[0][0])  # once per step, not per layer
-        ids = torch.tensor(input_ids, dtype=torch.long)
-        hidden = self.model(ids, positions, self.kv_caches, meta)
-        ends = np.cumsum(query_lens) - 1
-        return hidden, torch.from_numpy(ends[rows]) if rows else None
+        check_step(meta, len(batch.input_ids), self.kv_caches[0][0])  # once per step, not per layer
+        ids = torch.tensor(batch.input_ids, dtype=torch.long)
+        ends = np.cumsum(batch.query_lens) - 1
+        last = torch.from_numpy(ends[batch.rows]) if batch.rows else None
+        return CpuInputs(ids, positions, meta, last)
 
-    def _forward_gpu(self, input_ids, block_tables, seq_lens, query_lens, rows):
+    def _forward_cpu(self, inputs: CpuInputs, fill):
+        """Returns the hidden states and the rows of them that get logits."""
+        if fill is not None:
+            inputs.input_ids.index_copy_(0, *fill)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        return hidden, inputs.logits_rows
+
+    def _forward_gpu(self, batch: StepBatch, fill):
         """As ``_forward_cpu``; decode steps replay a graph, every step's inputs cross in one
-        copy (``StepBuffers``), the logits rows with them."""
+        copy (``StepBuffers``), the logits rows with them; placeholder ids are filled from the
+        previous step's sampled ids on the device, after that copy."""
         assert self.buffers is not None
-        num_seqs = len(seq_lens)
+        input_ids, query_lens, rows = batch.input_ids, batch.query_lens, batch.rows
+        num_seqs = len(batch.seq_lens)
         decode = len(input_ids) == num_seqs
         bucket = self.graphs.bucket(num_seqs) if self.graphs is not None and decode else None
         ends = np.cumsum(query_lens) - 1
         staged = self.buffers.stage(
-            input_ids, block_tables, seq_lens, query_lens, ends[rows], pad_to=bucket
+            input_ids, batch.block_tables, batch.seq_lens, query_lens, ends[rows], pad_to=bucket
         )
         check_step(staged.meta, len(input_ids), self.kv_caches[0][0])
+        if fill is not None:
+            staged.input_ids.index_copy_(0, *fill)
         if bucket is not None:
             hidden = self.graphs.replay(bucket)[:num_seqs]
         else:

@@ -87,10 +87,10 @@ def _spans(scheduled: Sequence[ScheduledRequest], query_lens: Sequence[int]) -> 
         req = s.request
         if req.params.prompt_logprobs is not None:
             # Positions j score prompt token j + 1: j <= prompt_len - 2, and not scored yet.
-            start = max(req.num_computed_tokens, len(req.prompt_logprobs) - 1)
-            end = min(req.num_computed_tokens + q, req.num_prompt_tokens - 1)
+            start = max(s.start, len(req.prompt_logprobs) - 1)
+            end = min(s.start + q, req.num_prompt_tokens - 1)
             if end > start:
-                spans.append(_Span(s, row + start - req.num_computed_tokens, start, end - start))
+                spans.append(_Span(s, row + start - s.start, start, end - start))
         row += q
     return spans
 

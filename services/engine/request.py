@@ -52,6 +52,11 @@ class Request:
     token_ids: list[int] = field(init=False)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Scheduled but not applied yet (``Scheduler.update`` clears them): tokens a step computes,
+    # and the tokens those steps sample ("placeholders": with async scheduling the next step is
+    # scheduled while they are on their way, assuming one token per sampling step, as vLLM).
+    num_scheduled_tokens: int = 0
+    num_placeholders: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first schedule

@@ -53,6 +53,8 @@ class SamplingRequest:
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]  # None for rows whose params.logprobs is None
+    # The same ids on the device: async scheduling takes the next step's inputs from them.
+    token_tensor: torch.Tensor | None = None
 
 
 class Sampler:
@@ -69,7 +71,7 @@ class Sampler:
         logits = apply_penalties(logits, rows)
         tokens = _sample(logits, rows)
         logprobs = _token_logprobs(raw, want, tokens, rows)
-        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs)
+        return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs, token_tensor=tokens)
 
 
 def _check_batch(logits: torch.Tensor, rows: Sequence[SamplingRequest]) -> None:

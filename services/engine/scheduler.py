@@ -10,6 +10,13 @@ goes back to the front of the queue, to be recomputed (mostly from the prefix ca
 One step is ``schedule()`` -> the model runs -> ``update()``: the scheduler decides who samples
 and applies the result (tokens computed and cached, sampled tokens appended, stop checks,
 finished requests freed), as vLLM's ``update_from_output`` and nano-vllm's ``postprocess``.
+
+Async scheduling (``async_scheduling``) schedules step n+1 before step n is applied: a request
+counts the tokens of steps scheduled but not applied (``num_scheduled_tokens``) as computed,
+and each token such a step samples for it as known (a placeholder, ``num_placeholders``: its
+value reaches the model runner from step n's sampled ids). ``update`` of step n then drops the
+token of a request that has finished or was aborted meanwhile. Synchronous stepping goes
+through the same bookkeeping, with nothing in flight at ``schedule``.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ class ScheduledRequest:
     # Decided by schedule(): this step reaches the last known token, so a token is sampled
     # from its logits (False for every chunk of a chunked prefill but the last).
     completes_sequence: bool
+    start: int  # the request's first position computed this step
 
 
 @dataclass(slots=True)
@@ -63,6 +71,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_steps_in_flight = 0  # scheduled, not applied yet (async scheduling: up to 2)
 
     # -- queue management -------------------------------------------------------------------
 
@@ -84,20 +93,44 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.num_steps_in_flight:
+            self._cache_in_flight()
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        self.num_steps_in_flight += not out.is_empty
         return out
+
+    def _cache_in_flight(self) -> None:
+        """Caches the blocks a step in flight fills (async scheduling), as synchronous
+        stepping would have by now, so admissions hit the same prefixes either way. Safe: steps
+        run in order, so their KV is written before any step scheduled from here reads it."""
+        for req in self.running:
+            if req.num_scheduled_tokens:
+                self._cache_blocks(req, req.num_computed_tokens + req.num_scheduled_tokens)
+
+    def _cache_blocks(self, req: Request, num_computed: int) -> None:
+        # Only a step that fills a block can cache one (its hash exists by then: the request
+        # hashes each block as its last token arrives, before it is computed).
+        bs = self.block_manager.block_size
+        if num_computed // bs != req.num_computed_tokens // bs:
+            self.block_manager.cache_full_blocks(
+                req.request_id, req.token_ids, req.block_hashes, num_computed
+            )
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         running, allocate = self.running, self.block_manager.allocate_slots
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            num_new = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            if req.num_placeholders and self._surely_finishes(req):
+                i += 1  # its last token is on its way: nothing more to compute for it
+                continue
+            start = req.num_computed_tokens + req.num_scheduled_tokens
+            num_new = min(len(req.token_ids) + req.num_placeholders - start, budget)
             # allocate_slots first: it succeeds at once while the last block has room.
-            total = req.num_computed_tokens + num_new
+            total = start + num_new
             if not allocate(req.request_id, total) and not self._preempt_for(req, total, out):
                 break  # req itself was preempted: everything after it is gone too
             out.scheduled.append(self._scheduled(req, num_new))
@@ -119,7 +152,7 @@ class Scheduler:
         self.running.remove(req)
         self.block_manager.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_scheduled_tokens = 0  # a step in flight: not applied
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -129,6 +162,9 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            # A request preempted by this schedule may await a token, but no admission follows
+            # a preemption; every other waiting request has all its tokens.
+            assert not req.num_placeholders, req.request_id
             blocks, num_cached = (
                 self.block_manager.get_computed_blocks(req.token_ids, req.block_hashes)
                 if reads_prefix_cache(req) else ([], 0)
@@ -149,9 +185,19 @@ class Scheduler:
             budget -= num_new
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
-        samples = req.num_computed_tokens + num_new == len(req.token_ids)
+        start = req.num_computed_tokens + req.num_scheduled_tokens
+        samples = start + num_new == len(req.token_ids) + req.num_placeholders
+        req.num_scheduled_tokens += num_new
+        req.num_placeholders += samples
         table = self.block_manager.get_block_table(req.request_id)
-        return ScheduledRequest(req, num_new, table, samples)
+        return ScheduledRequest(req, num_new, table, samples, start)
+
+    def _surely_finishes(self, req: Request) -> bool:
+        """The tokens on their way reach max_tokens or the context: the request ends with
+        them whatever they are, so a step scheduled before they land would be wasted."""
+        num_tokens = len(req.token_ids) + req.num_placeholders
+        return (len(req.output_token_ids) + req.num_placeholders >= req.max_tokens
+                or num_tokens >= self.max_model_len)
 
     # -- the step's result ------------------------------------------------------------------
 
@@ -161,38 +207,46 @@ class Scheduler:
         schedule order), runs the stop checks and frees the requests that finished.
 
         Returns the requests that got a token, in the order of ``token_ids``; each one's new
-        token is its last output token, and ``status`` says whether it finished.
+        token is its last output token, and ``status`` says whether it finished. A request
+        that had finished (or was aborted) before the step was applied gets none: with async
+        scheduling a step can be scheduled before its requests' previous tokens are known.
         """
         sampled = [s.request for s in sched.scheduled if s.completes_sequence]
         assert len(token_ids) == len(sampled), (len(token_ids), len(sampled))
+        self.num_steps_in_flight -= 1
         self._advance(sched)
         now = time.monotonic()
         finished = False
+        kept = []
         for req, tok in zip(sampled, token_ids):
+            if req.status.is_finished:
+                continue  # the extra token of a step scheduled before it finished
+            req.num_placeholders -= 1
+            kept.append(req)
             req.append_output_token(tok)
             if req.grammar is not None:
                 req.grammar.accept(tok)
             if req.first_token_time is None:
                 req.first_token_time = now
+            preempted = req.status is RequestStatus.PREEMPTED  # by a step scheduled since
             if self._stopped(req, tok):
                 finished = True
                 self.block_manager.free(req.request_id)
+                if preempted:
+                    self.waiting.remove(req)
         if finished:  # one pass, not a list.remove per finished request
             self.running[:] = [r for r in self.running if not r.status.is_finished]
-        return sampled
+        return kept
 
     def _advance(self, sched: SchedulerOutput) -> None:
-        bs = self.block_manager.block_size
         for s in sched.scheduled:
             req = s.request
-            before = req.num_computed_tokens
-            req.num_computed_tokens = after = before + s.num_new_tokens
-            # Only a step that fills a block can cache one (its hash exists by then: the
-            # request hashes each block as its last token arrives, before it is computed).
-            if after // bs != before // bs:
-                self.block_manager.cache_full_blocks(
-                    req.request_id, req.token_ids, req.block_hashes, after
-                )
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted, finished or aborted since it was scheduled: no blocks
+            req.num_scheduled_tokens -= s.num_new_tokens
+            after = req.num_computed_tokens + s.num_new_tokens
+            self._cache_blocks(req, after)
+            req.num_computed_tokens = after
 
     def _stopped(self, req: Request, tok: int) -> bool:
         """Sets the finished status if ``tok`` ends the request; True if it does."""

@@ -84,6 +84,7 @@ def test_fcfs_head_is_never_overtaken() -> None:
         sched.add(r)
     out = sched.schedule()
     assert [s.request.request_id for s in out.scheduled] == ["first"]
+    advance(sched, out)  # a scheduled step is applied before the next (or is in flight)
     run_to_completion(sched)
     assert sched.block_manager.num_free_blocks == 10
 
