@@ -271,3 +271,17 @@ def test_bf16_without_native_support_computes_in_float32(monkeypatch) -> None:
     assert out.dtype == torch.bfloat16
     expected = F.linear(x.float(), w.float()).bfloat16()
     torch.testing.assert_close(out.float(), expected.float(), atol=0, rtol=0)
+
+
+def test_long_contexts_take_the_torch_path_and_still_match() -> None:
+    from services.engine.attention.cpu_backend import ROWS_MAX_CONTEXT
+
+    lens = [ROWS_MAX_CONTEXT + 40, 50, 30]
+    batch = make_batch(lens, [60, 50, 1], num_heads=9, num_kv_heads=3, head_dim=64,
+                       dtype=torch.float32, seed=11)
+    k, v = _cpu_caches(batch)
+    backend = CpuAttentionBackend()
+    got = backend.forward(batch.query, k, v, batch.meta, 0.125)
+    assert backend._rows is None  # the rows path was not taken
+    torch.testing.assert_close(got.double(), naive_attention(batch, 0.125).double(),
+                               atol=1e-5, rtol=1e-5)
