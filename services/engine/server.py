@@ -317,7 +317,7 @@ async def _stream(
             await resp.write(_finished(item))
             await resp.write_eof()
             return True
-        item, pending = (pending, None) if pending is not None else (await updates.get(), None)
+        item = pending if pending is not None else await updates.get()
 
 
 def _coalesced(item: RequestUpdate, updates: asyncio.Queue) -> tuple[object, object]:

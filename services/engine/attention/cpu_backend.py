@@ -78,9 +78,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        if meta.max_seqlen_q == 1 or query.shape[0] == 0 or meta.max_seqlen_k > ROWS_MAX_CONTEXT:
-            return super().forward(query, k_cache, v_cache, meta, scale, window, softcap)
-        if (window is not None and meta.max_seqlen_k > window) or softcap is not None:
+        # Decode-only steps, long contexts, windows that cut and soft-caps: the torch path.
+        windowed = softcap is not None or (window is not None and meta.max_seqlen_k > window)
+        if meta.max_seqlen_q <= 1 or meta.max_seqlen_k > ROWS_MAX_CONTEXT or windowed:
             return super().forward(query, k_cache, v_cache, meta, scale, window, softcap)
         rows = self._rows
         if rows is None or rows.meta is not meta:  # every layer of a step shares its metadata
