@@ -11,8 +11,10 @@ Per step, in this order (vLLM v1's, with the truncation masks in Hugging Face's 
 
 ``argmax(logits / T + G)`` with ``G = -log(E)``, ``E ~ Exp(1)`` i.i.d. per vocabulary entry is an
 exact draw from ``softmax(logits / T)``: no CDF, no search, one element-wise pass. A seeded row
-draws its noise from its own generator, a full vocabulary row per step, so its tokens do not
-depend on what else is in the batch; unseeded rows share one batch-wide draw.
+draws its noise from its own generator, so its tokens do not depend on what else is in the
+batch; unseeded rows draw from torch's global one. On the CPU the noise is the C++ kernel's
+(``gumbel_argmax``: counter-based, keyed per row by one draw from that generator, fused with
+the argmax); on other devices it is torch's ``exponential_``, a full vocabulary row per step.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ from itertools import chain
 
 import torch
 
+from services.engine.cpu_ops import kernels_for
 from services.engine.logit_bias import LogitBias, apply_logit_bias
 from services.protocol.engine_api import TokenLogprobs
 from services.protocol.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
+_KEY_LOW, _KEY_HIGH = -(2**63), 2**63 - 1  # the kernel's noise keys: any int64
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -161,7 +165,7 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRequest]) -> torch.Tens
         top_p=[p.top_p for p in params],
         min_p=[p.min_p for p in params],
     )
-    sampled = (scaled + _gumbel_noise(scaled, rows)).argmax(-1)
+    sampled = _gumbel_argmax(scaled, rows)
     if not any(p.greedy for p in params):
         return sampled
     greedy = torch.tensor([p.greedy for p in params], device=logits.device)
@@ -195,6 +199,27 @@ def _mask_top_k_top_p(
     # top_p = 1 must drop nothing, but rounding can bring mass_before to 1.0 in a long tail.
     drop |= mass_before >= _column([p if p < 1.0 else float("inf") for p in top_p], device)
     return logits.masked_fill(drop.scatter(-1, order, drop), _NEG_INF)
+
+
+def _gumbel_argmax(logits: torch.Tensor, rows: Sequence[SamplingRequest]) -> torch.Tensor:
+    """``argmax(logits + G)`` per row, G standard Gumbel noise; seeded rows from their own
+    generators. On the CPU the kernel makes the noise (counter-based, fused with the argmax:
+    torch's exponential_ costs a quarter of a decode step there); elsewhere torch does."""
+    kernels = kernels_for(logits)
+    if kernels is None:
+        return (logits + _gumbel_noise(logits, rows)).argmax(-1)
+    return kernels.gumbel_argmax(logits.contiguous(), _noise_keys(rows))
+
+
+def _noise_keys(rows: Sequence[SamplingRequest]) -> torch.Tensor:
+    """One 64-bit key per row for the kernel's noise: a seeded row draws its key from its own
+    generator (so the batch never changes its tokens), the others from torch's global one."""
+    keys = torch.randint(_KEY_LOW, _KEY_HIGH, (len(rows),), dtype=torch.int64)
+    for i, r in enumerate(rows):
+        if r.generator is not None and not r.params.greedy:
+            keys[i] = torch.randint(_KEY_LOW, _KEY_HIGH, (1,), dtype=torch.int64,
+                                    generator=r.generator)
+    return keys
 
 
 def _gumbel_noise(logits: torch.Tensor, rows: Sequence[SamplingRequest]) -> torch.Tensor:

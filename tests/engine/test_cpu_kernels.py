@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -48,7 +49,7 @@ def test_no_kernel_helper_is_compiled_out_of_line() -> None:
     names = subprocess.run(["nm", "-C", kernels.__file__], capture_output=True, text=True,
                            check=True).stdout
     helpers = ("decode_task<", "fast_exp(", "norm_row<", "rope_row<", "silu_mul_row<",
-               "bf16_to_f(", "f_to_bf16(", "prefetch_chunk<")
+               "bf16_to_f(", "f_to_bf16(", "prefetch_chunk<", "fast_log(", "mix64(")
     assert [h for h in helpers if h in names] == []
 
 
@@ -285,3 +286,51 @@ def test_long_contexts_take_the_torch_path_and_still_match() -> None:
     assert backend._rows is None  # the rows path was not taken
     torch.testing.assert_close(got.double(), naive_attention(batch, 0.125).double(),
                                atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------ sampling
+
+
+def _gumbel_argmax_reference(logits: torch.Tensor, keys: torch.Tensor) -> list[int]:
+    """The kernel's noise, written out in numpy's wrapping uint64 and float64 logs:
+    G[r, v] = -log(-log(U)), U the top 24 bits of SplitMix64's mix of key[r] + (v + 1) * gamma,
+    centred in their interval."""
+    vocab = logits.shape[1]
+    v = np.arange(1, vocab + 1, dtype=np.uint64)
+    out = []
+    with np.errstate(over="ignore"):
+        for r, key in enumerate(keys.tolist()):
+            z = np.uint64(key & (2**64 - 1)) + v * np.uint64(0x9E3779B97F4A7C15)
+            z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+            z = z ^ (z >> np.uint64(31))
+            u = ((z >> np.uint64(40)).astype(np.float64) + 0.5) * 2.0**-24
+            out.append(int(np.argmax(logits[r].double().numpy() - np.log(-np.log(u)))))
+    return out
+
+
+@pytest.mark.parametrize("vocab", [49_152, 20_000, 7])  # whole chunks, a partial one, tiny
+def test_gumbel_argmax_matches_its_reference_whatever_the_threads(vocab: int) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(9, vocab, generator=gen) * 3
+    logits[:, 1::3] = float("-inf")  # what top-k / top-p masks leave
+    keys = torch.randint(-(2**63), 2**63 - 1, (9,), dtype=torch.int64, generator=gen)
+    expected = _gumbel_argmax_reference(logits, keys)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):  # other chunkings of the vocabulary over the threads
+            torch.set_num_threads(n)
+            assert kernels.gumbel_argmax(logits, keys).tolist() == expected
+    finally:
+        torch.set_num_threads(threads)
+    assert all(t % 3 != 1 for t in expected)  # a masked token never wins
+
+
+def test_gumbel_argmax_keys_decide_and_a_dead_row_gives_token_zero() -> None:
+    logits = torch.zeros(64, 1000)  # uniform: the noise alone picks
+    same = kernels.gumbel_argmax(logits, torch.full((64,), 12345, dtype=torch.int64))
+    assert len(set(same.tolist())) == 1  # one key, one token
+    spread = kernels.gumbel_argmax(logits, torch.arange(64, dtype=torch.int64))
+    assert len(set(spread.tolist())) > 50  # neighbouring keys are unrelated streams
+    dead = torch.full((2, 10), float("-inf"))
+    assert kernels.gumbel_argmax(dead, torch.tensor([1, 2])).tolist() == [0, 0]  # as torch

@@ -8,6 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 from services.engine import sampler as sampler_module
+from services.engine.cpu_ops import ops
 from services.engine.sampler import (
     Sampler,
     SamplingRequest,
@@ -21,6 +22,24 @@ NUM_DRAWS = 20_000
 # Hand-picked probabilities (sum 1) so every truncation below has a clear margin.
 PROBS = np.array([0.35, 0.25, 0.15, 0.10, 0.08, 0.04, 0.02, 0.01])
 LOGITS = torch.tensor(np.log(PROBS), dtype=torch.float32)
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def noise_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test on both makers of the Gumbel noise: the CPU kernel (counter-based, fused
+    with the argmax) and torch's exponential_ (the path of every other device)."""
+    if request.param == "kernel":
+        if ops() is None:
+            pytest.skip("the CPU kernels did not build here")
+    else:
+        monkeypatch.setattr(sampler_module, "kernels_for", lambda x: None)
+    return request.param
+
+
+@pytest.fixture
+def torch_noise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch noise path only (the tests that replace ``_gumbel_noise``)."""
+    monkeypatch.setattr(sampler_module, "kernels_for", lambda x: None)
 
 
 def row(
@@ -60,19 +79,28 @@ def softmax(x: np.ndarray) -> np.ndarray:
 
 
 def test_all_greedy_is_argmax_and_draws_no_noise(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sampler_module, "_gumbel_noise", _fail)
+    monkeypatch.setattr(sampler_module, "_gumbel_argmax", _fail)
     logits = torch.randn(16, 100, generator=make_generator(0))
     out = Sampler()(logits, [row(temperature=0) for _ in range(16)])
     assert out.token_ids == logits.argmax(-1).tolist()
     assert out.logprobs == [None] * 16
 
 
-def test_greedy_rows_in_a_mixed_batch_are_argmax() -> None:
+def test_greedy_rows_in_a_mixed_batch_are_argmax(noise_path: str) -> None:
     logits = torch.randn(8, 50, generator=make_generator(1))
     rows = [row(temperature=0) if i % 2 else row(temperature=1.0, top_k=5) for i in range(8)]
     tokens = Sampler()(logits, rows).token_ids
     argmax = logits.argmax(-1).tolist()
     assert [tokens[i] for i in range(1, 8, 2)] == [argmax[i] for i in range(1, 8, 2)]
+
+
+@pytest.mark.skipif(ops() is None, reason="the CPU kernels did not build here")
+def test_on_the_cpu_the_kernel_makes_the_noise(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch's exponential_ draws one number at a time on one thread: a quarter of a decode
+    # step at SmolLM2's vocabulary. The CPU must never take it.
+    monkeypatch.setattr(sampler_module, "_gumbel_noise", _fail)
+    rows = [row(temperature=0.8), row(seed=3, top_p=0.9), row(temperature=0)]
+    assert len(Sampler()(torch.randn(3, 1000), rows).token_ids) == 3
 
 
 def test_no_penalties_skip_the_counting(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -88,7 +116,7 @@ def _fail(*args: object, **kwargs: object) -> None:
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
-def test_samples_follow_softmax_of_logits_over_t(temperature: float) -> None:
+def test_samples_follow_softmax_of_logits_over_t(temperature: float, noise_path: str) -> None:
     counts = draw_counts(LOGITS, temperature=temperature)
     assert fit_p_value(counts, softmax(np.log(PROBS) / temperature)) > 1e-3
 
@@ -101,14 +129,16 @@ def test_samples_follow_softmax_of_logits_over_t(temperature: float) -> None:
         lambda x: (-torch.rand_like(x).log()).log(),  # log(E) = minus a Gumbel
     ],
 )
-def test_the_fit_test_rejects_wrong_noise(monkeypatch: pytest.MonkeyPatch, wrong_noise) -> None:
+def test_the_fit_test_rejects_wrong_noise(
+    monkeypatch: pytest.MonkeyPatch, wrong_noise, torch_noise: None
+) -> None:
     # Proves the test above has teeth: the same check fails when the noise is not Gumbel.
     monkeypatch.setattr(sampler_module, "_gumbel_noise", lambda logits, rows: wrong_noise(logits))
     counts = draw_counts(LOGITS, temperature=1.0)
     assert fit_p_value(counts, PROBS) < 1e-6
 
 
-def test_temperature_is_applied_before_the_noise() -> None:
+def test_temperature_is_applied_before_the_noise(noise_path: str) -> None:
     # argmax(logits + G) at T = 0.5 would follow PROBS, not PROBS ** 2.
     counts = draw_counts(LOGITS, temperature=0.5)
     assert fit_p_value(counts, PROBS) < 1e-6
@@ -129,7 +159,7 @@ def test_temperature_is_applied_before_the_noise() -> None:
     ],
 )
 def test_truncated_samples_follow_the_renormalised_distribution(
-    params: dict, kept: list[int]
+    params: dict, kept: list[int], noise_path: str
 ) -> None:
     temperature = params.get("temperature", 1.0)
     probs = softmax(np.log(PROBS) / temperature)
@@ -156,14 +186,14 @@ def test_top_p_one_keeps_a_long_tail() -> None:
     assert torch.isfinite(out).all()
 
 
-def test_seeded_rows_follow_the_distribution() -> None:
+def test_seeded_rows_follow_the_distribution(noise_path: str) -> None:
     n = 5_000
     rows = [row(seed=s, temperature=1.0) for s in range(n)]
     tokens = Sampler()(LOGITS.expand(n, -1), rows).token_ids
     assert fit_p_value(np.bincount(tokens, minlength=8), PROBS) > 1e-3
 
 
-def test_one_seeded_request_over_many_steps_follows_the_distribution() -> None:
+def test_one_seeded_request_over_many_steps_follows_the_distribution(noise_path: str) -> None:
     sampler, request = Sampler(), row(seed=7, top_k=4)
     logits = LOGITS.unsqueeze(0)
     tokens = [sampler(logits, [request]).token_ids[0] for _ in range(2_000)]
@@ -179,7 +209,7 @@ def _run_steps(logits: torch.Tensor, make_rows, target: int, steps: int = 30) ->
     return [sampler(logits, rows).token_ids[target] for _ in range(steps)]
 
 
-def test_seeded_request_is_reproducible_whatever_the_batch() -> None:
+def test_seeded_request_is_reproducible_whatever_the_batch(noise_path: str) -> None:
     vocab = 1000
     logits = torch.randn(6, vocab, generator=make_generator(3)) * 3
     mine = {"seed": 1234, "temperature": 0.9, "top_p": 0.95}
