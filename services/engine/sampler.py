@@ -32,6 +32,11 @@ from services.protocol.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
 _KEY_LOW, _KEY_HIGH = -(2**63), 2**63 - 1  # the kernel's noise keys: any int64
+# top-k / top-p read this many of each row's best tokens (a topk), not a sorted vocabulary;
+# rows whose cut lies further try the next count, then sort. Beyond the last count topk is
+# no faster than a sort.
+_CANDIDATES = (256, 4096)
+_EXP_FLOOR = -80.0  # exp(-80) is 1.8e-35, still a normal float32
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -190,9 +195,89 @@ def apply_top_k_top_p_min_p(
 def _mask_top_k_top_p(
     logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]
 ) -> torch.Tensor:
+    """Keeps, per row, the first tokens of the row sorted by logit (ties: the lower id first)
+    up to top_k and while the mass of the strictly higher-ranked survivors is below top_p.
+
+    The cut nearly always lies among the first few hundred tokens, so those come from one
+    ``topk`` (0.5 ms for 8 rows of a 49k vocabulary on the CPU, where a full sort takes 13 ms,
+    70% of a decode step); a row whose cut lies further (a flat distribution) tries more
+    candidates, then the full sort."""
+    vocab = logits.shape[1]
+    ks = [min(k, vocab) if k > 0 else vocab for k in top_k]
+    return _truncate(logits, ks, list(top_p), 0)
+
+
+def _truncate(
+    logits: torch.Tensor, ks: list[int], top_p: list[float], attempt: int
+) -> torch.Tensor:
+    """``_mask_top_k_top_p`` from each row's top ``_CANDIDATES[attempt]`` tokens (a top_k
+    needs no more than k); the rows whose cut lies further go to the next attempt."""
+    vocab = logits.shape[1]
+    if attempt == len(_CANDIDATES):
+        return _mask_top_k_top_p_sorted(logits, ks, top_p)
+    m = max(k if k < vocab else _CANDIDATES[attempt] for k in ks)
+    if m >= vocab or m > _CANDIDATES[-1]:  # then topk is no faster than the sort
+        return _mask_top_k_top_p_sorted(logits, ks, top_p)
+    device = logits.device
+    values = logits.topk(m, dim=-1).values  # descending
+    k = torch.tensor(ks, device=device).unsqueeze(1)
+    in_k = torch.arange(m, device=device) < k
+    top = values[:, :1]
+    weights = (values - top).exp().masked_fill(~in_k, 0.0)
+    # The top-k survivors' mass: all within the candidates when top_k is set (k <= m), the
+    # whole row when it is not (k = vocab).
+    total = weights.sum(-1, keepdim=True)
+    if any(kk == vocab and p < 1.0 for kk, p in zip(ks, top_p, strict=True)):
+        # Clamped so exp never returns a subnormal (10x slower on the CPU): all of them
+        # together are under 1e-30 of a total that is at least 1, so the sum is unchanged.
+        row_mass = (logits - top).clamp_min(_EXP_FLOOR).exp().sum(-1, keepdim=True)
+        total = torch.where(k < vocab, total, row_mass)
+    probs = weights / total
+    mass_before = probs.cumsum(-1) - probs
+    p_col = _column([p if p < 1.0 else float("inf") for p in top_p], device)
+    keep = in_k & (mass_before < p_col)
+    # keep is a prefix (mass_before never decreases); the top token always survives.
+    n_keep = keep.sum(-1, keepdim=True).clamp_min(1)
+    out = logits.masked_fill(~_first_n_of_sorted(logits, values, n_keep), _NEG_INF)
+    # Every candidate kept and no top_k among them: the cut may lie further. The next count
+    # can hold at most its extra tokens times the last candidate's probability more: a row
+    # that cannot reach top_p even so goes straight to the sort.
+    unsettled = (n_keep == m) & (k > m)
+    if bool(unsettled.any()):
+        nxt = _CANDIDATES[attempt + 1] if attempt + 1 < len(_CANDIDATES) else vocab
+        reach = probs.sum(-1, keepdim=True) + (nxt - m) * probs[:, -1:]
+        for rows_mask, next_attempt in ((unsettled & (reach >= p_col), attempt + 1),
+                                        (unsettled & (reach < p_col), len(_CANDIDATES))):
+            rows = rows_mask.squeeze(1).nonzero().squeeze(1)
+            if rows.numel():
+                idx = rows.tolist()
+                out[rows] = _truncate(logits[rows], [ks[i] for i in idx],
+                                      [top_p[i] for i in idx], next_attempt)
+    return out
+
+
+def _first_n_of_sorted(logits: torch.Tensor, values: torch.Tensor,
+                       n: torch.Tensor) -> torch.Tensor:
+    """The mask of each row's first ``n`` tokens in sorted order (``values``: the row's top
+    values, descending), ties at the cut going to the lower ids, as a stable sort orders them."""
+    cut = values.gather(1, n - 1)  # the last kept value
+    above = logits > cut
+    equal = logits == cut
+    # How many of the tokens equal to the cut stay: all of them unless a tie straddles it.
+    room = n.squeeze(1) - torch.count_nonzero(above, dim=-1)
+    if bool(torch.equal(torch.count_nonzero(equal, dim=-1), room)):
+        return above | equal
+    return above | (equal & (equal.cumsum(-1) <= room.unsqueeze(1)))
+
+
+def _mask_top_k_top_p_sorted(
+    logits: torch.Tensor, ks: Sequence[int], top_p: Sequence[float]
+) -> torch.Tensor:
+    """``_mask_top_k_top_p`` by a full stable sort of every row (``ks``: top_k with 0 as the
+    vocabulary size)."""
     vocab, device = logits.shape[1], logits.device
     ordered, order = logits.sort(dim=-1, descending=True, stable=True)
-    k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=device)
+    k = torch.tensor(ks, device=device)
     drop = torch.arange(vocab, device=device) >= k.unsqueeze(1)
     probs = ordered.masked_fill(drop, _NEG_INF).softmax(-1)
     mass_before = probs.cumsum(-1) - probs  # of the strictly higher-ranked survivors
