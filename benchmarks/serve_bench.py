@@ -85,6 +85,7 @@ def run_client(
         "--max-concurrency", str(args.concurrency), "--ignore-eos", "--seed", "0",
         "--num-warmups", "2", "--save-result", "--result-dir", str(out.parent),
         "--result-filename", out.name, "--disable-tqdm", "--save-detailed",
+        *args.client_flags.split(),
     ]
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
@@ -131,6 +132,10 @@ def main() -> None:
     ap.add_argument("--pagoda-flags", default="",
                     help="extra engine flags for Pagoda, e.g. '--max-num-batched-tokens 512'")
     ap.add_argument("--skip-pagoda", action="store_true", help="measure the peer only")
+    ap.add_argument("--client-flags", default="",
+                    help="extra `vllm bench serve` flags for both servers, e.g. sampling: "
+                         "'--temperature 1.0 --top-p 0.95' (default: none, so the requests "
+                         "sample at the API's default temperature, 1.0)")
     ap.add_argument("--save-dir", type=Path, default=None,
                     help="keep each server's `vllm bench serve` result JSON (per-request "
                          "TTFTs and inter-token latencies) here")

@@ -334,3 +334,24 @@ def test_gumbel_argmax_keys_decide_and_a_dead_row_gives_token_zero() -> None:
     assert len(set(spread.tolist())) > 50  # neighbouring keys are unrelated streams
     dead = torch.full((2, 10), float("-inf"))
     assert kernels.gumbel_argmax(dead, torch.tensor([1, 2])).tolist() == [0, 0]  # as torch
+
+
+def test_top_k_top_p_keeps_what_a_float64_sort_keeps() -> None:
+    from services.engine.sampler import _mask_top_k_top_p_sorted
+
+    gen = torch.Generator().manual_seed(5)
+    for vocab in (1, 8, 33, 1000, 49_152):
+        for trial in range(6):
+            if trial % 2:  # integer logits: ties everywhere, at the cuts too (lower ids stay)
+                logits = torch.randint(-4, 5, (16, vocab), generator=gen).float()
+            else:  # flat to peaked
+                logits = torch.randn(16, vocab, generator=gen) * (1 + 4 * trial)
+            logits[::5, ::3] = float("-inf")
+            top_k = torch.randint(0, 12 if trial % 3 else vocab + 2, (16,), generator=gen)
+            top_p = [1.0 if i % 4 == 0 else 0.05 + 0.9 * x
+                     for i, x in enumerate(torch.rand(16, generator=gen).tolist())]
+            ks = [min(k, vocab) if k > 0 else vocab for k in top_k.tolist()]
+            # float64: a float32 cumulative sum over 49k tokens drifts past one token's weight.
+            expected = _mask_top_k_top_p_sorted(logits.double(), ks, top_p).float()
+            got = kernels.top_k_top_p(logits, top_k, torch.tensor(top_p, dtype=torch.float64))
+            assert torch.equal(got, expected), (vocab, trial)

@@ -26,8 +26,9 @@ LOGITS = torch.tensor(np.log(PROBS), dtype=torch.float32)
 
 @pytest.fixture(params=["kernel", "torch"])
 def noise_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Runs a test on both makers of the Gumbel noise: the CPU kernel (counter-based, fused
-    with the argmax) and torch's exponential_ (the path of every other device)."""
+    """Runs a test on both implementations of truncation and noise: the CPU kernels
+    (selection for top-k/top-p; counter-based noise fused with the argmax) and torch's
+    (top candidates, then a sort; exponential_), the path of every other device."""
     if request.param == "kernel":
         if ops() is None:
             pytest.skip("the CPU kernels did not build here")
@@ -37,8 +38,8 @@ def noise_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
 
 
 @pytest.fixture
-def torch_noise(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The torch noise path only (the tests that replace ``_gumbel_noise``)."""
+def torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch paths only, as on devices other than the CPU (the tests of their parts)."""
     monkeypatch.setattr(sampler_module, "kernels_for", lambda x: None)
 
 
@@ -130,7 +131,7 @@ def test_samples_follow_softmax_of_logits_over_t(temperature: float, noise_path:
     ],
 )
 def test_the_fit_test_rejects_wrong_noise(
-    monkeypatch: pytest.MonkeyPatch, wrong_noise, torch_noise: None
+    monkeypatch: pytest.MonkeyPatch, wrong_noise, torch_path: None
 ) -> None:
     # Proves the test above has teeth: the same check fails when the noise is not Gumbel.
     monkeypatch.setattr(sampler_module, "_gumbel_noise", lambda logits, rows: wrong_noise(logits))
@@ -182,7 +183,7 @@ def test_truncation_masks_only_what_it_should() -> None:
 # Most rows past the candidates (twice, then sorted), some past the first count, none.
 @pytest.mark.parametrize("candidates", [(1, 2), (3, 30), (256, 4096)])
 def test_truncation_from_the_top_candidates_equals_the_full_sort(
-    monkeypatch: pytest.MonkeyPatch, candidates: tuple[int, int]
+    monkeypatch: pytest.MonkeyPatch, candidates: tuple[int, int], torch_path: None
 ) -> None:
     monkeypatch.setattr(sampler_module, "_CANDIDATES", candidates)
     gen = make_generator(5)
@@ -198,10 +199,17 @@ def test_truncation_from_the_top_candidates_equals_the_full_sort(
         assert torch.equal(fast, sampler_module._mask_top_k_top_p_sorted(logits, ks, top_p))
 
 
-def test_top_k_and_top_p_read_the_top_candidates_not_a_sorted_vocabulary(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_top_k_and_top_p_never_sort_a_peaked_vocabulary(
+    monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
     # A full sort of 8 x 49k logits is 70% of a CPU decode step.
+    if path == "torch":
+        monkeypatch.setattr(sampler_module, "kernels_for", lambda x: None)
+    elif ops() is None:
+        pytest.skip("the CPU kernels did not build here")
+    else:  # the CPU's kernel selects the cut: not even the top candidates
+        monkeypatch.setattr(sampler_module, "_truncate", _fail)
     monkeypatch.setattr(sampler_module, "_mask_top_k_top_p_sorted", _fail)
     logits = torch.randn(8, 50_000, generator=make_generator(6)) * 5
     out = apply_top_k_top_p_min_p(logits, top_k=[0, 40] * 4, top_p=[0.9, 1.0] * 4,

@@ -15,6 +15,13 @@ def router_engines(router_url: str) -> set[str]:
     return {e["engine_id"] for e in _router_view(router_url)["engines"]}
 
 
+def router_engine_idle(router_url: str, engine_id: str) -> bool:
+    """Whether the router sees ``engine_id`` live with nothing running or waiting (its
+    heartbeat after a hang can still count the requests it held when it stopped)."""
+    return any(e["engine_id"] == engine_id and e["running"] == 0 and e["waiting"] == 0
+               for e in _router_view(router_url)["engines"])
+
+
 def _router_view(router_url: str) -> dict:
     with urllib.request.urlopen(router_url + "/engines", timeout=5) as resp:
         return json.loads(resp.read())

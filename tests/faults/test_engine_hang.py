@@ -15,7 +15,7 @@ import signal
 import time
 from pathlib import Path
 
-from tests.faults.helpers import router_engines, wait_for
+from tests.faults.helpers import router_engine_idle, router_engines, wait_for
 from tests.faults.load import LoadResult, run_load, word_prompt
 from tests.support.stack import PagodaStack
 
@@ -80,8 +80,10 @@ def test_hung_engine_is_failed_over(fast_model_dir: Path) -> None:
 
         # The engine resumes moments after the gateway failed requests over from it (the
         # router was told to avoid it): its first heartbeat puts it back in rotation, and with
-        # two idle engines it gets about half of the next requests.
+        # two idle engines it gets about half of the next requests (once its heartbeat no
+        # longer counts the requests it held when it stopped: the router weighs load).
         back = wait_for(lambda: victim in router_engines(router), 15, "engine back")
+        wait_for(lambda: router_engine_idle(router, victim), 15, "engine idle")
         again = asyncio.run(run_load(stack.base_url, stack.model,
                                      lambda i: word_prompt(20_000 + i, 30), requests=40,
                                      concurrency=8, max_tokens=8))
