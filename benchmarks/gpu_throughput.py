@@ -23,7 +23,7 @@ was measured:
   offline    ``LLM(model, max_num_seqs=256, max_num_batched_tokens=8192)``: three runs in one
              process: the first is the cold one (Triton's cache starts empty: ``--kernel-cache``)
   batch1     one request (128-token prompt, 256 output tokens): ms per token, cold and warm
-  server     ``python -m services.engine.server``, then 256 concurrent streams of
+  server     ``python -m services.engine.serving.server``, then 256 concurrent streams of
              ``/internal/generate`` (msgpack), twice; failures counted
   kernel     ``benchmarks/decode_attention_bench.py --quick``: the 128 x 1024 decode bandwidth
   hf_static  transformers ``generate``, static batches of 64 (left padding, sdpa); only the
@@ -413,7 +413,7 @@ def part_server(args: argparse.Namespace, ctx: Context, cap_s: float) -> dict[st
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = ctx.tmp / "server.log"
-    cmd = [sys.executable, "-m", "services.engine.server", "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "services.engine.serving.server", "--host", "127.0.0.1",
            "--port", str(port), "--model", str(ctx.model_dir), "--device", args.device,
            "--dtype", dtype_name(args), "--log-level", "WARNING", *server_flags(args)]
     result: dict[str, Any] = {"runs": []}

@@ -94,7 +94,7 @@ async def _steps(url: str) -> int:
 
 
 def serving(model: str, prompts: list[list[int]], core: str, runs: int) -> dict:
-    proc = ServiceProcess("services.engine.server", [
+    proc = ServiceProcess("services.engine.serving.server", [
         "--model", model, "--engine-core", core, "--max-num-seqs", "256",
         "--max-num-batched-tokens", "8192", "--log-level", "WARNING"])
     with proc:

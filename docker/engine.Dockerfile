@@ -26,7 +26,7 @@ COPY pyproject.toml README.md /src/
 COPY services /src/services
 # [gpu] adds Triton (the version torch pins).
 RUN pip install "/src[gpu]" \
- && python -m services.engine.server --help >/dev/null
+ && python -m services.engine.serving.server --help >/dev/null
 ENV PAGODA_MODEL_CACHE=/opt/pagoda/models
 RUN mkdir -p /opt/pagoda/models \
  && if [ "$BAKE_DEFAULT_MODEL" = "1" ]; then \
@@ -74,5 +74,5 @@ EXPOSE 8200
 # /health answers 200 once the model is loaded: big models need a long start period.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=600s --retries=3 \
   CMD ["python", "/opt/pagoda/healthcheck.py", "8200"]
-ENTRYPOINT ["python", "-m", "services.engine.server"]
+ENTRYPOINT ["python", "-m", "services.engine.serving.server"]
 CMD ["--host", "0.0.0.0", "--port", "8200"]

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default="prefix", help="routing policy")
     ap.add_argument("--dtype", default="auto", help="engine dtype (auto: float32 on the CPU)")
     ap.add_argument("--api-key", action="append", default=[], help="require this API key")
-    # Any other flag is an engine flag (`python -m services.engine.server --help`), passed to
+    # Any other flag is an engine flag (`python -m services.engine.serving.server --help`), passed to
     # every engine, as `vllm serve` takes the engine's arguments.
     args, engine_flags = ap.parse_known_args(argv)
     if any(f.split("=")[0] in _FIXED_ENGINE_FLAGS for f in engine_flags):
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             engine_urls.append(url)
-            p = start(f"engine-{i}", [_PY, "-m", "services.engine.server", "--port", str(port),
+            p = start(f"engine-{i}", [_PY, "-m", "services.engine.serving.server", "--port", str(port),
                                       "--model", str(model_dir), "--engine-id", f"engine-{i}",
                                       "--redis-url", redis_url, "--cpu-threads", str(len(cpus)),
                                       "--dtype", args.dtype, *engine_flags],

@@ -3,7 +3,7 @@
 ``RedisRouting`` is the production path minus HTTP: ``services.router.routing.Router`` with
 its ``RouterIndex`` and ``KVIndexReader`` (the Lua lookup and write-back), the policy from
 ``make_policy``, and the engines' state arriving only through ``KVIndexPublisher`` (KV events
-and heartbeats, published on each engine's own tick, as ``services.engine.redis_publisher``
+and heartbeats, published on each engine's own tick, as ``services.engine.serving.redis_publisher``
 does). Between ticks the router sees what a real router sees: stale heartbeats plus its own
 pending counts and provisional write-backs.
 

@@ -24,10 +24,11 @@ from services.engine.attention.metadata import build_attention_metadata
 from services.engine.attention.selector import get_attention_backend
 from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from services.engine.models.config import ModelConfig
 from services.engine.models.loader import load_model
 from services.engine.models.onednn import ROW_BUCKETS
+from services.engine.models.partition import check_sizes, local_kv_heads
 from services.engine.parallel.group import SINGLE, TPGroup, building
-from services.engine.parallel.partition import local_kv_heads
 from services.engine.parallel.step_broadcast import StepBatch, send_step
 from services.engine.parallel.workers import WorkerGroup, rank_config
 from services.engine.request import Request
@@ -83,6 +84,8 @@ class ModelRunner:
         and sends them every step; only rank 0 samples."""
         self.workers: WorkerGroup | None = None
         if tp is None and config.tensor_parallel_size > 1:
+            # before anything starts: a model whose heads do not split is an error at once
+            check_sizes(ModelConfig.from_hf_dir(model_path), config.tensor_parallel_size)
             self.workers = WorkerGroup(config, model_path)
             tp, config = self.workers.tp, rank_config(config, 0)
         self.tp = tp or SINGLE

@@ -187,8 +187,8 @@ def test_several_classes_share_one_command_line() -> None:
 
 
 def _service_parsers() -> list[tuple[argparse.ArgumentParser, list[type]]]:
-    from services.engine import server_config
     from services.engine.config import EngineConfig
+    from services.engine.serving import server_config
     from services.gateway.config import GatewayConfig
     from services.gateway.config import build_parser as gateway_parser
     from services.router.config import RouterConfig
@@ -219,7 +219,7 @@ def test_services_have_one_flag_per_field_and_help_lists_them_all(
 
 def test_services_accept_todays_command_lines() -> None:
     """The spellings the chart, the images, serve.py and the tests pass (see their args)."""
-    from services.engine.server_config import configs_from_args
+    from services.engine.serving.server_config import configs_from_args
     from services.gateway.config import GatewayConfig, ModelSpec
     from services.router.config import PolicyName, RouterConfig
 
@@ -267,7 +267,7 @@ def test_services_accept_todays_command_lines() -> None:
 def test_engine_server_values_are_checked(
     capsys: pytest.CaptureFixture[str], argv: list[str]
 ) -> None:
-    from services.engine.server_config import configs_from_args
+    from services.engine.serving.server_config import configs_from_args
 
     with pytest.raises(SystemExit):
         configs_from_args(argv)

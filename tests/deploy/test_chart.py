@@ -273,12 +273,12 @@ def test_services_accept_the_flags_the_chart_passes(scenario: Render) -> None:
 
 
 def test_engines_accept_their_flags(scenario: Render) -> None:
-    from services.engine.server_config import build_parser
+    from services.engine.serving.server_config import build_parser
 
     parser = build_parser()
     for name in model_names(scenario):
         c = scenario.container(engine(name))
-        assert c["command"] == ["python", "-m", "services.engine.server"]
+        assert c["command"] == ["python", "-m", "services.engine.serving.server"]
         args = vars(parser.parse_args(expand_env_refs(c["args"], c, SAMPLE_ENV)))
         assert args["host"] == "0.0.0.0"
         assert args["port"] == c["ports"][0]["containerPort"]

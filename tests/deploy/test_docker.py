@@ -28,7 +28,7 @@ from tests.deploy.helpers import CHART, REPO
 DOCKER = REPO / "docker"
 DOCKERFILES = sorted(DOCKER.glob("*.Dockerfile"))
 SERVICE_REQUIREMENTS = DOCKER / "service-requirements.txt"
-ENTRY_MODULES = ("services.engine.server", "services.router", "services.gateway")
+ENTRY_MODULES = ("services.engine.serving.server", "services.router", "services.gateway")
 
 
 # --------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ class Stack:
 
 def start_engine(model_dir: Path, redis_url: str, engine_id: str) -> ServiceProcess:
     return ServiceProcess(
-        "services.engine.server",
+        "services.engine.serving.server",
         ["--model", str(model_dir), "--engine-id", engine_id, "--redis-url", redis_url,
          "--num-blocks", str(ENGINE_BLOCKS), "--heartbeat-interval-s", "0.5",
          "--heartbeat-ttl-s", "3"],

@@ -11,11 +11,11 @@ import pytest
 
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
-from services.engine.core_loop import Abort, Add, CoreLoop, CoreOutputs
 from services.engine.engine import LLMEngine
 from services.engine.llm import LLM
 from services.engine.request import Request, RequestStatus
 from services.engine.scheduler import Scheduler
+from services.engine.serving.core_loop import Abort, Add, CoreLoop, CoreOutputs
 from services.protocol.block_hash import BlockHasher
 from services.protocol.sampling_params import SamplingParams
 from services.protocol.structured_outputs import StructuredOutputsParams
@@ -371,7 +371,7 @@ def test_the_core_loop_streams_the_same_tokens_and_aborts_cleanly(fast_model_dir
 
 
 def test_the_server_flag() -> None:
-    from services.engine.server_config import configs_from_args
+    from services.engine.serving.server_config import configs_from_args
 
     assert configs_from_args([])[0].async_scheduling is None  # the device decides
     assert configs_from_args(["--async-scheduling"])[0].async_scheduling is True

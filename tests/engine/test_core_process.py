@@ -14,8 +14,9 @@ from pathlib import Path
 import aiohttp
 
 from services.engine.config import EngineConfig
-from services.engine.core_ipc import LoadFailed, decode, encode
-from services.engine.core_loop import (
+from services.engine.engine import EngineStats, LLMEngine, RequestUpdate
+from services.engine.serving.core_ipc import LoadFailed, decode, encode
+from services.engine.serving.core_loop import (
     BAD_REQUEST,
     Abort,
     Add,
@@ -24,8 +25,7 @@ from services.engine.core_loop import (
     Resync,
     Stop,
 )
-from services.engine.core_process import EngineInfo
-from services.engine.engine import EngineStats, LLMEngine, RequestUpdate
+from services.engine.serving.core_process import EngineInfo
 from services.protocol import engine_api
 from services.protocol.engine_api import TokenLogprobs
 from services.protocol.kv_events import KVEvent, KVEventKind
@@ -125,7 +125,7 @@ def _offline(model: Path, max_tokens: int) -> list[list[int]]:
 
 
 def _server(model: Path) -> ServiceProcess:
-    return ServiceProcess("services.engine.server", [
+    return ServiceProcess("services.engine.serving.server", [
         "--model", str(model), "--engine-core", "process", "--num-blocks", "64",
         "--max-model-len", "128"])
 

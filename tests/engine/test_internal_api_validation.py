@@ -41,7 +41,7 @@ VOCAB = 49152  # SmolLM2's, which fast_model_dir keeps
 @pytest.fixture(scope="module")
 def engine(fast_model_dir: Path) -> Iterator[ServiceProcess]:
     proc = ServiceProcess(
-        "services.engine.server",
+        "services.engine.serving.server",
         ["--model", str(fast_model_dir), "--num-blocks", str(NUM_BLOCKS),
          "--max-model-len", "1024"],
         env={"OMP_NUM_THREADS": "1"},

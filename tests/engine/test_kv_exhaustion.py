@@ -31,7 +31,7 @@ REFERENCE_SALT = "alone"  # reference runs share no cached block with the storm
 @pytest.fixture(scope="module")
 def engine(fast_model_dir: Path):
     proc = ServiceProcess(
-        "services.engine.server",
+        "services.engine.serving.server",
         ["--model", str(fast_model_dir), "--num-blocks", str(NUM_BLOCKS),
          "--block-size", str(BLOCK_SIZE)],
         env={"OMP_NUM_THREADS": "1"},

@@ -19,7 +19,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from services.common.redis_index import KVIndexReader, connect
 from services.engine.config import EngineConfig
-from services.engine.server import CORE, ServerConfig, create_app
+from services.engine.serving.server import CORE, ServerConfig, create_app
 from services.protocol import engine_api
 from services.protocol.sampling_params import SamplingParams
 from tests.support.redis_server import RedisServer
@@ -35,7 +35,7 @@ def redis_server():
 @pytest.fixture(scope="module")
 def engine(default_model_path, redis_server):
     proc = ServiceProcess(
-        "services.engine.server",
+        "services.engine.serving.server",
         ["--model", str(default_model_path), "--engine-id", "e-test",
          "--redis-url", redis_server.url, "--heartbeat-interval-s", "0.2",
          "--num-blocks", "256"],
@@ -199,7 +199,7 @@ def test_sigterm_leaves_routing_first_then_drains(default_model_path, redis_serv
     """SIGTERM mid-stream: the heartbeat disappears from Redis at once, the running request
     still finishes completely, and the process exits cleanly."""
     proc = ServiceProcess(
-        "services.engine.server",
+        "services.engine.serving.server",
         ["--model", str(default_model_path), "--engine-id", "e-drain",
          "--redis-url", redis_server.url, "--heartbeat-interval-s", "0.2",
          "--num-blocks", "128", "--drain-timeout-s", "60"],
@@ -343,7 +343,7 @@ def test_an_engine_failure_is_a_500_never_a_400(tiny_model_dir) -> None:
 
 def test_queued_updates_coalesce_into_one_frame_in_order() -> None:
     from services.engine.engine import RequestUpdate
-    from services.engine.server import _coalesced
+    from services.engine.serving.server import _coalesced
 
     def update(toks: list[int], finished: bool = False, **kw: Any) -> RequestUpdate:
         return RequestUpdate("r", toks, [None] * len(toks), finished,

@@ -215,7 +215,7 @@ def test_more_ranks_than_gpus_is_refused_at_start(tiny_model_dir) -> None:
 
 def _server(path: Path) -> ServiceProcess:
     return ServiceProcess(
-        "services.engine.server",
+        "services.engine.serving.server",
         ["--model", str(path), "--num-blocks", "16", "--tensor-parallel-size", "2"],
         env={"OMP_NUM_THREADS": "2"},
     )

@@ -17,7 +17,7 @@ import openai
 import pytest
 import requests
 
-from services.engine.request_metrics import ITERATION_TOKEN_BUCKETS, REQUEST_LATENCY_BUCKETS
+from services.engine.serving.request_metrics import ITERATION_TOKEN_BUCKETS, REQUEST_LATENCY_BUCKETS
 from tests.support.stack import PagodaStack
 
 CONTEXT = 4096  # fast_model_dir's max_position_embeddings

@@ -22,8 +22,8 @@ from opentelemetry.trace import SpanKind, StatusCode
 from services.common import tracing
 from services.common.redis_index import KVIndexPublisher, connect
 from services.engine.config import EngineConfig
-from services.engine.server import ServerConfig
-from services.engine.server import create_app as create_engine_app
+from services.engine.serving.server import ServerConfig
+from services.engine.serving.server import create_app as create_engine_app
 from services.gateway.config import GatewayConfig, ModelSpec
 from services.gateway.server import create_app as create_gateway_app
 from services.protocol import engine_api

@@ -89,7 +89,7 @@ def stack(default_model_path: Path) -> Iterator[Stack]:
             if name.startswith(("OTEL_", "PAGODA_TRACE")):
                 mp.delenv(name)
         engine = ServiceProcess(
-            "services.engine.server",
+            "services.engine.serving.server",
             ["--model", str(default_model_path), "--num-blocks", "256",
              "--redis-url", redis.url, "--engine-id", "e1", "--heartbeat-interval-s", "0.3"],
             env=otel_env(grpc.endpoint, "grpc"),

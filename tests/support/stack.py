@@ -128,7 +128,7 @@ class PagodaStack:
     def _engine(self, index: int, port: int | None = None) -> ServiceProcess:
         extra = self.options.engine_args[index] if index < len(self.options.engine_args) else []
         return ServiceProcess(
-            "services.engine.server",
+            "services.engine.serving.server",
             ["--model", str(self.model_dir), "--engine-id", self.engine_id(index),
              "--redis-url", self.redis.url, "--num-blocks", str(self.options.num_blocks),
              "--heartbeat-interval-s", "0.5", "--heartbeat-ttl-s", "3", *extra],

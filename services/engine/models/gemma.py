@@ -32,7 +32,7 @@ from services.engine.models.layers import (
     RotaryEmbedding,
 )
 from services.engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
-from services.engine.parallel.layers import VocabParallelEmbedding
+from services.engine.models.parallel_layers import VocabParallelEmbedding
 
 if TYPE_CHECKING:
     from services.engine.models.config import ModelConfig

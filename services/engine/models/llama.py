@@ -4,7 +4,7 @@ switches on it (see ``ModelConfig.qkv_bias`` / ``qk_norm``).
 Works on one flattened batch (``[T, hidden]``, no batch dim): the attention backend finds the
 request boundaries in ``AttentionMetadata``. Q/K/V and gate/up are each one fused matmul; the
 loader stacks the HF weights into them. Under tensor parallelism every rank builds the same
-model over its shard (``services.engine.parallel.layers``): its heads, its MLP rows, its
+model over its shard (``services.engine.models.parallel_layers``): its heads, its MLP rows, its
 vocabulary rows; at one rank those layers are the plain ones.
 """
 
@@ -28,7 +28,7 @@ from services.engine.models.layers import (
     silu_and_mul,
 )
 from services.engine.models.onednn import PackedWeight, can_pack, pack, packed_linear
-from services.engine.parallel.layers import (
+from services.engine.models.parallel_layers import (
     ColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,

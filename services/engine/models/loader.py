@@ -23,8 +23,8 @@ from torch import nn
 from services.engine.attention.base import AttentionBackend
 from services.engine.models.config import ModelConfig
 from services.engine.models.layers import CausalLM
+from services.engine.models.parallel_layers import ShardRange
 from services.engine.models.registry import get_model_class
-from services.engine.parallel.layers import ShardRange
 
 logger = logging.getLogger(__name__)
 

@@ -1,26 +1,27 @@
 """The one list of supported architectures: HF ``architectures[0]`` -> implementation + quirks.
 
 A config.json without ``architectures`` is matched by its ``model_type`` instead, as
-transformers does; the model types come from the same list.
+transformers does; the model types come from the same list. The table names each
+implementation by module and class; only the one a model needs is imported (reading the
+table, e.g. to check a tensor-parallel size, imports no model code).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from services.engine.models.gemma import GemmaForCausalLM
-from services.engine.models.layers import CausalLM
-from services.engine.models.llama import LlamaForCausalLM
-from services.engine.models.moe import MixtralForCausalLM, QwenMoeForCausalLM
-from services.engine.models.phi3 import Phi3ForCausalLM
+if TYPE_CHECKING:
+    from services.engine.models.layers import CausalLM
 
 
 @dataclass(frozen=True, slots=True)
 class ArchSpec:
     """How one HF architecture maps onto our implementation."""
 
-    model_class: type[CausalLM]
+    model_class: str  # "module:Class" under services.engine.models, imported when needed
     model_type: str  # HF ``model_type`` of this architecture's config.json, e.g. "llama"
     # Fixed by the architecture; None means "follow config.json's attention_bias".
     qkv_bias: bool | None = None
@@ -36,29 +37,30 @@ class ArchSpec:
 
 
 _GELU = "gelu_pytorch_tanh"
+_LLAMA = "llama:LlamaForCausalLM"
 
 # Llama, Mistral, Qwen2 and Qwen3 share one decoder; they differ only in these switches. The
 # other families reuse its attention and layers in modules of their own.
 ARCHITECTURES: dict[str, ArchSpec] = {
-    "LlamaForCausalLM": ArchSpec(LlamaForCausalLM, "llama"),
-    "MistralForCausalLM": ArchSpec(LlamaForCausalLM, "mistral", qkv_bias=False, o_proj_bias=False),
-    "Qwen2ForCausalLM": ArchSpec(LlamaForCausalLM, "qwen2", qkv_bias=True, o_proj_bias=False),
-    "Qwen3ForCausalLM": ArchSpec(LlamaForCausalLM, "qwen3", qk_norm=True),
+    "LlamaForCausalLM": ArchSpec(_LLAMA, "llama"),
+    "MistralForCausalLM": ArchSpec(_LLAMA, "mistral", qkv_bias=False, o_proj_bias=False),
+    "Qwen2ForCausalLM": ArchSpec(_LLAMA, "qwen2", qkv_bias=True, o_proj_bias=False),
+    "Qwen3ForCausalLM": ArchSpec(_LLAMA, "qwen3", qk_norm=True),
     "MixtralForCausalLM": ArchSpec(
-        MixtralForCausalLM, "mixtral", qkv_bias=False, o_proj_bias=False
+        "moe:MixtralForCausalLM", "mixtral", qkv_bias=False, o_proj_bias=False
     ),
     "Qwen2MoeForCausalLM": ArchSpec(
-        QwenMoeForCausalLM, "qwen2_moe", qkv_bias=True, o_proj_bias=False
+        "moe:QwenMoeForCausalLM", "qwen2_moe", qkv_bias=True, o_proj_bias=False
     ),
-    "Qwen3MoeForCausalLM": ArchSpec(QwenMoeForCausalLM, "qwen3_moe", qk_norm=True),
+    "Qwen3MoeForCausalLM": ArchSpec("moe:QwenMoeForCausalLM", "qwen3_moe", qk_norm=True),
     "Gemma2ForCausalLM": ArchSpec(
-        GemmaForCausalLM, "gemma2", activation=_GELU, sliding_pattern=2
+        "gemma:GemmaForCausalLM", "gemma2", activation=_GELU, sliding_pattern=2
     ),
     "Gemma3ForCausalLM": ArchSpec(
-        GemmaForCausalLM, "gemma3_text", qk_norm=True, activation=_GELU, sliding_pattern=6
+        "gemma:GemmaForCausalLM", "gemma3_text", qk_norm=True, activation=_GELU, sliding_pattern=6
     ),
     "Phi3ForCausalLM": ArchSpec(
-        Phi3ForCausalLM, "phi3", qkv_bias=False, o_proj_bias=False, tensor_parallel=False
+        "phi3:Phi3ForCausalLM", "phi3", qkv_bias=False, o_proj_bias=False, tensor_parallel=False
     ),
 }
 
@@ -109,4 +111,5 @@ def _unsupported(what: str) -> str:
 
 
 def get_model_class(architecture: str) -> type[CausalLM]:
-    return get_arch_spec(architecture).model_class
+    module, name = get_arch_spec(architecture).model_class.split(":")
+    return getattr(importlib.import_module(f"services.engine.models.{module}"), name)

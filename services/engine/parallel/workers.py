@@ -19,29 +19,24 @@ Failure is never a hang:
 from __future__ import annotations
 
 import atexit
-import ctypes
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
-import signal
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from services.engine.config import EngineConfig
-from services.engine.models.config import ModelConfig
 from services.engine.parallel import group as tp_group
-from services.engine.parallel.partition import check_sizes
-from services.engine.parallel.step_broadcast import receive_step, send_stop
+from services.engine.parallel.step_broadcast import send_stop
+from services.engine.parallel.worker_main import EXIT_CODE, WorkerArgs, worker_main
 
 logger = logging.getLogger(__name__)
 
-_EXIT_CODE = 1
 _STOP_GRACE_S = 10.0
-_PR_SET_PDEATHSIG = 1
 
 
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
@@ -66,22 +61,11 @@ def check_devices(config: EngineConfig) -> None:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class _WorkerArgs:
-    rank: int
-    size: int
-    port: int
-    config: EngineConfig
-    model_path: str
-    log_level: int
-
-
 class WorkerGroup:
     """Ranks 1..N-1 of an engine, as seen from rank 0; ``tp`` is rank 0's group."""
 
     def __init__(self, config: EngineConfig, model_path: str) -> None:
         size = config.tensor_parallel_size
-        check_sizes(ModelConfig.from_hf_dir(model_path), size)  # before anything starts
         check_devices(config)
         self._closing = threading.Event()
         store = tp_group.create_store(size)
@@ -89,7 +73,7 @@ class WorkerGroup:
         self.procs = [
             ctx.Process(
                 target=worker_main,
-                args=(_WorkerArgs(rank, size, store.port, rank_config(config, rank), model_path,
+                args=(WorkerArgs(rank, size, store.port, rank_config(config, rank), model_path,
                                   logging.getLogger().getEffectiveLevel()),),
                 name=f"pagoda-tp-rank{rank}",
                 daemon=True,
@@ -125,12 +109,12 @@ class WorkerGroup:
 
     def abort(self, reason: str) -> None:
         """The engine cannot go on with a rank missing or out of step: end it now, non-zero."""
-        logger.critical("%s; the engine exits (status %d)", reason, _EXIT_CODE)
+        logger.critical("%s; the engine exits (status %d)", reason, EXIT_CODE)
         for p in self.procs:
             if p.is_alive():
                 p.kill()
         logging.shutdown()
-        os._exit(_EXIT_CODE)
+        os._exit(EXIT_CODE)
 
     def close(self) -> None:
         """Stops the workers (told, then killed after a grace period) and leaves the group."""
@@ -159,40 +143,3 @@ class WorkerGroup:
             p.join()
         tp_group.leave()
         atexit.unregister(self.close)
-
-
-def _die_with_parent() -> None:
-    """SIGKILL this process when the thread that started it ends (Linux)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        logger.warning("PR_SET_PDEATHSIG unavailable: this worker may outlive its engine")
-
-
-def worker_main(args: _WorkerArgs) -> None:
-    """A worker process: join the group, load the shard, run steps until told to stop."""
-    _die_with_parent()
-    logging.basicConfig(
-        level=args.log_level,
-        format=f"%(asctime)s %(levelname)s [tp rank {args.rank}] %(name)s: %(message)s",
-    )
-    if os.getppid() == 1:  # the engine died before the death signal was armed
-        os._exit(_EXIT_CODE)
-    from services.engine.model_runner import ModelRunner  # the worker's heavy imports
-
-    try:
-        store = tp_group.connect_store(args.port, args.size)
-        device = args.config.torch_device()
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        tp = tp_group.join(args.rank, args.size, store, device)
-        runner = ModelRunner(args.config, args.model_path, tp=tp)
-        while (batch := receive_step(tp)) is not None:
-            runner.forward_logits(batch)
-        tp_group.leave()
-    except BaseException:
-        logger.exception("tensor-parallel worker rank %d failed", args.rank)
-        logging.shutdown()
-        os._exit(_EXIT_CODE)
-

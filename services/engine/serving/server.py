@@ -1,6 +1,6 @@
 """The engine's HTTP server: the internal streaming API, /health, /metrics, Redis heartbeats.
 
-    python -m services.engine.server --port 8200 [--model PATH] [--redis-url redis://...]
+    python -m services.engine.serving.server --port 8200 [--model PATH] [--redis-url redis://...]
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from services.common import tracing
 from services.common.default_model import DEFAULT_MODEL_NAME
 from services.common.http_errors import json_error, json_errors
 from services.engine.config import EngineConfig
-from services.engine.core_client import CoreClient, InternalEngineError
-from services.engine.core_process import EngineCoreProcess
 from services.engine.engine import RequestUpdate
-from services.engine.engine_thread import EngineThread
-from services.engine.metrics import EngineMetrics
-from services.engine.server_config import ServerConfig, configs_from_args
+from services.engine.serving.core_client import CoreClient, InternalEngineError
+from services.engine.serving.core_process import EngineCoreProcess
+from services.engine.serving.engine_thread import EngineThread
+from services.engine.serving.metrics import EngineMetrics
+from services.engine.serving.server_config import ServerConfig, configs_from_args
 from services.protocol import engine_api
 
 logger = logging.getLogger(__name__)
@@ -403,7 +403,7 @@ async def _publish_loop(app: web.Application) -> None:
     cfg = app[SERVER_CONFIG]
     if not cfg.redis_url:
         return
-    from services.engine.redis_publisher import EnginePublisher
+    from services.engine.serving.redis_publisher import EnginePublisher
 
     core = app[CORE]
     publisher = EnginePublisher(cfg, core)

@@ -11,7 +11,7 @@ from prometheus_client.registry import Collector
 
 from services.common.process_metrics import register_process_metrics
 from services.engine.engine import EngineStats
-from services.engine.request_metrics import RequestMetrics, WaitingAndCacheCollector
+from services.engine.serving.request_metrics import RequestMetrics, WaitingAndCacheCollector
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from services.engine.models.layers import Embedding, Linear
 from services.engine.models.onednn import packed_linear
+from services.engine.models.partition import head_shard, vocab_shard
 from services.engine.parallel.group import TPGroup, current
-from services.engine.parallel.partition import head_shard, vocab_shard
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,12 +28,12 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.engine import core_ipc
+from services.common.child_process import die_with_parent
 from services.engine.config import EngineConfig
-from services.engine.core_client import CoreClient
-from services.engine.core_loop import Command, CoreLoop, CoreOutputs, Stop
 from services.engine.engine import LLMEngine, check_request
-from services.engine.parallel.workers import _die_with_parent
+from services.engine.serving import core_ipc
+from services.engine.serving.core_client import CoreClient
+from services.engine.serving.core_loop import Command, CoreLoop, CoreOutputs, Stop
 from services.engine.structured.compiler import GrammarCompiler
 from services.protocol.sampling_params import SamplingParams
 
@@ -203,7 +203,7 @@ class EngineCoreProcess(CoreClient):
 
 def core_main(args: _CoreArgs, commands: multiprocessing.connection.Connection,
               outputs: multiprocessing.connection.Connection) -> None:
-    _die_with_parent()
+    die_with_parent()
     # The server decides when the core ends (it drains first): a Ctrl-C or a SIGTERM sent to
     # the whole process group must not cut the core from under it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

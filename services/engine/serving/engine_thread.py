@@ -13,8 +13,8 @@ import logging
 import threading
 
 from services.engine.config import EngineConfig
-from services.engine.core_client import CoreClient, InternalEngineError
-from services.engine.core_loop import Command, CoreLoop, CoreOutputs
+from services.engine.serving.core_client import CoreClient, InternalEngineError
+from services.engine.serving.core_loop import Command, CoreLoop, CoreOutputs
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import logging
 import time
 
 from services.common.redis_index import KVIndexPublisher
-from services.engine.core_client import CoreClient
+from services.engine.serving.core_client import CoreClient
 from services.protocol.messages import EngineHeartbeat
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,8 @@ import logging
 from collections import deque
 from collections.abc import Callable
 
-from services.engine.core_loop import (
+from services.engine.engine import EngineStats, RequestUpdate
+from services.engine.serving.core_loop import (
     BAD_REQUEST,
     INTERNAL,
     Abort,
@@ -21,7 +22,6 @@ from services.engine.core_loop import (
     CoreOutputs,
     Resync,
 )
-from services.engine.engine import EngineStats, RequestUpdate
 from services.protocol.engine_api import BadRequest
 from services.protocol.sampling_params import SamplingParams
 

@@ -12,7 +12,7 @@ from services.common import cli
 from services.common.cli import flag
 from services.engine.config import EngineConfig
 
-PROG = "python -m services.engine.server"
+PROG = "python -m services.engine.serving.server"
 DESCRIPTION = "Pagoda engine server: the model, its KV cache and the internal streaming API."
 ENGINE_CORES = ("process", "inline")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

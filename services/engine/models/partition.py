@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from services.engine.models.registry import get_arch_spec
+
 if TYPE_CHECKING:
     from services.engine.models.config import ModelConfig
 
@@ -29,7 +31,6 @@ def check_sizes(config: ModelConfig, size: int) -> None:
     """Raises ValueError, naming the numbers, when the model cannot be split ``size`` ways."""
     if size == 1:
         return
-    from services.engine.models.registry import get_arch_spec  # it imports the models
 
     where = f"tensor_parallel_size={size}"
     if not get_arch_spec(config.architecture).tensor_parallel:
