@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine_throughput import machine_line
+from services.engine.attention.base import AttentionLayout
 from services.engine.attention.cpu_backend import CpuAttentionBackend
 from services.engine.attention.metadata import build_attention_metadata
 from services.engine.attention.torch_backend import TorchAttentionBackend
@@ -57,8 +59,12 @@ def run(prompt_len: int, prompts: int, dtype: torch.dtype, reps: int) -> dict[st
     cpu.store_kv(key, value, kc, vc, meta.slot_mapping)
     ref.store_kv(key, value, kr, vr, meta.slot_mapping)
     scale = DIM**-0.5
+    # Each backend's plan of the step, built once (as the runner does), read by every call.
+    layout = AttentionLayout(HEADS, KV_HEADS, dtype)
+    meta_r = replace(meta)
+    meta.plan, meta_r.plan = cpu.plan(meta, layout), ref.plan(meta_r, layout)
     got = cpu.forward(query, kc, vc, meta, scale)
-    want = ref.forward(query, kr, vr, meta, scale)
+    want = ref.forward(query, kr, vr, meta_r, scale)
     err = (got.float() - want.float()).abs().max().item()
     q = query[:prompt_len].view(prompt_len, KV_HEADS, HEADS // KV_HEADS, DIM).permute(1, 2, 0, 3)
     k = key[:prompt_len].permute(1, 0, 2).unsqueeze(1).expand(KV_HEADS, HEADS // KV_HEADS,
@@ -66,7 +72,7 @@ def run(prompt_len: int, prompts: int, dtype: torch.dtype, reps: int) -> dict[st
     v = value[:prompt_len].permute(1, 0, 2).unsqueeze(1).expand_as(k)
     flops = 4 * HEADS * DIM * prompt_len * (prompt_len + 1) / 2 * prompts
     kernel_ms = timed(lambda: cpu.forward(query, kc, vc, meta, scale), reps)
-    torch_ms = timed(lambda: ref.forward(query, kr, vr, meta, scale), reps)
+    torch_ms = timed(lambda: ref.forward(query, kr, vr, meta_r, scale), reps)
     sdpa_ms = timed(lambda: [F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
                              for _ in range(prompts)], reps)
     return {"kernel_ms": kernel_ms, "torch_ms": torch_ms, "sdpa_ms": sdpa_ms,

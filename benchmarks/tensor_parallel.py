@@ -48,7 +48,7 @@ def shapes() -> dict[str, StepBatch]:
 
     def decode_step(n: int) -> StepBatch:
         tables = [list(range(i * 128, i * 128 + 128)) for i in range(n)]
-        return StepBatch([7] * n, tables, [2040] * n, [1] * n, list(range(n)))
+        return StepBatch.of([7] * n, tables, [2040] * n, [1] * n, list(range(n)))
 
     mixed = decode_step(8)
     mixed.input_ids += [11] * 512

@@ -10,8 +10,9 @@ output (stop checks, finishing, freeing blocks) and hands it to the caller (deto
 streaming), all while step n+1 runs.
 
 A step falls back to synchronous stepping (step n applied before step n+1 is scheduled) when
-the next step's preparation or sampling reads what step n's tokens change on the host:
-``needs_host_tokens``.
+the next step's preparation or sampling reads what step n's tokens change on the host
+(``InputBatch.needs_host_tokens``). Either way the step thread reads only what ``prepare``
+gathered for its step, never a request's live lists.
 """
 
 from __future__ import annotations
@@ -28,23 +29,6 @@ from services.engine.request import Request
 from services.engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-
-def needs_host_tokens(req: Request) -> bool:
-    """True when the step after one that samples for ``req`` needs that token on the host
-    before it is prepared or sampled: a grammar advances with each token before the next mask;
-    penalties count the output tokens; min_tokens compares their number (while it may still
-    matter: once the output is past it, a count one short decides the same); prompt logprobs
-    are collected across chunks."""
-    p = req.params
-    return (
-        req.grammar is not None
-        or p.prompt_logprobs is not None
-        or p.repetition_penalty != 1.0
-        or p.frequency_penalty != 0.0
-        or p.presence_penalty != 0.0
-        or (p.min_tokens > 0 and len(req.output_token_ids) <= p.min_tokens)
-    )
 
 
 def _use_device(device: torch.device) -> None:
@@ -99,8 +83,7 @@ class StepPipeline:
         assert self.in_flight is None
         tokens = None if after is None else after.sampler_output.token_tensor
         future = self._pool.submit(self.runner.run, step, tokens)
-        needs_host = any(needs_host_tokens(s.request) for s in sched.scheduled)
-        self.in_flight = InFlightStep(sched, future, needs_host)
+        self.in_flight = InFlightStep(sched, future, step.needs_host)
 
     def wait(self) -> tuple[SchedulerOutput, StepResult]:
         """The step in flight, finished (its exception, if it failed); nothing is in flight

@@ -101,6 +101,11 @@ class BlockManager:
         """The request's physical block ids, in token order (a copy)."""
         return self._entry(request_id).block_ids.copy()
 
+    def block_ids(self, request_id: str) -> list[int]:
+        """The request's physical block ids, in token order: the manager's own list, which
+        only grows while the request holds blocks. Read it, never change it."""
+        return self._requests[request_id].block_ids
+
     def take_events(self) -> list[KVEvent]:
         """Returns and forgets the KV events since the last call, oldest first."""
         events, self._events = self._events, []

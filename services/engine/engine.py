@@ -44,7 +44,8 @@ class RequestUpdate:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
-    # the request's prompt logprobs (params.prompt_logprobs); the server sends them once
+    # the request's prompt logprobs (params.prompt_logprobs): only on its first update with
+    # tokens (or its last, if it ends with none), never again
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     max_tokens: int = 0  # the client's max_tokens (0: none), for vllm:request_params_max_tokens
 
@@ -173,6 +174,7 @@ class LLMEngine:
         if req is None:
             return None
         self.scheduler.abort(req)
+        self._release_rows()
         req.status = RequestStatus.FINISHED_ABORTED
         return self._update(req, [], [])
 
@@ -198,7 +200,7 @@ class LLMEngine:
         already running when this returns."""
         self.last_step_tokens = 0  # vllm:iteration_tokens_total: the applied step's (_apply)
         if self.pipeline is None:
-            sched = self.scheduler.schedule()
+            sched = self._schedule()
             return [] if sched.is_empty else self._apply(sched, self.runner.execute(sched))
         try:
             return self._step_async(self.pipeline)
@@ -208,7 +210,7 @@ class LLMEngine:
 
     def _step_async(self, pipe: StepPipeline) -> list[tuple[Request, TokenLogprobs | None]]:
         if pipe.in_flight is None:
-            sched = self.scheduler.schedule()
+            sched = self._schedule()
             if sched.is_empty:
                 return []
             pipe.launch(sched, self.runner.prepare(sched))
@@ -216,7 +218,7 @@ class LLMEngine:
         if pipe.in_flight.needs_host:  # the next step needs this one's tokens on the host
             return self._apply(*pipe.wait())
         # Step n runs: schedule and prepare step n+1, with placeholders for step n's tokens.
-        sched = self.scheduler.schedule()
+        sched = self._schedule()
         step = None if sched.is_empty else self.runner.prepare(
             sched, pipe.in_flight.sampled_rows())
         done, result = pipe.wait()
@@ -224,14 +226,27 @@ class LLMEngine:
             pipe.launch(sched, step, after=result)
         return self._apply(done, result)  # while step n+1 runs
 
+    def _schedule(self) -> SchedulerOutput:
+        sched = self.scheduler.schedule()
+        self._release_rows()  # the preempted ones': before the runner gives rows to joiners
+        return sched
+
+    def _release_rows(self) -> None:
+        """Gives the input-batch rows of the requests that left back at once (the step in
+        flight, if any, owns copies of what it reads)."""
+        remove = self.runner.input_batch.remove
+        for req in self.scheduler.take_left():
+            remove(req)
+
     def _apply(
         self, sched: SchedulerOutput, result: StepResult
     ) -> list[tuple[Request, TokenLogprobs | None]]:
         self.last_step_tokens = sched.num_batched_tokens
-        for req, scored in result.prompt_logprobs:
-            req.prompt_logprobs.extend(scored)
+        for index, scored in result.prompt_logprobs:
+            sched.scheduled[index].request.prompt_logprobs.extend(scored)
         out = result.sampler_output
         sampled = self.scheduler.update(sched, out.token_ids)
+        self._release_rows()
         lps = out.logprobs
         if len(sampled) < len(lps):  # some had finished (or were aborted) since: no token
             kept = {id(req) for req in sampled}
@@ -247,6 +262,9 @@ class LLMEngine:
     ) -> RequestUpdate:
         # Built for every running request every step: plain reads, no properties.
         finished = req.status.is_finished
+        n_out = len(req.output_token_ids)
+        # The whole prompt is scored by the first token: send its logprobs with it, once.
+        first = n_out == len(toks) and (n_out > 0 or finished)
         return RequestUpdate(
             request_id=req.request_id,
             new_token_ids=toks,
@@ -256,12 +274,12 @@ class LLMEngine:
             stop_reason=req.stop_reason,
             num_prompt_tokens=len(req.prompt_token_ids),
             num_cached_tokens=max(req.num_cached_tokens, 0),
-            num_output_tokens=len(req.output_token_ids),
+            num_output_tokens=n_out,
             arrival_time=req.arrival_time,
             first_scheduled_time=req.first_scheduled_time,
             first_token_time=req.first_token_time,
             num_preemptions=req.num_preemptions,
-            prompt_logprobs=req.prompt_logprobs or None,
+            prompt_logprobs=(req.prompt_logprobs or None) if first else None,
             max_tokens=req.params.max_tokens or 0,
         )
 

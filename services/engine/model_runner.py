@@ -20,10 +20,16 @@ import torch
 from services.engine import cpu_threads, prompt_logprobs
 from services.engine.attention.base import AttentionMetadata
 from services.engine.attention.contract import check_kv_caches, check_step
-from services.engine.attention.metadata import build_attention_metadata
+from services.engine.attention.metadata import (
+    build_attention_metadata,
+    pack_tables,
+    plan_step,
+    to_metadata,
+)
 from services.engine.attention.selector import get_attention_backend
 from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from services.engine.input_batch import InputBatch
 from services.engine.models.config import ModelConfig
 from services.engine.models.loader import load_model
 from services.engine.models.onednn import ROW_BUCKETS
@@ -32,7 +38,8 @@ from services.engine.parallel.group import SINGLE, TPGroup, building
 from services.engine.parallel.step_broadcast import StepBatch, send_step
 from services.engine.parallel.workers import WorkerGroup, rank_config
 from services.engine.request import Request
-from services.engine.sampler import Sampler, SamplerOutput, SamplingRequest
+from services.engine.sampler import Sampler, SamplerOutput
+from services.engine.sampling_batch import SamplingBatch, SamplingRequest
 from services.engine.scheduler import SchedulerOutput
 from services.engine.step_buffers import StagedStep, StepBuffers
 from services.engine.structured.masks import TokenMasker
@@ -59,12 +66,15 @@ class PreparedStep:
     """A step ready to run: what ``ModelRunner.prepare`` built from its ``SchedulerOutput``."""
 
     batch: StepBatch
-    sampling_rows: list[SamplingRequest]
+    sampling: SamplingBatch  # the sampled rows' parameters, gathered (the step owns them)
     grammars: list | None  # the sampled rows' grammar states, when any is constrained
     scorer: prompt_logprobs.PromptScorer | None
     # (positions in the input ids, rows of the in-flight step's sampled ids) of placeholders
     fill: tuple[torch.Tensor, torch.Tensor] | None
     cpu_inputs: CpuInputs | None
+    # Async scheduling: the next step must wait for this one's tokens on the host
+    # (``InputBatch.needs_host_tokens``).
+    needs_host: bool = False
 
 
 @dataclass(slots=True)
@@ -73,7 +83,8 @@ class StepResult:
     schedule order (what ``Scheduler.update`` takes)."""
 
     sampler_output: SamplerOutput
-    # (request, its prompt positions scored this step): only for prompt_logprobs requests
+    # (the request's place in the schedule, its prompt positions scored this step): only for
+    # prompt_logprobs requests
     prompt_logprobs: list = field(default_factory=list)
 
 
@@ -115,6 +126,14 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+        mc = self.model_config
+        # Rank 0 prepares the steps (the other ranks receive them whole).
+        max_len = config.max_model_len or mc.max_position_embeddings
+        self.input_batch: InputBatch | None = None
+        if self.tp.rank == 0:
+            self.input_batch = InputBatch(config.max_num_seqs,
+                                          min(-(-max_len // self.block_size), self.num_blocks),
+                                          mc.vocab_size, self.device)
         self.sampler = Sampler()
         self.masker: TokenMasker | None = None
         self.buffers: StepBuffers | None = None
@@ -199,6 +218,7 @@ class ModelRunner:
             table = list(range(-(-n // self.block_size)))
             meta, positions = build_attention_metadata([table], [n], [n], self.block_size,
                                                        self.device)
+            self._plan(meta, n)
             ids = torch.zeros(n, dtype=torch.long, device=self.device)
             hidden = self.model(ids, positions, self.kv_caches, meta)
             if n <= self.config.max_num_seqs:
@@ -240,8 +260,12 @@ class ModelRunner:
         grows with the longest query: 16, 32, 64; a mixed step; a long prompt), the LM head
         and both sampler paths. Writes only into the first KV blocks, which hold nothing yet."""
         room = min(longest, self.num_blocks * self.block_size, self.config.max_num_batched_tokens)
-        greedy = SamplingRequest(SamplingParams(temperature=0.0), [0], [])
-        sampled = SamplingRequest(SamplingParams(temperature=1.0, top_p=0.9, top_k=50), [0], [])
+        vocab = self.model_config.vocab_size
+        greedy = SamplingBatch.from_requests(
+            [SamplingRequest(SamplingParams(temperature=0.0), [0], [])], vocab, self.device)
+        sampled = SamplingBatch.from_requests(
+            [SamplingRequest(SamplingParams(temperature=1.0, top_p=0.9, top_k=50), [0], [])],
+            vocab, self.device)
         for q_lens in ([1], [16], [32], [64], [room], [48, 1, 1, 1]):
             q_lens = [min(q, room) for q in q_lens]
             tables, seq_lens, used = [], [], 0
@@ -253,12 +277,15 @@ class ModelRunner:
             if used > self.num_blocks:
                 continue
             ends = np.cumsum(q_lens) - 1
-            staged = self.buffers.stage([0] * sum(q_lens), tables, seq_lens, q_lens, ends)
+            packed, lens = pack_tables(tables)
+            staged = self.buffers.stage(np.zeros(sum(q_lens), np.int64), packed, lens,
+                                        np.array(seq_lens), np.array(q_lens), ends)
+            self._plan(staged.meta, sum(q_lens))
             hidden = self._run(staged).index_select(0, staged.logits_rows)
             logits = self.model.compute_logits(hidden)
             if logits is not None:  # rank 0 samples; the other ranks only join the gather
-                self.sampler(logits[:1], [greedy])
-                self.sampler(logits[:1], [sampled])
+                self.sampler(logits[:1], greedy)
+                self.sampler(logits[:1], sampled)
         torch.cuda.synchronize()
 
     # -- one step ---------------------------------------------------------------------------
@@ -271,49 +298,73 @@ class ModelRunner:
     def prepare(
         self, sched: SchedulerOutput, in_flight_rows: Mapping[Request, int] | None = None
     ) -> PreparedStep:
-        """The host half of a step: its batch, and on the CPU its input tensors and attention
-        metadata. With async scheduling a request's input may be a token that the step in
-        flight samples (a placeholder): ``in_flight_rows`` maps each request that step samples
-        for to its row of the sampled ids, which ``run`` is given."""
-        batch = StepBatch([], [], [], [], [], [])
-        fill_at, fill_from = [], []
+        """The host half of a step (engine thread): the input batch's rows brought up to date
+        (joins, appended blocks; the engine gave back the rows of requests that left), then
+        the step's inputs gathered from them, and on
+        the CPU its input tensors and attention plan. With async scheduling a request's input
+        may be a token that the step in flight samples (a placeholder): ``in_flight_rows`` maps
+        each request that step samples for to its row of the sampled ids, which ``run`` is
+        given."""
+        ib = self.input_batch
+        ids: list[int] = []
+        rows: list[int] = []
+        starts: list[int] = []
+        q_lens: list[int] = []
+        samples: list[bool] = []
+        fill_at: list[int] = []
+        fill_from: list[int] = []
+        add, refresh = ib.add, ib.refresh
         for s in sched.scheduled:
-            req = s.request
-            ids = req.token_ids[s.start : s.start + s.num_new_tokens]
-            if len(ids) < s.num_new_tokens:  # at most its last token is not known yet
-                assert len(ids) + 1 == s.num_new_tokens and in_flight_rows is not None
-                fill_at.append(len(batch.input_ids) + len(ids))
-                fill_from.append(in_flight_rows[req])
-                ids.append(0)
-            batch.input_ids.extend(ids)
-            batch.seq_lens.append(s.start + s.num_new_tokens)
-            batch.query_lens.append(s.num_new_tokens)
-            batch.block_tables.append(s.block_table)
+            req, start, num = s.request, s.start, s.num_new_tokens
+            if req.batch_row < 0:
+                add(req, s.block_ids)
+            else:
+                refresh(req, s.block_ids)
+            toks = req.token_ids
+            if num == 1 and start < len(toks):  # a decode: its last known token
+                ids.append(toks[start])
+            else:
+                chunk = toks[start : start + num]
+                if len(chunk) < num:  # at most its last token is not known yet
+                    assert len(chunk) + 1 == num and in_flight_rows is not None
+                    fill_at.append(len(ids) + len(chunk))
+                    fill_from.append(in_flight_rows[req])
+                    chunk.append(0)
+                ids.extend(chunk)
+            rows.append(req.batch_row)
+            starts.append(start)
+            q_lens.append(num)
+            samples.append(s.completes_sequence)
+        return self._prepared(sched, ids, rows, starts, q_lens, samples, fill_at, fill_from)
+
+    def _prepared(self, sched, ids, rows, starts, q_lens, samples, fill_at, fill_from):
+        ib = self.input_batch
+        row_idx = np.array(rows, dtype=np.int64)
+        q = np.array(q_lens, dtype=np.int64)
+        seq_lens = np.array(starts, dtype=np.int64) + q
+        width = -(-int(seq_lens.max()) // self.block_size)
         # Logits only where a token is sampled: the last new token of completed sequences.
-        batch.rows = [i for i, s in enumerate(sched.scheduled) if s.completes_sequence]
+        sampled = np.flatnonzero(np.array(samples, dtype=bool))
+        batch = StepBatch(
+            input_ids=np.array(ids, dtype=np.int64),
+            block_tables=ib.block_table[row_idx, :width],  # a gathered copy
+            num_blocks=ib.num_blocks[row_idx],
+            seq_lens=seq_lens,
+            query_lens=q,
+            rows=sampled,
+        )
         scorer = None
-        if any(s.request.params.prompt_logprobs is not None for s in sched.scheduled):
-            scorer = prompt_logprobs.PromptScorer(sched.scheduled, batch.query_lens)
+        if ib.features.prompt_logprobs:
+            scorer = prompt_logprobs.PromptScorer(sched.scheduled, q_lens)
             batch.scored = scorer.flat_slices()
-        reqs = [sched.scheduled[i].request for i in batch.rows]
-        sampling_rows = [
-            SamplingRequest(
-                params=r.params,
-                prompt_token_ids=r.prompt_token_ids,
-                output_token_ids=r.output_token_ids,
-                generator=r.generator,
-                eos_token_ids=r.eos_token_ids,
-                logit_bias=r.logit_bias,
-            )
-            for r in reqs
-        ]
-        grammars = [r.grammar for r in reqs] if any(r.grammar is not None for r in reqs) else None
+        sampled_rows = row_idx[sampled]
         fill = None
         if fill_at:
             assert self.workers is None, "placeholders never cross to tensor-parallel ranks"
             fill = (torch.tensor(fill_at), torch.tensor(fill_from))  # to the device in run()
         cpu = self._cpu_inputs(batch) if self.buffers is None and self.workers is None else None
-        return PreparedStep(batch, sampling_rows, grammars, scorer, fill, cpu)
+        return PreparedStep(batch, ib.sampling_batch(sampled_rows), ib.grammars(sampled_rows),
+                            scorer, fill, cpu, ib.needs_host_tokens())
 
     @torch.inference_mode()
     def run(
@@ -336,7 +387,7 @@ class ModelRunner:
             return StepResult(SamplerOutput(token_ids=[], logprobs=[]), scored)
         if step.grammars is not None:  # structured outputs: before sampling
             self._token_masker().apply(logits, step.grammars)
-        return StepResult(self.sampler(logits, step.sampling_rows), scored)
+        return StepResult(self.sampler(logits, step.sampling), scored)
 
     @torch.inference_mode()
     def forward_logits(
@@ -379,7 +430,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[row : row + count])
             if score is not None and logits is not None:
                 score(logits)
-        if not batch.rows:
+        if not len(batch.rows):
             return None
         return self.model.compute_logits(hidden if last is None else hidden.index_select(0, last))
 
@@ -389,14 +440,22 @@ class ModelRunner:
         return self.masker
 
     def _cpu_inputs(self, batch: StepBatch) -> CpuInputs:
-        meta, positions = build_attention_metadata(
-            batch.block_tables, batch.seq_lens, batch.query_lens, self.block_size, self.device
-        )
-        check_step(meta, len(batch.input_ids), self.kv_caches[0][0])  # once per step, not per layer
-        ids = torch.tensor(batch.input_ids, dtype=torch.long)
-        ends = np.cumsum(batch.query_lens) - 1
-        last = torch.from_numpy(ends[batch.rows]) if batch.rows else None
+        step = plan_step(batch.block_tables, batch.num_blocks, batch.seq_lens, batch.query_lens,
+                         self.block_size)
+        meta, positions = to_metadata(step, self.block_size, self.device)
+        self._plan(meta, len(batch.input_ids))
+        ids = torch.from_numpy(batch.input_ids)
+        last = None
+        if len(batch.rows):
+            ends = np.cumsum(batch.query_lens) - 1
+            last = torch.from_numpy(ends[batch.rows])
         return CpuInputs(ids, positions, meta, last)
+
+    def _plan(self, meta: AttentionMetadata, num_tokens: int) -> None:
+        """The step's contract checked and its attention plan built: once per step, for every
+        layer (``attention.base``)."""
+        check_step(meta, num_tokens, self.kv_caches[0][0])
+        self.model.plan_attention(meta)
 
     def _forward_cpu(self, inputs: CpuInputs, fill):
         """Returns the hidden states and the rows of them that get logits."""
@@ -416,9 +475,10 @@ class ModelRunner:
         bucket = self.graphs.bucket(num_seqs) if self.graphs is not None and decode else None
         ends = np.cumsum(query_lens) - 1
         staged = self.buffers.stage(
-            input_ids, batch.block_tables, batch.seq_lens, query_lens, ends[rows], pad_to=bucket
+            input_ids, batch.block_tables, batch.num_blocks, batch.seq_lens, query_lens,
+            ends[rows], pad_to=bucket,
         )
-        check_step(staged.meta, len(input_ids), self.kv_caches[0][0])
+        self._plan(staged.meta, len(input_ids))
         if fill is not None:
             staged.input_ids.index_copy_(0, *fill)
         if bucket is not None:

@@ -29,12 +29,14 @@ _ROWS_PER_SLICE = 256  # logits rows at once: 256 x 152k vocabulary x 4 bytes = 
 @dataclass(slots=True)
 class _Span:
     """One request's rows of this step: hidden rows [row, row + count) score prompt tokens
-    [first + 1, first + 1 + count)."""
+    [first + 1, first + 1 + count), ``targets`` (a copy, taken when the step is prepared)."""
 
-    scheduled: ScheduledRequest
+    index: int  # the request's place in the step's schedule
     row: int
     first: int
     count: int
+    top_n: int
+    targets: list[int]
 
 
 def reads_prefix_cache(request: Request) -> bool:
@@ -44,7 +46,8 @@ def reads_prefix_cache(request: Request) -> bool:
 
 
 class PromptScorer:
-    """Scores one step's new prompt positions of the requests that asked. The runner computes
+    """Scores one step's new prompt positions of the requests that asked; built when the step
+    is prepared (engine thread), it keeps what it reads of the requests. The runner computes
     the logits of each hidden-row slice of ``flat_slices()`` in order and hands them to
     ``add``, one slice at a time, so at most one slice of ``rows x vocab`` logits is alive."""
 
@@ -69,28 +72,27 @@ class PromptScorer:
         i, lo, n = self._pieces[self._next]
         self._next += 1
         span = self._spans[i]
-        req = span.scheduled.request
-        first = span.first + 1 + lo  # the prompt token the slice's first row predicts
-        targets = req.prompt_token_ids[first : first + n]
-        self._entries[i].extend(_score(logits, targets, req.params.prompt_logprobs))
+        self._entries[i].extend(_score(logits, span.targets[lo : lo + n], span.top_n))
 
-    def results(self) -> list[tuple[Request, list[TokenLogprobs]]]:
-        """(request, entries in prompt order, to append to ``request.prompt_logprobs``)."""
+    def results(self) -> list[tuple[int, list[TokenLogprobs]]]:
+        """(the request's place in the step's schedule, entries in prompt order, to append to
+        its ``prompt_logprobs``)."""
         assert self._next == len(self._pieces), "a slice's logits did not arrive"
-        return [(span.scheduled.request, e) for span, e in zip(self._spans, self._entries,
-                                                               strict=True)]
+        return [(span.index, e) for span, e in zip(self._spans, self._entries, strict=True)]
 
 
 def _spans(scheduled: Sequence[ScheduledRequest], query_lens: Sequence[int]) -> list[_Span]:
     spans, row = [], 0
-    for s, q in zip(scheduled, query_lens, strict=True):
+    for index, (s, q) in enumerate(zip(scheduled, query_lens, strict=True)):
         req = s.request
         if req.params.prompt_logprobs is not None:
             # Positions j score prompt token j + 1: j <= prompt_len - 2, and not scored yet.
             start = max(s.start, len(req.prompt_logprobs) - 1)
             end = min(s.start + q, req.num_prompt_tokens - 1)
             if end > start:
-                spans.append(_Span(s, row + start - s.start, start, end - start))
+                targets = req.prompt_token_ids[start + 1 : end + 1]
+                spans.append(_Span(index, row + start - s.start, start, end - start,
+                                   req.params.prompt_logprobs, targets))
         row += q
     return spans
 

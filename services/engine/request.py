@@ -67,6 +67,9 @@ class Request:
     # params.prompt_logprobs: one entry per prompt token scored so far (the first is None)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     grammar: GrammarState | None = None  # structured outputs: where the output is in its grammar
+    # Its row in the runner's persistent input batch while it has one (-1: none); written by
+    # ``InputBatch`` only.
+    batch_row: int = -1
     # Timestamps (monotonic seconds) for metrics and traces.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -15,20 +15,23 @@ draws its noise from its own generator, so its tokens do not depend on what else
 batch; unseeded rows draw from torch's global one. On the CPU the noise is the C++ kernel's
 (``gumbel_argmax``: counter-based, keyed per row by one draw from that generator, fused with
 the argmax); on other devices it is torch's ``exponential_``, a full vocabulary row per step.
+
+The rows come as a ``SamplingBatch``: arrays the step owns, gathered by the persistent input
+batch when the step was prepared (``input_batch``); the sampler reads nothing else.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
 
+import numpy as np
 import torch
 
 from services.engine.cpu_ops import kernels_for
-from services.engine.logit_bias import LogitBias, apply_logit_bias
+from services.engine.logit_bias import apply_logit_bias
+from services.engine.sampling_batch import Penalties, SamplingBatch, Truncation, make_truncation
 from services.protocol.engine_api import TokenLogprobs
-from services.protocol.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
 _KEY_LOW, _KEY_HIGH = -(2**63), 2**63 - 1  # the kernel's noise keys: any int64
@@ -47,18 +50,6 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
 
 
 @dataclass(slots=True)
-class SamplingRequest:
-    """One row of the step's logits."""
-
-    params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]  # generated so far
-    generator: torch.Generator | None = None  # required when params.seed is set
-    eos_token_ids: Sequence[int] = ()  # the model's
-    logit_bias: LogitBias | None = None  # params.logit_bias as tensors (built once per request)
-
-
-@dataclass(slots=True)
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]  # None for rows whose params.logprobs is None
@@ -67,114 +58,86 @@ class SamplerOutput:
 
 
 class Sampler:
-    """``sampler(logits[N, V], rows) -> SamplerOutput``; never modifies ``logits``."""
+    """``sampler(logits[N, V], batch) -> SamplerOutput``; never modifies ``logits``."""
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRequest]) -> SamplerOutput:
-        _check_batch(logits, rows)
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        assert logits.dim() == 2 and logits.shape[0] == batch.num_rows, (logits.shape,
+                                                                          batch.num_rows)
         logits = logits.float()
-        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        want = None
+        if batch.logprobs is not None:
+            want = [i for i, n in enumerate(batch.logprobs) if n >= 0]
         # Before anything changes the logits: vLLM's default "raw" logprobs.
         raw = torch.log_softmax(logits[want], -1) if want else None
-        logits = apply_logit_bias(logits, [r.logit_bias for r in rows])
-        logits = ban_stop_tokens(logits, rows)
-        logits = apply_penalties(logits, rows)
-        tokens = _sample(logits, rows)
-        logprobs = _token_logprobs(raw, want, tokens, rows)
+        if batch.logit_bias is not None:
+            logits = apply_logit_bias(logits, batch.logit_bias)
+        if batch.banned is not None:
+            logits = ban_tokens(logits, batch.banned)
+        if batch.penalties is not None:
+            logits = apply_penalties(logits, batch.penalties)
+        tokens = _sample(logits, batch)
+        logprobs = _token_logprobs(raw, want, tokens, batch)
         return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs, token_tensor=tokens)
 
 
-def _check_batch(logits: torch.Tensor, rows: Sequence[SamplingRequest]) -> None:
-    if logits.dim() != 2 or logits.shape[0] != len(rows):
-        raise ValueError(f"logits must be [len(rows)={len(rows)}, V], got {list(logits.shape)}")
-    for row in rows:
-        if row.params.seed is not None and row.generator is None:
-            raise ValueError("generator must be set for a request whose params.seed is set")
+def ban_tokens(logits: torch.Tensor, banned: tuple[list[int], list[int]]) -> torch.Tensor:
+    """min_tokens: a row short of it cannot pick a token that would end it (vLLM's rule);
+    ``banned`` is (rows, token ids). Returns a new tensor."""
+    out = logits.clone()
+    out[banned[0], banned[1]] = _NEG_INF
+    return out
 
 
-def ban_stop_tokens(logits: torch.Tensor, rows: Sequence[SamplingRequest]) -> torch.Tensor:
-    """min_tokens: a row short of it cannot pick a token that would end it (vLLM's rule).
-    Returns a new tensor when anything is banned, else ``logits`` itself."""
-    vocab = logits.shape[1]
-    hits = [
-        (i, t)
-        for i, row in enumerate(rows)
-        if len(row.output_token_ids) < row.params.min_tokens
-        for t in _stop_ids(row)
-        if 0 <= t < vocab  # a client's stop id past the vocabulary can never be sampled anyway
-    ]
-    if not hits:
-        return logits
-    banned = logits.clone()
-    row_idx, tok_idx = zip(*hits, strict=True)
-    banned[list(row_idx), list(tok_idx)] = _NEG_INF
-    return banned
-
-
-def _stop_ids(row: SamplingRequest) -> list[int]:
-    # With ignore_eos, EOS does not end the request, so there is nothing to hold back.
-    eos = [] if row.params.ignore_eos else list(row.eos_token_ids)
-    return row.params.stop_token_ids + eos
-
-
-def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRequest]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:
     """Repetition over prompt + output tokens (positive logits divided, negative multiplied),
-    then ``- frequency * count - presence * [count > 0]`` over output tokens only.
-    Returns a new tensor when any row has a penalty, else ``logits`` itself."""
-    idx = [i for i, row in enumerate(rows) if _has_penalty(row.params)]
-    if not idx:
-        return logits
-    sub = [rows[i].params for i in idx]
-    vocab, device = logits.shape[1], logits.device
-    x = logits[idx]
-    counts = _token_counts([rows[i].output_token_ids for i in idx], vocab, device)
+    then ``- frequency * count - presence * [count > 0]`` over output tokens only, on the
+    penalised rows. Returns a new tensor."""
+    device = logits.device
+    x = logits[pen.rows]
+    counts = pen.output_counts.to(device)
     in_output = counts > 0
-    if any(p.repetition_penalty != 1.0 for p in sub):
-        prompts = _token_counts([rows[i].prompt_token_ids for i in idx], vocab, device)
-        rep = _column([p.repetition_penalty for p in sub], device)
-        x = torch.where(in_output | (prompts > 0), torch.where(x > 0, x / rep, x * rep), x)
-    x = x - _column([p.frequency_penalty for p in sub], device) * counts
-    x = x - _column([p.presence_penalty for p in sub], device) * in_output
-    return logits.index_copy(0, torch.tensor(idx, device=device), x)
+    if pen.prompt_seen is not None:
+        rep = _column(pen.repetition, device)
+        seen = in_output | pen.prompt_seen.to(device)
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    x = x - _column(pen.frequency, device) * counts
+    x = x - _column(pen.presence, device) * in_output
+    return logits.index_copy(0, torch.tensor(pen.rows, device=device), x)
 
 
-def _has_penalty(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+def _column(values: Sequence[float] | np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(values, dtype=torch.float32).to(device).unsqueeze(1)
 
 
-def _token_counts(seqs: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[len(seqs), vocab] float32 occurrence counts, from one bincount over the flattened ids."""
-    flat_ids = list(chain.from_iterable(seqs))
-    if flat_ids and not (min(flat_ids) >= 0 and max(flat_ids) < vocab):
-        # Checked here because bincount would silently credit the neighbouring row.
-        raise ValueError(f"token ids must be in [0, {vocab}) to apply penalties")
-    ids = torch.tensor(flat_ids, dtype=torch.long, device=device)
-    lengths = torch.tensor([len(s) for s in seqs], device=device)
-    owner = torch.repeat_interleave(torch.arange(len(seqs), device=device), lengths)
-    flat = torch.bincount(owner * vocab + ids, minlength=len(seqs) * vocab)
-    return flat.view(len(seqs), vocab).float()
-
-
-def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
-
-
-def _sample(logits: torch.Tensor, rows: Sequence[SamplingRequest]) -> torch.Tensor:
-    params = [r.params for r in rows]
-    if all(p.greedy for p in params):
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    kernels = kernels_for(logits)
+    if kernels is None:
         return logits.argmax(-1)
+    return kernels.argmax_rows(logits.contiguous())
+
+
+def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    if batch.greedy is None:
+        return _argmax(logits)
+    device = logits.device
     # Greedy rows divide by 1 here; their token is the plain argmax, picked at the end.
-    temps = _column([p.temperature or 1.0 for p in params], logits.device)
-    scaled = apply_top_k_top_p_min_p(
-        logits / temps,
-        top_k=[p.top_k for p in params],
-        top_p=[p.top_p for p in params],
-        min_p=[p.min_p for p in params],
-    )
-    sampled = _gumbel_argmax(scaled, rows)
-    if not any(p.greedy for p in params):
+    scaled = logits / _column(batch.temperature, device)
+    if batch.truncation is not None:
+        scaled = apply_truncation(scaled, batch.truncation)
+    sampled = _gumbel_argmax(scaled, batch)
+    if not batch.greedy.any():
         return sampled
-    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-    return torch.where(greedy, logits.argmax(-1), sampled)
+    greedy = torch.from_numpy(batch.greedy).to(device)
+    return torch.where(greedy, _argmax(logits), sampled)
+
+
+def apply_truncation(logits: torch.Tensor, t: Truncation) -> torch.Tensor:
+    """``apply_top_k_top_p_min_p`` with a batch's ``Truncation``."""
+    if t.any_top_k_top_p:
+        logits = _mask_top_k_top_p(logits, t.top_k, t.top_p)
+    if t.any_min_p:
+        logits = _mask_min_p(logits, t.min_p)
+    return logits
 
 
 def apply_top_k_top_p_min_p(
@@ -183,18 +146,18 @@ def apply_top_k_top_p_min_p(
     """Sets to -inf, per row: all but the top_k (0 = off); then what lies beyond top_p of the
     top-k survivors' renormalised mass; then tokens below min_p * the top token's probability.
     The most likely token always survives. Returns ``logits`` itself when no row truncates."""
-    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-        logits = _mask_top_k_top_p(logits, top_k, top_p)
-    if any(p > 0.0 for p in min_p):
-        # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p); log space cannot underflow.
-        log_min_p = _column(min_p, logits.device).log()  # log(0) = -inf: the row keeps all
-        logits = logits.masked_fill(logits < logits.amax(-1, keepdim=True) + log_min_p, _NEG_INF)
-    return logits
+    t = make_truncation(np.asarray(top_k, np.int64), np.asarray(top_p, np.float64),
+                        np.asarray(min_p, np.float32))
+    return logits if t is None else apply_truncation(logits, t)
 
 
-def _mask_top_k_top_p(
-    logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float]
-) -> torch.Tensor:
+def _mask_min_p(logits: torch.Tensor, min_p: np.ndarray) -> torch.Tensor:
+    # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p); log space cannot underflow.
+    log_min_p = _column(min_p, logits.device).log()  # log(0) = -inf: the row keeps all
+    return logits.masked_fill(logits < logits.amax(-1, keepdim=True) + log_min_p, _NEG_INF)
+
+
+def _mask_top_k_top_p(logits: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray) -> torch.Tensor:
     """Keeps, per row, the first tokens of the row sorted by logit (ties: the lower id first)
     up to top_k and while the mass of the strictly higher-ranked survivors is below top_p.
 
@@ -203,15 +166,14 @@ def _mask_top_k_top_p(
     70% of a decode step); a row whose cut lies further (a flat distribution) tries more
     candidates, then the full sort. On the CPU the kernel finds every cut by selection
     (``top_k_top_p``: O(V) per row, flat or not)."""
+    top_k, top_p = np.asarray(top_k, np.int64), np.asarray(top_p, np.float64)
     kernels = kernels_for(logits)
     if kernels is not None:
-        device = logits.device
-        return kernels.top_k_top_p(logits.contiguous(),
-                                   torch.tensor(top_k, dtype=torch.int64, device=device),
-                                   torch.tensor(top_p, dtype=torch.float64, device=device))
+        return kernels.top_k_top_p(logits.contiguous(), torch.from_numpy(top_k),
+                                   torch.from_numpy(top_p))
     vocab = logits.shape[1]
-    ks = [min(k, vocab) if k > 0 else vocab for k in top_k]
-    return _truncate(logits, ks, list(top_p), 0)
+    ks = [min(k, vocab) if k > 0 else vocab for k in top_k.tolist()]
+    return _truncate(logits, ks, top_p.tolist(), 0)
 
 
 def _truncate(
@@ -293,54 +255,62 @@ def _mask_top_k_top_p_sorted(
     return logits.masked_fill(drop.scatter(-1, order, drop), _NEG_INF)
 
 
-def _gumbel_argmax(logits: torch.Tensor, rows: Sequence[SamplingRequest]) -> torch.Tensor:
+def _gumbel_argmax(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """``argmax(logits + G)`` per row, G standard Gumbel noise; seeded rows from their own
     generators. On the CPU the kernel makes the noise (counter-based, fused with the argmax:
     torch's exponential_ costs a quarter of a decode step there); elsewhere torch does."""
     kernels = kernels_for(logits)
     if kernels is None:
-        return (logits + _gumbel_noise(logits, rows)).argmax(-1)
-    return kernels.gumbel_argmax(logits.contiguous(), _noise_keys(rows))
+        return (logits + _gumbel_noise(logits, batch)).argmax(-1)
+    return kernels.gumbel_argmax(logits.contiguous(), _noise_keys(batch))
 
 
-def _noise_keys(rows: Sequence[SamplingRequest]) -> torch.Tensor:
+def _seeded_rows(batch: SamplingBatch) -> list[int]:
+    """Sampling rows with a generator of their own (greedy rows draw nothing)."""
+    gens, greedy = batch.generators, batch.greedy
+    if gens is None:
+        return []
+    return [i for i, g in enumerate(gens) if g is not None and not greedy[i]]
+
+
+def _noise_keys(batch: SamplingBatch) -> torch.Tensor:
     """One 64-bit key per row for the kernel's noise: a seeded row draws its key from its own
     generator (so the batch never changes its tokens), the others from torch's global one."""
-    keys = torch.randint(_KEY_LOW, _KEY_HIGH, (len(rows),), dtype=torch.int64)
-    for i, r in enumerate(rows):
-        if r.generator is not None and not r.params.greedy:
-            keys[i] = torch.randint(_KEY_LOW, _KEY_HIGH, (1,), dtype=torch.int64,
-                                    generator=r.generator)
+    keys = torch.randint(_KEY_LOW, _KEY_HIGH, (batch.num_rows,), dtype=torch.int64)
+    for i in _seeded_rows(batch):
+        keys[i] = torch.randint(_KEY_LOW, _KEY_HIGH, (1,), dtype=torch.int64,
+                                generator=batch.generators[i])
     return keys
 
 
-def _gumbel_noise(logits: torch.Tensor, rows: Sequence[SamplingRequest]) -> torch.Tensor:
+def _gumbel_noise(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Standard Gumbel noise shaped like ``logits``; seeded rows from their own generators."""
     noise = torch.empty_like(logits)
-    seeded = [i for i, r in enumerate(rows) if r.generator is not None and not r.params.greedy]
-    if len(seeded) < len(rows):
+    seeded = _seeded_rows(batch)
+    if len(seeded) < batch.num_rows:
         noise.exponential_()  # one batch-wide draw for the unseeded rows
     for i in seeded:  # the one per-row loop: each seeded row owns its random stream
-        noise[i].exponential_(generator=rows[i].generator)
+        noise[i].exponential_(generator=batch.generators[i])
     # Exp(1) can round to 0; clamping keeps -log(E) finite, so a masked -inf stays -inf.
     return noise.clamp_min_(torch.finfo(noise.dtype).tiny).log_().neg_()
 
 
 def _token_logprobs(
     raw: torch.Tensor | None,
-    want: list[int],
+    want: list[int] | None,
     tokens: torch.Tensor,
-    rows: Sequence[SamplingRequest],
+    batch: SamplingBatch,
 ) -> list[TokenLogprobs | None]:
     """For rows ``want`` (whose log-softmax rows are ``raw``): the chosen token's logprob and
     rank, and the row's top-N; None for the other rows."""
-    out: list[TokenLogprobs | None] = [None] * len(rows)
+    out: list[TokenLogprobs | None] = [None] * batch.num_rows
     if raw is None:
         return out
+    top_n = batch.logprobs
     chosen = tokens[want].unsqueeze(1)
     chosen_lp = raw.gather(1, chosen)
     ranks = (raw >= chosen_lp).sum(-1)
-    n_top = min(max(rows[i].params.logprobs for i in want), raw.shape[1])
+    n_top = min(max(top_n[i] for i in want), raw.shape[1])
     top_lp, top_ids = raw.topk(n_top, dim=-1)
     per_row = zip(
         want,
@@ -352,6 +322,6 @@ def _token_logprobs(
         strict=True,
     )
     for i, token, logprob, rank, ids, lps in per_row:
-        n = rows[i].params.logprobs
+        n = top_n[i]
         out[i] = TokenLogprobs(token, logprob, rank, list(zip(ids[:n], lps[:n], strict=True)))
     return out

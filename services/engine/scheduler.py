@@ -38,7 +38,9 @@ logger = logging.getLogger(__name__)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
-    block_table: list[int]
+    # The request's block ids, the block manager's own list (engine thread only: the runner
+    # appends what is new to its persistent row, never keeps it).
+    block_ids: list[int]
     # Decided by schedule(): this step reaches the last known token, so a token is sampled
     # from its logits (False for every chunk of a chunked prefill but the last).
     completes_sequence: bool
@@ -72,6 +74,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_steps_in_flight = 0  # scheduled, not applied yet (async scheduling: up to 2)
+        # Requests that left the running set (finished, aborted, preempted) since the last
+        # ``take_left``: the engine gives their input-batch rows back.
+        self._left: list[Request] = []
 
     # -- queue management -------------------------------------------------------------------
 
@@ -82,9 +87,16 @@ class Scheduler:
         """Removes a request wherever it is; its blocks go back to the pool."""
         if request in self.running:
             self.running.remove(request)
+            self._left.append(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         self.block_manager.free(request.request_id)
+
+    def take_left(self) -> list[Request]:
+        """The requests that left the running set since the last call (each at most once per
+        leaving: finished, aborted, or preempted)."""
+        left, self._left = self._left, []
+        return left
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -99,6 +111,7 @@ class Scheduler:
         if not out.preempted:
             self._schedule_waiting(out, budget)
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        self._left.extend(out.preempted)
         self.num_steps_in_flight += not out.is_empty
         return out
 
@@ -189,8 +202,8 @@ class Scheduler:
         samples = start + num_new == len(req.token_ids) + req.num_placeholders
         req.num_scheduled_tokens += num_new
         req.num_placeholders += samples
-        table = self.block_manager.get_block_table(req.request_id)
-        return ScheduledRequest(req, num_new, table, samples, start)
+        ids = self.block_manager.block_ids(req.request_id)
+        return ScheduledRequest(req, num_new, ids, samples, start)
 
     def _surely_finishes(self, req: Request) -> bool:
         """The tokens on their way reach max_tokens or the context: the request ends with
@@ -236,6 +249,7 @@ class Scheduler:
                     self.waiting.remove(req)
         if finished:  # one pass, not a list.remove per finished request
             self.running[:] = [r for r in self.running if not r.status.is_finished]
+            self._left.extend(r for r in kept if r.status.is_finished)
         return kept
 
     def _advance(self, sched: SchedulerOutput) -> None:

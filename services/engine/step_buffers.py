@@ -22,7 +22,6 @@ while the device may still be reading the other (so preparing step n+1 never wai
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -111,28 +110,29 @@ class StepBuffers:
 
     def stage(
         self,
-        input_ids: Sequence[int],
-        block_tables: Sequence[Sequence[int]],
-        seq_lens: Sequence[int],
-        query_lens: Sequence[int],
-        logits_rows: Sequence[int],
+        input_ids: np.ndarray,
+        block_tables: np.ndarray,
+        num_blocks: np.ndarray,
+        seq_lens: np.ndarray,
+        query_lens: np.ndarray,
+        logits_rows: np.ndarray,
         pad_to: int | None = None,
     ) -> StagedStep:
-        """Packs one step and sends it. ``pad_to`` (decode steps only) selects the graph
-        layout and fills rows ``len(seq_lens) .. pad_to`` with padding."""
+        """Packs one step (``metadata.plan_step``'s arguments, the token ids and the logits
+        rows) and sends it. ``pad_to`` (decode steps only) selects the graph layout and fills
+        rows ``len(seq_lens) .. pad_to`` with padding."""
         num_seqs, num_tokens = len(seq_lens), len(input_ids)
-        width = max(len(bt) for bt in block_tables)
+        width = block_tables.shape[1]
         if pad_to is None:
             layout = make_layout(num_tokens, num_seqs, width)
         else:
             assert num_tokens == num_seqs <= pad_to <= self.max_num_seqs, "decode steps only"
             layout = make_layout(self.max_num_seqs, self.max_num_seqs, self.max_blocks_per_seq)
             layout = Layout(layout.offsets, layout.tables, num_seqs, width)
+        step = plan_step(block_tables, num_blocks, seq_lens, query_lens, self.block_size)
         host = self._next_host()
         views = _numpy_views(host.numpy(), layout)
-        tables = views["tables"]
-        tables.fill(0)
-        step = plan_step(block_tables, seq_lens, query_lens, self.block_size, tables)
+        views["tables"][:] = step.block_tables
         _fill(views, step, input_ids, logits_rows)
         if pad_to is not None:
             _pad(views, num_seqs, pad_to)
@@ -235,8 +235,8 @@ def _numpy_views(buf: np.ndarray, layout: Layout) -> dict[str, np.ndarray]:
 def _fill(
     views: dict[str, np.ndarray],
     step: HostStep,
-    input_ids: Sequence[int],
-    logits_rows: Sequence[int],
+    input_ids: np.ndarray,
+    logits_rows: np.ndarray,
 ) -> None:
     t, s = len(step.positions), len(step.context_lens)
     views["input_ids"][:t] = input_ids

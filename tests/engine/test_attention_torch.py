@@ -16,6 +16,7 @@ from services.engine.attention.contract import (
 )
 from services.engine.attention.metadata import build_attention_metadata
 from services.engine.attention.torch_backend import TorchAttentionBackend
+from tests.support.attention import attend
 
 
 @dataclass
@@ -85,9 +86,8 @@ def naive_attention(batch: Batch, scale: float) -> torch.Tensor:
 
 def run_and_compare(batch: Batch, atol: float = 1e-5) -> None:
     scale = batch.query.shape[-1] ** -0.5
-    out = TorchAttentionBackend().forward(
-        batch.query, batch.k_cache, batch.v_cache, batch.meta, scale
-    )
+    out = attend(TorchAttentionBackend(), batch.query, batch.k_cache, batch.v_cache, batch.meta,
+                 scale)
     assert out.shape == batch.query.shape
     assert out.dtype == batch.query.dtype
     torch.testing.assert_close(out, naive_attention(batch, scale), atol=atol, rtol=atol)
@@ -163,26 +163,16 @@ def test_non_contiguous_query_view(decode_path: str) -> None:
     run_and_compare(batch)
 
 
-def test_new_metadata_is_not_served_from_the_previous_plan(decode_path: str) -> None:
+def test_each_step_reads_its_own_plan(decode_path: str) -> None:
+    """Steps of the same shapes with other block tables: every layer reads the plan of the
+    metadata it is given, never a previous step's."""
     backend = TorchAttentionBackend()
     first = make_batch([20, 30], [1, 1], seed=1)
     second = make_batch([20, 30], [1, 1], seed=2)  # same shapes, other block tables
     scale = 0.2
     for batch in (first, second, first):
-        out = backend.forward(batch.query, batch.k_cache, batch.v_cache, batch.meta, scale)
+        out = attend(backend, batch.query, batch.k_cache, batch.v_cache, batch.meta, scale)
         torch.testing.assert_close(out, naive_attention(batch, scale), atol=1e-5, rtol=1e-5)
-
-
-def test_one_step_with_two_head_layouts(decode_path: str) -> None:
-    """Per-step state built for one head count must not leak into another on the same step."""
-    batch = make_batch([20, 30, 7, 12], [1, 1, 1, 1], num_heads=6, num_kv_heads=2)
-    backend = TorchAttentionBackend()
-    run = lambda q: backend.forward(q, batch.k_cache, batch.v_cache, batch.meta, 0.2)
-    narrow = Batch(
-        batch.meta, batch.query[:, :2], batch.k_cache, batch.v_cache, batch.keys, batch.values
-    )
-    for b in (batch, narrow, batch):
-        torch.testing.assert_close(run(b.query), naive_attention(b, 0.2), atol=1e-5, rtol=1e-5)
 
 
 def test_store_then_attend_over_steps() -> None:
@@ -202,7 +192,7 @@ def test_store_then_attend_over_steps() -> None:
         meta, positions = build_attention_metadata([table], [done + chunk], [chunk], block_size)
         new = slice(done, done + chunk)
         backend.store_kv(keys[new], values[new], k_cache, v_cache, meta.slot_mapping)
-        out = backend.forward(queries[new], k_cache, v_cache, meta, 0.25)
+        out = attend(backend, queries[new], k_cache, v_cache, meta, 0.25)
         batch = Batch(
             meta, queries[new], k_cache, v_cache, [keys[: done + chunk]], [values[: done + chunk]]
         )
@@ -354,6 +344,15 @@ def test_the_runner_checks_the_contract_once_per_step(
         contract.check_step(meta, num_tokens, k_cache)
 
     monkeypatch.setattr(model_runner, "check_step", counting)
+    backend = engine.runner.attn_backend
+    plans: list[object] = []
+    build = backend.plan
+
+    def planning(meta, layout):
+        plans.append(build(meta, layout))
+        return plans[-1]
+
+    monkeypatch.setattr(backend, "plan", planning)
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     engine.add_request("a", [1, 2, 3, 4, 5], params)
     engine.add_request("b", [6, 7], params)
@@ -362,3 +361,5 @@ def test_the_runner_checks_the_contract_once_per_step(
         engine.step()
         steps += 1
     assert calls == [7, 2, 2][:steps] and steps == 3
+    # The attention plan too: built once per step by the runner, read by all three layers.
+    assert len(plans) == steps and len({id(p) for p in plans}) == steps

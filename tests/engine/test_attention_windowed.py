@@ -10,6 +10,7 @@ from services.engine.attention.cpu_backend import CpuAttentionBackend
 from services.engine.attention.torch_backend import TorchAttentionBackend
 from services.engine.cpu_ops import ops
 from tests.engine.test_attention_torch import Batch, make_batch
+from tests.support.attention import attend
 
 
 def naive(batch: Batch, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
@@ -44,19 +45,19 @@ def test_torch_backend_matches_a_float64_loop(window: int | None, softcap: float
     batch = make_batch(SEQ_LENS, QUERY_LENS, block_size=8, seed=3)
     backend = TorchAttentionBackend()
     args = (batch.query, batch.k_cache, batch.v_cache, batch.meta, 0.25)
-    out = backend.forward(*args, window=window, softcap=softcap)
+    out = attend(backend, *args, window=window, softcap=softcap)
     torch.testing.assert_close(out, naive(batch, 0.25, window, softcap), atol=2e-6, rtol=2e-6)
     # Another window in the same step (Gemma's layers alternate), then the first again.
-    other = backend.forward(*args, window=3, softcap=None)
+    other = attend(backend, *args, window=3, softcap=None)
     torch.testing.assert_close(other, naive(batch, 0.25, 3, None), atol=2e-6, rtol=2e-6)
-    assert torch.equal(backend.forward(*args, window=window, softcap=softcap), out)
+    assert torch.equal(attend(backend, *args, window=window, softcap=softcap), out)
 
 
 def test_a_window_wider_than_every_context_is_full_attention() -> None:
     batch = make_batch(SEQ_LENS, QUERY_LENS, block_size=8, seed=4)
     args = (batch.query, batch.k_cache, batch.v_cache, batch.meta, 0.25)
-    full = TorchAttentionBackend().forward(*args)
-    torch.testing.assert_close(TorchAttentionBackend().forward(*args, window=1000), full)
+    full = attend(TorchAttentionBackend(), *args)
+    torch.testing.assert_close(attend(TorchAttentionBackend(), *args, window=1000), full)
 
 
 @pytest.mark.skipif(ops() is None, reason="the CPU kernels are not built")
@@ -72,5 +73,5 @@ def test_cpu_backend_takes_the_torch_path_on_its_own_cache_layout(
     )  # fmt: skip
     k_cache.copy_(batch.k_cache)
     v_cache.copy_(batch.v_cache)
-    out = backend.forward(batch.query, k_cache, v_cache, batch.meta, 0.25, window, softcap)
+    out = attend(backend, batch.query, k_cache, v_cache, batch.meta, 0.25, window, softcap)
     torch.testing.assert_close(out, naive(batch, 0.25, window, softcap), atol=2e-6, rtol=2e-6)

@@ -24,6 +24,7 @@ from services.engine.cpu_ops import ops
 from services.engine.models import onednn
 from services.engine.models.layers import Linear, RopeStep, apply_rotary, rms_norm_torch
 from tests.engine.test_attention_torch import make_batch, naive_attention
+from tests.support.attention import attend
 
 kernels = ops()
 pytestmark = pytest.mark.skipif(kernels is None, reason="the CPU kernels did not build here")
@@ -143,7 +144,7 @@ def test_decode_matches_dense_attention(dtype, heads, kv_heads, dim, bs) -> None
     batch = make_batch(lens, [1] * len(lens), block_size=bs, num_heads=heads,
                        num_kv_heads=kv_heads, head_dim=dim, dtype=dtype, seed=heads + dim)
     k, v = _cpu_caches(batch)
-    got = CpuAttentionBackend().forward(batch.query, k, v, batch.meta, 0.3)
+    got = attend(CpuAttentionBackend(), batch.query, k, v, batch.meta, 0.3)
     expected = naive_attention(batch, 0.3)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.double(), expected.double(), atol=tol, rtol=tol)
@@ -159,7 +160,7 @@ def test_prefill_rows_match_dense_causal_attention(dtype, heads, kv_heads, dim, 
     batch = make_batch(lens, q_lens, block_size=bs, num_heads=heads, num_kv_heads=kv_heads,
                        head_dim=dim, dtype=dtype, seed=heads * dim)
     k, v = _cpu_caches(batch)
-    got = CpuAttentionBackend().forward(batch.query, k, v, batch.meta, 0.3)
+    got = attend(CpuAttentionBackend(), batch.query, k, v, batch.meta, 0.3)
     expected = naive_attention(batch, 0.3)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.double(), expected.double(), atol=tol, rtol=tol)
@@ -172,8 +173,8 @@ def test_mixed_step_equals_the_torch_backend(dtype: torch.dtype) -> None:
     batch = make_batch([40, 1, 70, 16, 23], [1, 1, 30, 16, 1], num_heads=9, num_kv_heads=3,
                        head_dim=64, dtype=dtype, seed=5)
     k, v = _cpu_caches(batch)
-    got = CpuAttentionBackend().forward(batch.query, k, v, batch.meta, 0.125)
-    ref = TorchAttentionBackend().forward(batch.query, batch.k_cache, batch.v_cache, batch.meta,
+    got = attend(CpuAttentionBackend(), batch.query, k, v, batch.meta, 0.125)
+    ref = attend(TorchAttentionBackend(), batch.query, batch.k_cache, batch.v_cache, batch.meta,
                                           0.125)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
@@ -235,8 +236,8 @@ def test_metadata_to_kernel_through_real_steps() -> None:
         new = slice(done, done + chunk)
         cpu.store_kv(keys[new], values[new], k, v, meta.slot_mapping)
         ref.store_kv(keys[new], values[new], kr, vr, meta.slot_mapping)
-        got = cpu.forward(queries[new], k, v, meta, 0.2)
-        expected = ref.forward(queries[new], kr, vr, meta, 0.2)
+        got = attend(cpu, queries[new], k, v, meta, 0.2)
+        expected = attend(ref, queries[new], kr, vr, meta, 0.2)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
         done += chunk
 
@@ -282,8 +283,8 @@ def test_long_contexts_take_the_torch_path_and_still_match() -> None:
                        dtype=torch.float32, seed=11)
     k, v = _cpu_caches(batch)
     backend = CpuAttentionBackend()
-    got = backend.forward(batch.query, k, v, batch.meta, 0.125)
-    assert backend._rows is None  # the rows path was not taken
+    got = attend(backend, batch.query, k, v, batch.meta, 0.125)
+    assert batch.meta.plan.rows is None  # the rows path was not taken
     torch.testing.assert_close(got.double(), naive_attention(batch, 0.125).double(),
                                atol=1e-5, rtol=1e-5)
 
@@ -355,3 +356,17 @@ def test_top_k_top_p_keeps_what_a_float64_sort_keeps() -> None:
             expected = _mask_top_k_top_p_sorted(logits.double(), ks, top_p).float()
             got = kernels.top_k_top_p(logits, top_k, torch.tensor(top_p, dtype=torch.float64))
             assert torch.equal(got, expected), (vocab, trial)
+
+
+def test_argmax_rows_equals_torch_argmax_ties_nans_and_infinities() -> None:
+    """The greedy path's argmax: the first of equal maxima, a NaN wins (the first one), a row
+    of -inf gives token 0, as torch's."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(300, 777, generator=gen)
+    logits[1, 5] = logits[1, 9] = 50.0  # a tie: the lower id
+    logits[2, 7] = logits[2, 3] = float("nan")  # NaNs: the first one
+    logits[3] = float("-inf")
+    logits[4, 0] = float("inf")
+    for rows in (logits, logits[:1], logits[:, :1], logits[::2]):  # incl. a strided view
+        got = kernels.argmax_rows(rows.contiguous())
+        assert torch.equal(got, rows.argmax(-1))

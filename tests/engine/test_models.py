@@ -113,6 +113,7 @@ def _step(
     ids = [t for s, d, n in zip(seqs, done, new, strict=True) for t in s[d : d + n]]
     seq_lens = [d + n for d, n in zip(done, new, strict=True)]
     meta, positions = build_attention_metadata(block_tables, seq_lens, new, BLOCK_SIZE)
+    model.plan_attention(meta)
     with torch.inference_mode():
         hidden = model(torch.tensor(ids), positions, kv_caches, meta)
         logits = model.compute_logits(hidden)

@@ -8,14 +8,16 @@ import torch
 from scipy.stats import chisquare
 
 from services.engine import sampler as sampler_module
+from services.engine import sampling_batch as batch_module
 from services.engine.cpu_ops import ops
 from services.engine.sampler import (
     Sampler,
-    SamplingRequest,
+    SamplerOutput,
     apply_penalties,
     apply_top_k_top_p_min_p,
     make_generator,
 )
+from services.engine.sampling_batch import SamplingBatch, SamplingRequest
 from services.protocol.sampling_params import SamplingParams
 
 NUM_DRAWS = 20_000
@@ -54,11 +56,23 @@ def row(
     return SamplingRequest(p, list(prompt), list(output), generator, list(eos))
 
 
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRequest],
+           sampler: Sampler | None = None) -> SamplerOutput:
+    """The sampler over ``rows`` as the engine hands them over: one ``SamplingBatch``."""
+    batch = SamplingBatch.from_requests(rows, logits.shape[-1])
+    return (sampler or Sampler())(logits, batch)
+
+
+def penalize(logits: torch.Tensor, rows: Sequence[SamplingRequest]) -> torch.Tensor:
+    pen = SamplingBatch.from_requests(rows, logits.shape[-1]).penalties
+    return logits if pen is None else apply_penalties(logits, pen)
+
+
 def draw_counts(logits: torch.Tensor, n: int = NUM_DRAWS, **params: object) -> np.ndarray:
     """Token counts from one batch of n identical unseeded rows (global RNG pinned)."""
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        tokens = Sampler()(logits.expand(n, -1), [row(**params)] * n).token_ids
+        tokens = sample(logits.expand(n, -1), [row(**params)] * n).token_ids
     return np.bincount(tokens, minlength=logits.numel())
 
 
@@ -82,7 +96,7 @@ def softmax(x: np.ndarray) -> np.ndarray:
 def test_all_greedy_is_argmax_and_draws_no_noise(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sampler_module, "_gumbel_argmax", _fail)
     logits = torch.randn(16, 100, generator=make_generator(0))
-    out = Sampler()(logits, [row(temperature=0) for _ in range(16)])
+    out = sample(logits, [row(temperature=0) for _ in range(16)])
     assert out.token_ids == logits.argmax(-1).tolist()
     assert out.logprobs == [None] * 16
 
@@ -90,7 +104,7 @@ def test_all_greedy_is_argmax_and_draws_no_noise(monkeypatch: pytest.MonkeyPatch
 def test_greedy_rows_in_a_mixed_batch_are_argmax(noise_path: str) -> None:
     logits = torch.randn(8, 50, generator=make_generator(1))
     rows = [row(temperature=0) if i % 2 else row(temperature=1.0, top_k=5) for i in range(8)]
-    tokens = Sampler()(logits, rows).token_ids
+    tokens = sample(logits, rows).token_ids
     argmax = logits.argmax(-1).tolist()
     assert [tokens[i] for i in range(1, 8, 2)] == [argmax[i] for i in range(1, 8, 2)]
 
@@ -101,12 +115,13 @@ def test_on_the_cpu_the_kernel_makes_the_noise(monkeypatch: pytest.MonkeyPatch) 
     # step at SmolLM2's vocabulary. The CPU must never take it.
     monkeypatch.setattr(sampler_module, "_gumbel_noise", _fail)
     rows = [row(temperature=0.8), row(seed=3, top_p=0.9), row(temperature=0)]
-    assert len(Sampler()(torch.randn(3, 1000), rows).token_ids) == 3
+    assert len(sample(torch.randn(3, 1000), rows).token_ids) == 3
 
 
 def test_no_penalties_skip_the_counting(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sampler_module, "_token_counts", _fail)
-    Sampler()(torch.randn(3, 10), [row(prompt=[1, 2], output=[3]) for _ in range(3)])
+    monkeypatch.setattr(batch_module, "token_counts", _fail)
+    monkeypatch.setattr(sampler_module, "apply_penalties", _fail)
+    sample(torch.randn(3, 10), [row(prompt=[1, 2], output=[3]) for _ in range(3)])
 
 
 def _fail(*args: object, **kwargs: object) -> None:
@@ -228,14 +243,14 @@ def test_top_p_one_keeps_a_long_tail() -> None:
 def test_seeded_rows_follow_the_distribution(noise_path: str) -> None:
     n = 5_000
     rows = [row(seed=s, temperature=1.0) for s in range(n)]
-    tokens = Sampler()(LOGITS.expand(n, -1), rows).token_ids
+    tokens = sample(LOGITS.expand(n, -1), rows).token_ids
     assert fit_p_value(np.bincount(tokens, minlength=8), PROBS) > 1e-3
 
 
 def test_one_seeded_request_over_many_steps_follows_the_distribution(noise_path: str) -> None:
     sampler, request = Sampler(), row(seed=7, top_k=4)
     logits = LOGITS.unsqueeze(0)
-    tokens = [sampler(logits, [request]).token_ids[0] for _ in range(2_000)]
+    tokens = [sample(logits, [request], sampler).token_ids[0] for _ in range(2_000)]
     mask = np.array([1.0] * 4 + [0.0] * 4)
     assert fit_p_value(np.bincount(tokens, minlength=8), PROBS * mask) > 1e-3
 
@@ -245,7 +260,7 @@ def test_one_seeded_request_over_many_steps_follows_the_distribution(noise_path:
 
 def _run_steps(logits: torch.Tensor, make_rows, target: int, steps: int = 30) -> list[int]:
     sampler, rows = Sampler(), make_rows()
-    return [sampler(logits, rows).token_ids[target] for _ in range(steps)]
+    return [sample(logits, rows, sampler).token_ids[target] for _ in range(steps)]
 
 
 def test_seeded_request_is_reproducible_whatever_the_batch(noise_path: str) -> None:
@@ -274,12 +289,12 @@ def test_seeded_request_is_reproducible_whatever_the_batch(noise_path: str) -> N
 def test_seed_without_a_generator_is_rejected() -> None:
     request = SamplingRequest(SamplingParams(seed=1), [], [], None, [])
     with pytest.raises(ValueError, match="generator"):
-        Sampler()(torch.zeros(1, 4), [request])
+        sample(torch.zeros(1, 4), [request])
 
 
 def test_logits_must_have_one_row_per_request() -> None:
-    with pytest.raises(ValueError, match="logits"):
-        Sampler()(torch.zeros(2, 4), [row()])
+    with pytest.raises(AssertionError):  # the runner's invariant, not a client's input
+        sample(torch.zeros(2, 4), [row()])
 
 
 # --- penalties --------------------------------------------------------------------------------
@@ -294,7 +309,7 @@ def test_penalties_change_logits_exactly_as_defined() -> None:
         frequency_penalty=0.5,
         presence_penalty=0.25,
     )
-    out = apply_penalties(logits, [request])
+    out = penalize(logits, [request])
     # repetition on {0, 1, 2, 4}: 2 -> 1, -1 -> -2, 0.5 -> 0.25, -0.5 -> -1; 3 untouched.
     # then output counts {1: 2, 2: 1}: token 1 -2 - 0.5*2 - 0.25, token 2 0.25 - 0.5 - 0.25.
     assert out.tolist() == [[1.0, -3.25, -0.5, 3.0, -1.0]]
@@ -304,25 +319,25 @@ def test_penalties_change_logits_exactly_as_defined() -> None:
 def test_presence_and_frequency_ignore_prompt_tokens() -> None:
     logits = torch.tensor([[1.0, 2.0, 3.0]])
     request = row(prompt=[0, 1, 1], output=[2], frequency_penalty=1.0, presence_penalty=-1.0)
-    assert apply_penalties(logits, [request]).tolist() == [[1.0, 2.0, 3.0]]
+    assert penalize(logits, [request]).tolist() == [[1.0, 2.0, 3.0]]
 
 
 def test_penalties_touch_only_the_rows_that_have_them() -> None:
     logits = torch.tensor([[1.0, 2.0], [1.0, 2.0], [1.0, 2.0]])
     rows = [row(output=[1]), row(output=[1], presence_penalty=1.5), row(output=[0, 0])]
-    assert apply_penalties(logits, rows).tolist() == [[1.0, 2.0], [1.0, 0.5], [1.0, 2.0]]
-    assert apply_penalties(logits, [rows[0], rows[2]]) is logits
+    assert penalize(logits, rows).tolist() == [[1.0, 2.0], [1.0, 0.5], [1.0, 2.0]]
+    assert penalize(logits, [rows[0], rows[2]]) is logits
 
 
 def test_repetition_penalty_turns_greedy_away_from_a_repeat() -> None:
     logits = torch.tensor([[0.0, 3.0, 2.0]])
     request = row(prompt=[1], temperature=0, repetition_penalty=2.0)
-    assert Sampler()(logits, [request]).token_ids == [2]
+    assert sample(logits, [request]).token_ids == [2]
 
 
 def test_penalties_reject_token_ids_outside_the_vocabulary() -> None:
     with pytest.raises(ValueError, match="token ids"):
-        apply_penalties(torch.zeros(1, 4), [row(output=[4], presence_penalty=1.0)])
+        penalize(torch.zeros(1, 4), [row(output=[4], presence_penalty=1.0)])
 
 
 # --- min_tokens -------------------------------------------------------------------------------
@@ -333,7 +348,7 @@ EOS = 3
 def _min_tokens_pick(output_len: int, **params: object) -> int:
     logits = torch.tensor([[0.0, 1.0, 2.0, 9.0, 8.0]])  # EOS (3) first, token 4 second
     request = row(output=[0] * output_len, eos=[EOS], temperature=0, **params)
-    return Sampler()(logits, [request]).token_ids[0]
+    return sample(logits, [request]).token_ids[0]
 
 
 def test_min_tokens_bans_eos_until_reached() -> None:
@@ -354,7 +369,7 @@ def test_with_ignore_eos_min_tokens_leaves_eos_alone() -> None:
 def test_min_tokens_holds_for_sampled_rows_and_ignores_ids_past_the_vocab() -> None:
     logits = torch.tensor([0.0, 0.0, 0.0, 2.0])
     rows = [row(eos=[3, 77], min_tokens=1) for _ in range(500)]
-    tokens = Sampler()(logits.expand(500, -1), rows).token_ids
+    tokens = sample(logits.expand(500, -1), rows).token_ids
     assert EOS not in tokens
     assert set(tokens) == {0, 1, 2}
 
@@ -371,7 +386,7 @@ def test_logprobs_are_the_raw_log_softmax_with_sorted_top_n() -> None:
         row(logprobs=20, output=[1, 2], repetition_penalty=1.5, frequency_penalty=1.0),
         row(logprobs=3, temperature=0, seed=8),
     ]
-    out = Sampler()(logits, rows)
+    out = sample(logits, rows)
     raw = torch.log_softmax(logits, -1)
     assert out.logprobs[1] is None
     for i in (0, 2, 3, 4):

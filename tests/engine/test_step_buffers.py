@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from services.engine import LLM, SamplingParams
-from services.engine.attention.metadata import build_attention_metadata
+from services.engine.attention.metadata import build_attention_metadata, pack_tables
 from services.engine.cuda_graphs import bucket_for, capture_sizes
 from services.engine.kernels import interpreter_enabled, triton_available
 from services.engine.step_buffers import StepBuffers
@@ -33,6 +33,12 @@ def _random_step(rng: random.Random, num_seqs: int, decode: bool):
     return ids, tables, seq_lens, query_lens
 
 
+def _stage(buffers: StepBuffers, ids, tables, seq_lens, q_lens, rows, pad_to=None):
+    packed, num_blocks = pack_tables(tables)
+    return buffers.stage(np.asarray(ids), packed, num_blocks, np.asarray(seq_lens),
+                         np.asarray(q_lens), np.asarray(rows), pad_to=pad_to)
+
+
 def _buffers() -> StepBuffers:
     return StepBuffers(max_num_tokens=2048, max_num_seqs=16, max_blocks_per_seq=20,
                        block_size=BLOCK, device=torch.device("cpu"))
@@ -46,7 +52,7 @@ def test_staged_step_equals_the_metadata_built_tensor_by_tensor(decode: bool) ->
         rows = sorted(rng.sample(range(len(seq_lens)), rng.randint(1, len(seq_lens))))
         ends = np.cumsum(q_lens) - 1
         pad = bucket_for(capture_sizes(16), len(seq_lens)) if decode else None
-        staged = buffers.stage(ids, tables, seq_lens, q_lens, ends[rows], pad_to=pad)
+        staged = _stage(buffers, ids, tables, seq_lens, q_lens, ends[rows], pad_to=pad)
         want, positions = build_attention_metadata(tables, seq_lens, q_lens, BLOCK)
         got = staged.meta
         assert staged.input_ids.tolist() == ids
@@ -65,7 +71,7 @@ def test_staged_step_equals_the_metadata_built_tensor_by_tensor(decode: bool) ->
 def test_padding_rows_write_no_kv_and_read_one_key() -> None:
     buffers = _buffers()
     ids, tables, seq_lens, q_lens = _random_step(random.Random(3), 5, decode=True)
-    buffers.stage(ids, tables, seq_lens, q_lens, list(range(5)), pad_to=8)
+    _stage(buffers, ids, tables, seq_lens, q_lens, list(range(5)), pad_to=8)
     graph = buffers.graph_inputs(8, decode_num_splits=2)
     meta = graph.meta
     assert graph.input_ids.tolist() == ids + [0, 0, 0]
@@ -86,7 +92,7 @@ def test_graph_inputs_sit_at_fixed_addresses_whatever_the_step() -> None:
     for decode in (False, True, False, True):  # eager layouts in between reuse the bytes
         ids, tables, seq_lens, q_lens = _random_step(rng, rng.randint(1, 8), decode)
         pad = 8 if decode else None
-        buffers.stage(ids, tables, seq_lens, q_lens, [0], pad_to=pad)
+        _stage(buffers, ids, tables, seq_lens, q_lens, [0], pad_to=pad)
     after = buffers.graph_inputs(8, 1)
     assert pointers == [t.data_ptr() for t in (after.input_ids, after.positions,
                                                after.meta.slot_mapping, after.meta.context_lens,

@@ -29,6 +29,7 @@ from services.engine.attention.torch_backend import TorchAttentionBackend
 from services.engine.attention.triton_backend import TritonAttentionBackend
 from services.engine.kernels import kv_store, paged_attention, rmsnorm
 from tests.engine.test_attention_torch import Batch, make_batch
+from tests.support.attention import attend
 from tests.support.triton_child import kernel_device, run_under_interpreter
 
 _CHILD_ENV = "PAGODA_TRITON_INTERPRETER_CHILD"
@@ -101,7 +102,8 @@ def reference_attention(
     batch: Batch, scale: float, window: int | None = None, softcap: float | None = None
 ) -> torch.Tensor:
     """The torch backend on float32 CPU copies of the (already rounded) inputs."""
-    return TorchAttentionBackend().forward(
+    return attend(
+        TorchAttentionBackend(),
         batch.query.cpu().float(),
         batch.k_cache.cpu().float(),
         batch.v_cache.cpu().float(),
@@ -414,8 +416,9 @@ def test_triton_backend_over_steps_matches_torch(window: int | None, softcap: fl
             dev = k_cache.device
             step_meta = meta_to(meta, dev)
             backend.store_kv(k.to(dev), v.to(dev), k_cache, v_cache, step_meta.slot_mapping)
-            outs[name] = backend.forward(
-                q.to(dev), k_cache, v_cache, step_meta, 0.25, window=window, softcap=softcap
+            outs[name] = attend(
+                backend, q.to(dev), k_cache, v_cache, step_meta, 0.25, window=window,
+                softcap=softcap,
             ).cpu()
         assert_close(outs["triton"], outs["torch"], torch.float32)
         done = seq_lens
@@ -447,6 +450,7 @@ def test_gemma2_on_the_triton_backend_matches_the_torch_backend(tiny_model_dir) 
         outs, done = [], 0
         for n in (17, 10, 1, 1, 1):
             meta, positions = build_attention_metadata([[5, 1, 7, 2]], [done + n], [n], 8, dev)
+            model.plan_attention(meta)
             with torch.inference_mode():
                 hidden = model(torch.tensor(ids[done : done + n], device=dev), positions, kv, meta)
                 outs.append(model.compute_logits(hidden).cpu())

@@ -20,12 +20,16 @@ backend stores each block's keys transposed per head (the key tensor is then a p
 
 The contract is checked where it is set up, not per layer: the caches once when allocated,
 each step's metadata once before the model runs (``attention.contract``). Backends trust both.
+
+What a backend derives from a step's metadata (which requests decode, gather indices, masks,
+per-token kernel rows) is its ``plan``: built once per step by the runner
+(``meta.plan = backend.plan(meta, layout)``) and read by every layer, never built by a layer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -48,6 +52,8 @@ class AttentionMetadata:
     # Set by a CUDA graph (whose launches cannot follow max_seqlen_k from step to step): the
     # decode kernel's fixed context split count; None lets the kernel plan from max_seqlen_k.
     decode_num_splits: int | None = None
+    # The backend's plan of this step (``AttentionBackend.plan``), set once by the runner.
+    plan: Any = None
 
     @property
     def num_seqs(self) -> int:
@@ -73,6 +79,17 @@ def allocate_plain_kv_cache(
             torch.zeros(shape, dtype=dtype, device=device))
 
 
+@dataclass(frozen=True, slots=True)
+class AttentionLayout:
+    """What a plan needs to know of the model's attention layers: fixed once it is loaded."""
+
+    num_heads: int  # this rank's query heads
+    num_kv_heads: int  # this rank's KV heads
+    dtype: torch.dtype
+    windows: frozenset[int | None] = frozenset({None})  # the layers' sliding windows
+    softcap: float | None = None  # the layers' attention logit soft-cap (Gemma 2)
+
+
 class AttentionBackend(Protocol):
     """Writes new K/V into the paged cache and computes attention for a flattened batch."""
 
@@ -91,6 +108,11 @@ class AttentionBackend(Protocol):
         head_dim]``; the backend chooses the storage order (``contract.check_kv_caches``)."""
         ...
 
+    def plan(self, meta: AttentionMetadata, layout: AttentionLayout) -> Any:
+        """What every layer of the step will read of ``meta`` (``meta.plan``), built once;
+        None for a backend whose kernels take the metadata as it is."""
+        ...
+
     def store_kv(
         self,
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -107,5 +129,7 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,  # the layer's sliding window
+        softcap: float | None = None,  # the layer's attention logit soft-cap
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...

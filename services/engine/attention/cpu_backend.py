@@ -1,8 +1,8 @@
 """The CPU attention backend: the torch backend with Pagoda's C++ kernels on its hot paths.
 
 Every new token of a step, decode or prefill, runs through one call of the paged attention
-kernel, which reads keys and values straight from the cache through the block tables, with no
-gather into a padded copy; new K/V are written by the store kernel first. A prompt's tokens
+kernel per layer, which reads keys and values straight from the cache through the block
+tables, with no gather into a padded copy; new K/V are written by the store kernel first. A prompt's tokens
 are causal rows of their own: token j of a request whose ``q_len`` new tokens end its
 ``seq_len``-token context attends to the first ``seq_len - q_len + j + 1`` cache slots, so a
 prefill (with or without a cached prefix) is a batch of "decode" rows that share one block
@@ -24,13 +24,18 @@ unchanged.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
-from services.engine.attention.base import AttentionMetadata
-from services.engine.attention.torch_backend import TorchAttentionBackend, _DecodeGroup
+from services.engine.attention.base import AttentionLayout, AttentionMetadata
+from services.engine.attention.torch_backend import (
+    StepPlan,
+    TokenRows,
+    TorchAttentionBackend,
+    _DecodeGroup,
+    effective_window,
+    layer_paths,
+)
 from services.engine.cpu_ops import ops
 
 # Rows re-read their context's K/V with no tiling across queries, so past ~1k tokens of context
@@ -38,16 +43,11 @@ from services.engine.cpu_ops import ops
 ROWS_MAX_CONTEXT = 1024
 
 
-@dataclass(slots=True)
-class _TokenRows:
-    """One kernel row per new token of a step (built once per step, shared by its layers)."""
-
-    meta: AttentionMetadata
-    tables: torch.Tensor  # [num_tokens, max_blocks] int32: the token's request's block table
-    lens: torch.Tensor  # [num_tokens] int32: cache slots the token attends to (causal)
-
-
-def token_rows(meta: AttentionMetadata) -> _TokenRows:
+def token_rows(meta: AttentionMetadata) -> TokenRows:
+    """One kernel row per new token: its request's block table and its causal length. A
+    decode-only step's rows are its requests' (the metadata's own tensors, no copy)."""
+    if meta.max_seqlen_q == 1:
+        return TokenRows(meta.block_tables, meta.context_lens.to(torch.int32))
     query_lens = np.asarray(meta.query_lens, dtype=np.int64)
     seq_lens = np.asarray(meta.seq_lens, dtype=np.int64)
     owner = np.repeat(np.arange(len(query_lens)), query_lens)  # each token's request
@@ -55,18 +55,27 @@ def token_rows(meta: AttentionMetadata) -> _TokenRows:
     # Token j of request i sits at position seq_len - q_len + j and sees slots 0..that.
     lens = seq_lens[owner] - query_lens[owner] + (np.arange(len(owner)) - starts[owner]) + 1
     tables = meta.block_tables.index_select(0, torch.from_numpy(owner))
-    return _TokenRows(meta, tables, torch.from_numpy(lens.astype(np.int32)))
+    return TokenRows(tables, torch.from_numpy(lens.astype(np.int32)))
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
     def __init__(self) -> None:
-        super().__init__()
         kernels = ops()
         assert kernels is not None, "the CPU kernels are not built"  # the selector checked
         self._kernels = kernels
-        self._rows: _TokenRows | None = None
+
+    def plan(self, meta: AttentionMetadata, layout: AttentionLayout) -> StepPlan:
+        windowed, plain = layer_paths(meta, layout)
+        plan = self._windowed_plan(meta, windowed)
+        if not (plain and plan.num_tokens):
+            return plan
+        if meta.max_seqlen_q <= 1 or meta.max_seqlen_k <= ROWS_MAX_CONTEXT:
+            plan.rows = token_rows(meta)  # one kernel call per layer for every token
+        else:
+            self._plain_plan(plan, meta, layout)  # long prompts: tiled SDPA, decodes batched
+        return plan
 
     def forward(
         self,
@@ -78,13 +87,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        # Decode-only steps, long contexts, windows that cut and soft-caps: the torch path.
-        windowed = softcap is not None or (window is not None and meta.max_seqlen_k > window)
-        if meta.max_seqlen_q <= 1 or meta.max_seqlen_k > ROWS_MAX_CONTEXT or windowed:
+        rows = meta.plan.rows
+        if rows is None or softcap is not None or effective_window(window, meta) is not None:
             return super().forward(query, k_cache, v_cache, meta, scale, window, softcap)
-        rows = self._rows
-        if rows is None or rows.meta is not meta:  # every layer of a step shares its metadata
-            rows = self._rows = token_rows(meta)
         out = self._kernels.paged_decode_attention(
             query.float().contiguous(), k_cache, v_cache, rows.tables, rows.lens, scale
         )

@@ -26,10 +26,11 @@ to the bottom-right corner::
     query j=0     1  1  1  1  .        position 3 sees keys 0..3
     query j=1     1  1  1  1  1        position 4 sees keys 0..4
 
-The per-step bookkeeping (which requests decode, gather indices, masks, bag rows) depends only
-on the metadata, which every layer of a step shares, so it is built once and reused until a
-different metadata object arrives. Padding keys are masked, never skipped, so the cache must
-hold finite values everywhere (the runner allocates it zeroed).
+The per-step bookkeeping (which requests decode, gather indices, masks, bag rows, and the
+windowed layers' key groups) depends only on the metadata and the model's layout, so the
+runner builds it once per step (``plan``) and every layer reads it from ``meta.plan``. Padding
+keys are masked, never skipped, so the cache must hold finite values everywhere (the runner
+allocates it zeroed).
 
 Nothing here validates its arguments: the runner checks the caches once when it allocates them
 and each step's metadata once before the model runs (``attention.contract``), so the per-layer
@@ -38,12 +39,16 @@ path does no checking at all.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from services.engine.attention.base import AttentionMetadata, allocate_plain_kv_cache
+from services.engine.attention.base import (
+    AttentionLayout,
+    AttentionMetadata,
+    allocate_plain_kv_cache,
+)
 from services.engine.attention.windowed import WindowedPlan, build_plan, windowed_attention
 
 # Decode batches at least this large (and float32) use the bag path; see the module docstring.
@@ -74,7 +79,7 @@ class _DecodeGroup:
     mask: torch.Tensor | None  # [B, 1, 1, max_len] key < seq_len; None when all lengths equal
     tables: torch.Tensor  # [B, num_blocks] int32 block tables (the CPU kernel reads these)
     seq_lens32: torch.Tensor  # [B] int32
-    bags: _BagLayout | None = None  # built on first use by the bag path
+    bags: _BagLayout | None = None  # built with the plan when the bag path will run
 
     @property
     def num_seqs(self) -> int:
@@ -93,24 +98,49 @@ class _PrefillItem:
 
 
 @dataclass(slots=True)
-class _StepPlan:
-    meta: AttentionMetadata
-    # The fields below identify the metadata's contents; see `_plan_for`.
-    block_tables: torch.Tensor
-    seq_lens: list[int]
+class TokenRows:
+    """One kernel row per new token of a step (the CPU backend's paged kernel)."""
+
+    tables: torch.Tensor  # [num_tokens, max_blocks] int32: the token's request's block table
+    lens: torch.Tensor  # [num_tokens] int32: cache slots the token attends to (causal)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """A step's attention plan (``meta.plan``): what each path of the backend reads."""
+
     num_tokens: int
-    decode: _DecodeGroup | None
-    prefills: list[_PrefillItem]
+    # The plain causal path: the decode batch and the multi-token requests, or (CPU
+    # backend) one kernel row per token; all None when no layer takes the plain path.
+    decode: _DecodeGroup | None = None
+    prefills: list[_PrefillItem] = field(default_factory=list)
+    rows: TokenRows | None = None
+    # The windowed path, per effective window (None: the whole context, soft-capped).
+    windowed: dict[int | None, WindowedPlan] = field(default_factory=dict)
+
+
+def effective_window(window: int | None, meta: AttentionMetadata) -> int | None:
+    """A window no context of the step reaches past is no window."""
+    return None if window is None or meta.max_seqlen_k <= window else window
+
+
+def layer_paths(meta: AttentionMetadata, layout: AttentionLayout) -> tuple[set, bool]:
+    """(the effective windows of the layers that take the windowed path, whether any layer
+    takes the plain causal path) for this step."""
+    windowed, plain = set(), False
+    for window in layout.windows:
+        w = effective_window(window, meta)
+        if w is None and layout.softcap is None:
+            plain = True
+        else:
+            windowed.add(w)
+    return windowed, plain
 
 
 class TorchAttentionBackend:
     """Paged attention with plain torch ops; works on any device torch supports."""
 
     name = "torch"
-
-    def __init__(self) -> None:
-        self._plan: _StepPlan | None = None
-        self._windowed: dict[int | None, WindowedPlan] = {}  # this step's, per window
 
     def allocate_kv_cache(
         self,
@@ -160,11 +190,13 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         """Causal attention of every request's new queries over its whole paged context, or
         over the last ``window`` positions; ``softcap`` caps the scores (``windowed``)."""
-        if window is not None and meta.max_seqlen_k <= window:
-            window = None  # every query sees its whole context: plain causal attention
+        window = effective_window(window, meta)
+        plan: StepPlan = meta.plan
         if window is not None or softcap is not None:
-            return self._windowed_forward(query, k_cache, v_cache, meta, scale, window, softcap)
-        plan = self._plan_for(meta, query.device)
+            if plan.num_tokens == 0:
+                return torch.empty_like(query)
+            return windowed_attention(query, k_cache, v_cache, plan.windowed[window], scale,
+                                      softcap)
         if plan.num_tokens == 0:
             return torch.empty_like(query)
         if plan.decode is not None and plan.decode.token_index is None:
@@ -191,67 +223,44 @@ class TorchAttentionBackend:
         """Attention of the step's single-token requests (``query``: ``[B, H, D]``)."""
         return _decode_attention(query, k_cache, v_cache, group, scale)
 
-    def _windowed_forward(
-        self,
-        query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        window: int | None,
-        softcap: float | None,
-    ) -> torch.Tensor:
-        if meta.max_seqlen_q == 0 or query.shape[0] == 0:
-            return torch.empty_like(query)
-        plan = self._windowed.get(window)
-        if plan is None or not plan.is_for(meta):
-            if any(not p.is_for(meta) for p in self._windowed.values()):
-                self._windowed.clear()  # a new step: the previous step's plans are stale
-            plan = self._windowed[window] = build_plan(meta, window, query.device)
-        return windowed_attention(query, k_cache, v_cache, plan, scale, softcap)
+    # ------------------------------------------------------------------ plan
 
-    def _plan_for(self, meta: AttentionMetadata, device: torch.device) -> _StepPlan:
-        plan = self._plan
-        # Every layer of a step passes the same metadata object; the runner builds a new one
-        # per step. Comparing identities (not contents) keeps the check free.
-        if (
-            plan is not None
-            and plan.meta is meta
-            and plan.block_tables is meta.block_tables
-            and plan.seq_lens is meta.seq_lens
-        ):
-            return plan
-        plan = _build_plan(meta, device)
-        self._plan = plan
+    def plan(self, meta: AttentionMetadata, layout: AttentionLayout) -> StepPlan:
+        windowed, plain = layer_paths(meta, layout)
+        plan = self._windowed_plan(meta, windowed)
+        if plain and plan.num_tokens:
+            self._plain_plan(plan, meta, layout)
         return plan
+
+    def _windowed_plan(self, meta: AttentionMetadata, windows: set) -> StepPlan:
+        num_tokens = sum(meta.query_lens)
+        device = meta.block_tables.device
+        plans = {w: build_plan(meta, w, device) for w in windows} if num_tokens else {}
+        return StepPlan(num_tokens=num_tokens, windowed=plans)
+
+    def _plain_plan(self, plan: StepPlan, meta: AttentionMetadata,
+                    layout: AttentionLayout) -> None:
+        """The decode batch and the multi-token requests of the plain causal path."""
+        # The metadata passed ``contract.check_step`` (lengths, block table width, block size).
+        bs, device = meta.block_size, meta.block_tables.device
+        tables = meta.block_tables
+        decode_rows = [i for i, q_len in enumerate(meta.query_lens) if q_len == 1]
+        starts = _cumsum0(meta.query_lens)
+        plan.prefills = [
+            _prefill_item(tables[i], starts[i], q_len, meta.seq_lens[i], bs, device)
+            for i, q_len in enumerate(meta.query_lens)
+            if q_len > 1
+        ]
+        if decode_rows:
+            all_decode = len(decode_rows) == meta.num_seqs
+            plan.decode = _decode_group(tables, decode_rows, starts, meta.seq_lens, bs,
+                                        all_decode, device)
+            if layout.dtype == torch.float32 and plan.decode.num_seqs >= BAG_PATH_MIN_SEQS:
+                plan.decode.bags = _bag_layout(plan.decode, layout.num_heads,
+                                               layout.num_kv_heads, bs)
 
 
 # ---------------------------------------------------------------------- per-step plan
-
-
-def _build_plan(meta: AttentionMetadata, device: torch.device) -> _StepPlan:
-    # The metadata passed ``contract.check_step`` (lengths, block table width, block size).
-    bs = meta.block_size
-    tables = meta.block_tables.to(device)
-    decode_rows = [i for i, q_len in enumerate(meta.query_lens) if q_len == 1]
-    starts = _cumsum0(meta.query_lens)
-    prefills = [
-        _prefill_item(tables[i], starts[i], q_len, meta.seq_lens[i], bs, device)
-        for i, q_len in enumerate(meta.query_lens)
-        if q_len > 1
-    ]
-    decode = None
-    if decode_rows:
-        all_decode = len(decode_rows) == meta.num_seqs
-        decode = _decode_group(tables, decode_rows, starts, meta.seq_lens, bs, all_decode, device)
-    return _StepPlan(
-        meta=meta,
-        block_tables=meta.block_tables,
-        seq_lens=meta.seq_lens,
-        num_tokens=starts[-1],
-        decode=decode,
-        prefills=prefills,
-    )
 
 
 def _cumsum0(values: list[int]) -> list[int]:
@@ -372,11 +381,9 @@ def _decode_attention_bags(
     scale: float,
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_kv_heads = k_cache.shape[2]
     group_size = num_heads // num_kv_heads
-    bags = group.bags
-    if bags is None or (bags.num_heads, bags.num_kv_heads) != (num_heads, num_kv_heads):
-        bags = group.bags = _bag_layout(group, num_heads, num_kv_heads, block_size)
+    bags = group.bags  # built with the plan (the bag path is float32 and >= 4 requests)
     keys = k_cache.index_select(0, group.block_ids).view(num_seqs, -1, num_kv_heads * head_dim)
     keys = keys[:, : group.max_len]
     # [B, H_kv, g, H_kv, D], non-zero only where the two H_kv indices agree.

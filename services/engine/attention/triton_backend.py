@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.attention.base import AttentionMetadata, allocate_plain_kv_cache
+from services.engine.attention.base import (
+    AttentionLayout,
+    AttentionMetadata,
+    allocate_plain_kv_cache,
+)
 from services.engine.kernels import kv_store, paged_attention
 
 
@@ -32,6 +36,10 @@ class TritonAttentionBackend:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return allocate_plain_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype,
                                        device)
+
+    def plan(self, meta: AttentionMetadata, layout: AttentionLayout) -> None:
+        """The kernels take the metadata as it is: nothing to plan."""
+        return
 
     def store_kv(
         self,

@@ -18,7 +18,7 @@ first one its window reaches, padded to the longest and masked); each multi-toke
 attended to on its own. GQA is one batched matmul of ``[B, H_kv, group * q_len, D]`` queries
 against ``[B, H_kv, L, D]`` keys. The layout of a step (blocks and masks) depends only on the
 metadata and the window, so it is built once per (step, window) and shared by every layer with
-that window. A step whose contexts all fit in the window, without a soft-cap, never comes here:
+that window (the backend's ``plan``). A step whose contexts all fit in the window, without a soft-cap, never comes here:
 that is plain causal attention, and the torch backend's own paths (or the C++ kernel) run it.
 """
 
@@ -43,18 +43,9 @@ class _KeyGroup:
 
 @dataclass(slots=True)
 class WindowedPlan:
-    meta: AttentionMetadata
-    # The fields below identify the metadata's contents (as TorchAttentionBackend's plan).
-    block_tables: torch.Tensor
-    seq_lens: list[int]
-    groups: list[_KeyGroup]
+    """One step's key groups for the layers of one window (part of the step's plan)."""
 
-    def is_for(self, meta: AttentionMetadata) -> bool:
-        return (
-            self.meta is meta
-            and self.block_tables is meta.block_tables
-            and self.seq_lens is meta.seq_lens
-        )
+    groups: list[_KeyGroup]
 
 
 def build_plan(meta: AttentionMetadata, window: int | None, device: torch.device) -> WindowedPlan:
@@ -69,7 +60,7 @@ def build_plan(meta: AttentionMetadata, window: int | None, device: torch.device
     for i, q_len in enumerate(meta.query_lens):
         if q_len > 1:
             groups.append(_group(tables, [i], starts, meta, q_len, window, device))
-    return WindowedPlan(meta, meta.block_tables, meta.seq_lens, groups)
+    return WindowedPlan(groups)
 
 
 def _group(

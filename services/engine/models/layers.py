@@ -47,6 +47,10 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def plan_attention(self, meta: AttentionMetadata) -> None:
+        """Sets ``meta.plan``: the step's attention plan, built once for every layer."""
+        raise NotImplementedError
+
     def stacked_params(self) -> dict[str, tuple[str, ...]]:
         """Fused module name -> the HF module names stacked into it, in order."""
         return {}

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.engine.attention.base import AttentionBackend, AttentionMetadata
+from services.engine.attention.base import AttentionBackend, AttentionLayout, AttentionMetadata
 from services.engine.models.layers import (
     CausalLM,
     HeadRMSNorm,
@@ -197,6 +197,22 @@ class LlamaForCausalLM(CausalLM):
         else:
             self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, dtype)
         self._tied_head: PackedWeight | None = None
+        self.compute_dtype = dtype
+        self._attn_layout: AttentionLayout | None = None
+
+    def plan_attention(self, meta: AttentionMetadata) -> None:
+        """Builds the step's attention plan once, for every layer to read (``meta.plan``)."""
+        layers = [layer.self_attn for layer in self.model.layers]
+        first = layers[0]
+        if self._attn_layout is None:  # the layers' windows are set once the model is built
+            self._attn_layout = AttentionLayout(
+                num_heads=first.num_heads,
+                num_kv_heads=first.num_kv_heads,
+                dtype=self.compute_dtype,
+                windows=frozenset(a.window for a in layers),
+                softcap=first.softcap,
+            )
+        meta.plan = first.backend.plan(meta, self._attn_layout)
 
     def forward(
         self,

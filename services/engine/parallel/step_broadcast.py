@@ -9,12 +9,14 @@ does, so every rank runs the same shapes and meets the same collectives.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from services.engine.attention.metadata import pack_tables
 from services.engine.parallel.group import TPGroup
 
 _STEP, _STOP = 1, 0
@@ -25,36 +27,53 @@ _INLINE = 1024
 
 @dataclass(slots=True)
 class StepBatch:
-    """A step's flattened inputs; ``rows``: the requests (indices) whose last new token gets
-    logits, in order; ``scored``: (first hidden row, count) pairs, flattened, of the slices
-    whose logits score prompt positions (prompt_logprobs), in order."""
+    """A step's flattened inputs, as numpy arrays: request i's new tokens are the last
+    ``query_lens[i]`` of its ``seq_lens[i]``, in blocks ``block_tables[i, :num_blocks[i]]``;
+    ``rows``: the requests (indices) whose last new token gets logits, in order; ``scored``:
+    (first hidden row, count) pairs, flattened, of the slices whose logits score prompt
+    positions (prompt_logprobs), in order."""
 
-    input_ids: list[int]
-    block_tables: list[list[int]]
-    seq_lens: list[int]
-    query_lens: list[int]
-    rows: list[int]
+    input_ids: np.ndarray  # [T] int64
+    block_tables: np.ndarray  # [S, W] int32, zero-padded rows
+    num_blocks: np.ndarray  # [S] int64
+    seq_lens: np.ndarray  # [S] int64
+    query_lens: np.ndarray  # [S] int64
+    rows: np.ndarray  # [R] int64
     scored: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(
+        cls,
+        input_ids: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        seq_lens: Sequence[int],
+        query_lens: Sequence[int],
+        rows: Sequence[int],
+        scored: Sequence[int] = (),
+    ) -> StepBatch:
+        """A batch given as lists (tests, benchmarks)."""
+        tables, num_blocks = pack_tables(block_tables)
+        return cls(np.asarray(input_ids, np.int64), tables, num_blocks,
+                   np.asarray(seq_lens, np.int64), np.asarray(query_lens, np.int64),
+                   np.asarray(rows, np.int64), list(scored))
+
+    def same_as(self, other: StepBatch) -> bool:
+        return np.array_equal(encode(self), encode(other))
 
 
 def encode(batch: StepBatch) -> np.ndarray:
-    num_seqs = len(batch.seq_lens)
-    table_lens = [len(t) for t in batch.block_tables]
-    width = max(table_lens, default=0)
-    tables = np.zeros((num_seqs, width), dtype=np.int64)
-    for i, t in enumerate(batch.block_tables):
-        tables[i, : len(t)] = t
+    num_seqs, width = batch.block_tables.shape
     sizes = [len(batch.input_ids), num_seqs, width, len(batch.rows), len(batch.scored)]
     return np.concatenate(
         [
             np.asarray(sizes, dtype=np.int64),
-            np.asarray(batch.input_ids, dtype=np.int64),
-            np.asarray(batch.seq_lens, dtype=np.int64),
-            np.asarray(batch.query_lens, dtype=np.int64),
-            np.asarray(batch.rows, dtype=np.int64),
+            batch.input_ids.astype(np.int64, copy=False),
+            batch.seq_lens.astype(np.int64, copy=False),
+            batch.query_lens.astype(np.int64, copy=False),
+            batch.rows.astype(np.int64, copy=False),
             np.asarray(batch.scored, dtype=np.int64),
-            np.asarray(table_lens, dtype=np.int64),
-            tables.reshape(-1),
+            batch.num_blocks.astype(np.int64, copy=False),
+            batch.block_tables.reshape(-1).astype(np.int64),
         ]
     )
 
@@ -69,14 +88,15 @@ def decode(data: np.ndarray) -> StepBatch:
         return data[at - n : at]
 
     input_ids, seq_lens, query_lens = take(num_tokens), take(num_seqs), take(num_seqs)
-    rows, scored, table_lens = take(num_rows), take(num_scored), take(num_seqs)
-    tables = take(num_seqs * width).reshape(num_seqs, width)
+    rows, scored, num_blocks = take(num_rows), take(num_scored), take(num_seqs)
+    tables = take(num_seqs * width).reshape(num_seqs, width).astype(np.int32)
     return StepBatch(
-        input_ids=input_ids.tolist(),
-        block_tables=[tables[i, :n].tolist() for i, n in enumerate(table_lens.tolist())],
-        seq_lens=seq_lens.tolist(),
-        query_lens=query_lens.tolist(),
-        rows=rows.tolist(),
+        input_ids=input_ids.copy(),
+        block_tables=tables,
+        num_blocks=num_blocks.copy(),
+        seq_lens=seq_lens.copy(),
+        query_lens=query_lens.copy(),
+        rows=rows.copy(),
         scored=scored.tolist(),
     )
 
