@@ -6,6 +6,7 @@ Not thread-safe: one thread owns an engine (the offline ``LLM``, or the server's
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,6 +81,8 @@ class LLMEngine:
             self.runner = ModelRunner(config, model_path)
         else:  # built (loaded, warmed up) on the thread that will run it: see StepPipeline
             self.runner = self.pipeline.start(lambda: ModelRunner(config, model_path))
+        # ``close``, or the engine collected, or the interpreter's exit: whichever comes first.
+        self._release = weakref.finalize(self, _release, self.pipeline, self.runner)
         mc = self.runner.model_config
         self.eos_token_ids = tuple(mc.eos_token_ids)
         self.max_model_len = self._resolve_max_model_len(mc.max_position_embeddings)
@@ -285,10 +288,9 @@ class LLMEngine:
 
     def close(self) -> None:
         """Releases what outlives the object: the step thread of async scheduling, a
-        tensor-parallel engine's worker processes."""
-        if self.pipeline is not None:
-            self.pipeline.close()
-        self.runner.close()
+        tensor-parallel engine's worker processes and its process group (so that another
+        can start). Idempotent; runs by itself when the engine is garbage collected."""
+        self._release()
 
     # -- observability ----------------------------------------------------------------------
 
@@ -307,6 +309,14 @@ class LLMEngine:
             prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
         )
+
+
+def _release(pipeline: StepPipeline | None, runner: ModelRunner) -> None:
+    """``LLMEngine.close``'s work, given what it releases (never the engine: see
+    ``weakref.finalize``)."""
+    if pipeline is not None:
+        pipeline.close()
+    runner.close()
 
 
 def check_request(

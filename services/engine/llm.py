@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Self
 
 from tqdm import tqdm
 
@@ -64,6 +64,21 @@ class LLM:
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Releases the engine's threads, tensor-parallel workers and process group, so that
+        another ``LLM`` can start in this process. Idempotent. Also done when the ``LLM`` is
+        garbage collected (``del llm``) and at interpreter exit; ``with LLM(...) as llm:``
+        does it on leaving the block."""
+        self.engine.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def generate(
         self,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -36,7 +36,7 @@ from services.engine.models.onednn import ROW_BUCKETS
 from services.engine.models.partition import check_sizes, local_kv_heads
 from services.engine.parallel.group import SINGLE, TPGroup, building
 from services.engine.parallel.step_broadcast import StepBatch, send_step
-from services.engine.parallel.workers import WorkerGroup, rank_config
+from services.engine.parallel.workers import WorkerGroup
 from services.engine.request import Request
 from services.engine.sampler import Sampler, SamplerOutput
 from services.engine.sampling_batch import SamplingBatch, SamplingRequest
@@ -49,6 +49,8 @@ logger = logging.getLogger(__name__)
 
 _DEFAULT_CPU_KV_BYTES = 2 * 1024**3
 _GPU_MEMORY_FRACTION = 0.85
+# The other ranks' entry, run as ``python -m``: builds their shard with this runner.
+TP_WORKER_MODULE = "services.engine.tp_worker"
 
 
 @dataclass(slots=True)
@@ -97,8 +99,9 @@ class ModelRunner:
         if tp is None and config.tensor_parallel_size > 1:
             # before anything starts: a model whose heads do not split is an error at once
             check_sizes(ModelConfig.from_hf_dir(model_path), config.tensor_parallel_size)
-            self.workers = WorkerGroup(config, model_path)
-            tp, config = self.workers.tp, rank_config(config, 0)
+            self.workers = WorkerGroup(TP_WORKER_MODULE, config.tensor_parallel_size,
+                                       config.torch_device(), (config, model_path))
+            tp, config = self.workers.tp, replace(config, device=str(self.workers.device))
         self.tp = tp or SINGLE
         try:
             self._load(config, model_path)

@@ -4,14 +4,19 @@ Logits of tiny random Llama / Qwen2 / Qwen3 models over 2 ranks equal one rank's
 tolerance (GQA with fewer KV heads than ranks too); the default model (9 query, 3 KV heads) over
 3 ranks generates exactly one rank's greedy tokens through chunked prefill, prefix caching and
 preemption; a rank's loader reads only its slices of the checkpoint; a dead worker ends the
-engine process within seconds; sizes that cannot be split are refused before anything starts.
+engine process within seconds; sizes that cannot be split are refused before anything starts;
+a user's script read from standard input, or without a ``__main__`` guard, starts its workers
+(they never re-import it) and exits cleanly.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -27,7 +32,7 @@ from services.engine.models.loader import load_model
 from services.engine.parallel.group import TPGroup, building
 from services.engine.parallel.step_broadcast import StepBatch, decode, encode
 from services.protocol import engine_api
-from tests.support.services import ServiceProcess
+from tests.support.services import REPO, ServiceProcess
 
 ATOL = 1e-5
 
@@ -92,13 +97,10 @@ def test_default_model_over_three_ranks_is_greedy_identical(default_model_path) 
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     runs = {}
     for ranks in (1, 3):
-        llm = LLM(str(default_model_path), tensor_parallel_size=ranks, num_blocks=6,
-                  block_size=8, max_num_batched_tokens=32, max_num_seqs=4)
-        try:
+        with LLM(str(default_model_path), tensor_parallel_size=ranks, num_blocks=6,
+                 block_size=8, max_num_batched_tokens=32, max_num_seqs=4) as llm:
             outs = llm.generate(prompts, params, use_tqdm=False)
             stats = llm.engine.stats()
-        finally:
-            llm.engine.close()
         runs[ranks] = [o.outputs[0].token_ids for o in outs]
         assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0, stats
         assert sum(o.num_cached_tokens for o in outs) > 0
@@ -210,6 +212,44 @@ def test_more_ranks_than_gpus_is_refused_at_start(tiny_model_dir) -> None:
         EngineConfig(tensor_parallel_size=0)
 
 
+# --------------------------------------------------------------------------- user scripts
+
+# A user's script as it comes: no ``if __name__ == "__main__"`` guard, ``services`` found only
+# through a ``sys.path`` tweak (and in another working directory), and for "file" no shutdown
+# at all: the workers must neither re-import it nor outlive it, and the exit must be clean.
+SCRIPT = """
+import json, sys
+sys.path.insert(0, {repo!r})
+from services.engine import LLM, SamplingParams
+params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+llm = LLM({model!r}, tensor_parallel_size=2, num_blocks=16)
+tokens = llm.generate([[5, 6, 7, 8]], params, use_tqdm=False)[0].outputs[0].token_ids
+print(json.dumps({{"tokens": tokens, "workers": llm.engine.runner.workers.pids}}))
+{end}
+"""
+ENDINGS = {"stdin": "llm.shutdown()", "file": ""}
+
+
+@pytest.mark.parametrize("how", sorted(ENDINGS))
+def test_a_script_without_main_guard_starts_its_workers(fast_model_dir, tmp_path, how) -> None:
+    """``python - <<EOF`` (its main module has no file for a spawned worker to re-import)
+    and ``python script.py``, both without a guard: the workers start from their own module."""
+    script = SCRIPT.format(repo=str(REPO), model=str(fast_model_dir), end=ENDINGS[how])
+    if how == "file":
+        (tmp_path / "script.py").write_text(script)
+        argv, stdin = [sys.executable, "script.py"], None
+    else:
+        argv, stdin = [sys.executable, "-"], script
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(argv, input=stdin, cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert len(result["tokens"]) == 4
+    assert "Traceback" not in done.stderr and "exits (status" not in done.stderr, done.stderr
+    assert not any(_alive(pid) for pid in result["workers"])
+
+
 # --------------------------------------------------------------------------- the server
 
 
@@ -222,7 +262,7 @@ def _server(path: Path) -> ServiceProcess:
 
 
 def _worker_pid(proc: ServiceProcess) -> int:
-    found = re.search(r"worker rank=pagoda-tp-rank1 pid=(\d+) started", proc.log_text())
+    found = re.search(r"worker rank=1 pid=(\d+) started", proc.log_text())
     assert found, proc.log_tail()
     return int(found.group(1))
 
@@ -277,4 +317,4 @@ def test_a_dead_worker_ends_the_engine_within_seconds(tiny_model_dir) -> None:
         code, took = _exit_within(proc, 10)
         print(f"\nengine exited {took:.2f}s after its worker was killed (status {code})")
         assert code != 0 and took < 5, proc.log_tail()
-        assert "pagoda-tp-rank1" in proc.log_text() and "exited with code -9" in proc.log_text()
+        assert "worker rank 1 (pid" in proc.log_text() and "exited with code -9" in proc.log_text()

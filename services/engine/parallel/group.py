@@ -87,10 +87,18 @@ def create_store(size: int) -> dist.TCPStore:
     return dist.TCPStore(_HOST, 0, size, True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
 
 
+def check_free() -> None:
+    """One tensor-parallel engine at a time per process: the next after ``leave``."""
+    if dist.is_initialized():
+        raise RuntimeError(
+            "this process already runs a tensor-parallel engine (one at a time per process: "
+            "shut the other down first, e.g. LLM.shutdown())"
+        )
+
+
 def join(rank: int, size: int, store: dist.Store, device: torch.device) -> TPGroup:
     """Joins the group as ``rank`` (every rank calls this; it returns once all have)."""
-    if dist.is_initialized():
-        raise RuntimeError("this process already runs a tensor-parallel engine (one per process)")
+    check_free()
     # One pod, one host: gloo talks over loopback unless the operator said otherwise.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -106,5 +114,6 @@ def connect_store(port: int, size: int) -> dist.TCPStore:
 
 
 def leave() -> None:
+    """Destroys this process's groups (both), if it is in one."""
     if dist.is_initialized():
         dist.destroy_process_group()

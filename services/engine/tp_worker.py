@@ -1,0 +1,28 @@
+"""``python -m services.engine.tp_worker``: a tensor-parallel worker rank (1..N-1).
+
+Rank 0's ``ModelRunner`` starts it by this module's name through ``parallel.workers`` (which
+never imports it: the engine's core depends on ``parallel``, not the other way round). The
+process around the model (its arguments, the group, the step loop, failure) is
+``parallel.worker_main``; here a rank builds its shard with the same ``ModelRunner`` as rank 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from services.engine.config import EngineConfig
+from services.engine.model_runner import ModelRunner
+from services.engine.parallel.group import TPGroup
+from services.engine.parallel.worker_main import StepFn, WorkerArgs, run_worker
+
+
+def build(args: WorkerArgs, tp: TPGroup) -> StepFn:
+    """This rank's runner, on its own device; its steps are rank 0's batches."""
+    config, model_path = args.payload
+    assert isinstance(config, EngineConfig)
+    runner = ModelRunner(replace(config, device=args.device), model_path, tp=tp)
+    return runner.forward_logits
+
+
+if __name__ == "__main__":
+    run_worker(build)
