@@ -114,7 +114,8 @@ class SimEngine:
         self.url = f"http://{engine_id}.sim:8000"
         self.spec = spec
         self.cost = cost
-        self.bm = BlockManager(spec.num_blocks, spec.block_size)
+        # Its KV events feed the simulated router's index, as a real engine's feed Redis.
+        self.bm = BlockManager(spec.num_blocks, spec.block_size, record_events=True)
         # No request outgrows the pool (the simulation checks), so the pool is the context.
         self.scheduler = Scheduler(
             self.bm,

@@ -56,7 +56,10 @@ class _RequestBlocks:
 class BlockManager:
     """Allocates KV blocks to requests and keeps the prefix cache (hash -> block)."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, *,
+        record_events: bool = False,
+    ) -> None:
         _check_int("num_blocks", num_blocks, minimum=1)
         _check_int("block_size", block_size, minimum=1)
         if not isinstance(enable_caching, bool):
@@ -71,6 +74,9 @@ class BlockManager:
         # Invariant: block.block_hash is not None  <=>  self._cached[block.block_hash] is block.
         self._cached: dict[BlockHash, KVBlock] = {}
         self._requests: dict[str, _RequestBlocks] = {}
+        # KV events only for a consumer that drains them (the engine server's Redis
+        # publisher): recorded and never taken, they would grow without bound.
+        self.record_events = record_events
         self._events: list[KVEvent] = []
         # Token counters behind vllm:prefix_cache_queries / vllm:prefix_cache_hits.
         self.prefix_cache_queries = 0
@@ -107,7 +113,8 @@ class BlockManager:
         return self._requests[request_id].block_ids
 
     def take_events(self) -> list[KVEvent]:
-        """Returns and forgets the KV events since the last call, oldest first."""
+        """Returns and forgets the KV events since the last call, oldest first (none unless
+        ``record_events``)."""
         events, self._events = self._events, []
         return events
 
@@ -208,7 +215,8 @@ class BlockManager:
                 block.block_hash = None
                 block.token_ids = ()
             self._cached.clear()
-            self._events.append(self._removed_event(hashes))
+            if self.record_events:
+                self._events.append(self._removed_event(hashes))
         return True
 
     # -------------------------------------------------------------------------- allocation
@@ -296,7 +304,7 @@ class BlockManager:
                 block.token_ids = ()
             block.ref_cnt = 1
             blocks.append(block)
-        if evicted:
+        if evicted and self.record_events:
             self._events.append(self._removed_event(tuple(evicted)))
         return blocks
 
@@ -313,7 +321,7 @@ class BlockManager:
     def _emit_stored(
         self, run: list[int], token_ids: Sequence[int], block_hashes: Sequence[BlockHash]
     ) -> None:
-        if not run:
+        if not run or not self.record_events:
             return
         first, last = run[0], run[-1]
         bs = self.block_size

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
+from typing import TypeVar
 
 import torch
 
 from services.common.cli import flag
+from services.protocol.block_hash import HashAlgorithm
+
+E = TypeVar("E", bound=Enum)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,7 +53,9 @@ class EngineConfig:
     enforce_eager: bool = flag(
         False, help="no CUDA graphs: decode steps launch their kernels one by one (as vLLM)"
     )
-    hash_algorithm: str = flag("xxh3_128", help="xxh3_128 or sha256: the prefix-cache block hash")
+    hash_algorithm: HashAlgorithm = flag(
+        HashAlgorithm.XXH3_128, help="the prefix-cache block hash (sha256 is cut to 128 bits)"
+    )
     cpu_threads: int | None = flag(
         None,
         help="threads for the CPU math, per rank (default: $OMP_NUM_THREADS, else every core "
@@ -73,6 +80,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        # Refused here, not at the first request's hasher: a bad name would start cleanly and
+        # then fail every request with a 500.
+        self.hash_algorithm = _enum(HashAlgorithm, self.hash_algorithm, "hash_algorithm")
         for name in ("block_size", "max_num_seqs", "tensor_parallel_size"):
             _require_positive(name, getattr(self, name))
         for name in ("num_blocks", "kv_cache_memory", "max_model_len", "cpu_threads",
@@ -101,6 +111,14 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
         return _DTYPES[self.dtype]
+
+
+def _enum(cls: type[E], value: object, name: str) -> E:
+    try:
+        return cls(value)
+    except ValueError:
+        allowed = ", ".join(str(m.value) for m in cls)
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}") from None
 
 
 def _require_positive(name: str, value: object) -> None:

@@ -67,7 +67,9 @@ _MAX_HASHERS = 4096  # one per cache salt seen; rebuilt on demand, so clearing i
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, *, kv_events: bool = False) -> None:
+        """``kv_events``: record the prefix cache's changes for ``take_kv_events`` (the
+        server's core, which publishes them, drains them every step; nobody else should)."""
         self.config = config = config or EngineConfig()
         model_path = config.model
         if model_path is None:
@@ -87,7 +89,8 @@ class LLMEngine:
         self.eos_token_ids = tuple(mc.eos_token_ids)
         self.max_model_len = self._resolve_max_model_len(mc.max_position_embeddings)
         self.block_manager = BlockManager(
-            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+            record_events=kv_events,
         )
         self.scheduler = Scheduler(
             self.block_manager,

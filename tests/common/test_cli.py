@@ -272,3 +272,22 @@ def test_engine_server_values_are_checked(
     with pytest.raises(SystemExit):
         configs_from_args(argv)
     assert f"error: {argv[0]} must" in capsys.readouterr().err
+
+
+def test_a_bad_hash_algorithm_is_refused_at_start(capsys: pytest.CaptureFixture[str]) -> None:
+    """Not at the first request (which would make every request a 500): the config refuses it,
+    naming the field, and the engine server's command line exits 2 naming the flag."""
+    from services.engine.config import EngineConfig
+    from services.engine.serving.server_config import configs_from_args
+    from services.protocol.block_hash import HashAlgorithm
+
+    with pytest.raises(ValueError, match="hash_algorithm must be one of xxh3_128, sha256"):
+        EngineConfig(hash_algorithm="bogus")
+    assert EngineConfig(hash_algorithm="sha256").hash_algorithm is HashAlgorithm.SHA256
+    with pytest.raises(SystemExit) as exit_info:
+        configs_from_args(["--hash-algorithm", "bogus"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--hash-algorithm" in err and "'bogus'" in err and "xxh3_128, sha256" in err
+    engine, _ = configs_from_args(["--hash-algorithm=sha256"])
+    assert engine.hash_algorithm is HashAlgorithm.SHA256

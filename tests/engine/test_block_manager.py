@@ -66,7 +66,7 @@ def test_bad_enable_caching_raises() -> None:
 
 
 def test_initial_state() -> None:
-    mgr = BlockManager(8, BS)
+    mgr = BlockManager(8, BS, record_events=True)
     assert (mgr.num_total_blocks, mgr.num_free_blocks, mgr.num_cached_blocks) == (8, 8, 0)
     assert mgr.usage == 0.0
     assert mgr.take_events() == []
@@ -118,7 +118,7 @@ def test_allocate_bad_num_tokens_raises(num_tokens: object) -> None:
 
 
 def test_allocate_without_room_changes_nothing() -> None:
-    mgr = BlockManager(4, BS)
+    mgr = BlockManager(4, BS, record_events=True)
     prefill(mgr, "a", list(range(12)))
     mgr.take_events()
     assert not mgr.allocate_slots("b", 8)  # needs 2 blocks, 1 free
@@ -226,7 +226,7 @@ def test_hit_on_free_cached_block_takes_it_out_of_the_middle_of_the_queue() -> N
 
 
 def test_allocation_counts_free_computed_blocks_as_consumed() -> None:
-    mgr = BlockManager(4, BS)
+    mgr = BlockManager(4, BS, record_events=True)
     prefill(mgr, "a", list(range(9)))  # caches blocks 0 and 1
     mgr.free("a")
     mgr.take_events()
@@ -289,7 +289,7 @@ def test_uncached_blocks_go_to_the_front_cached_to_the_back() -> None:
 
 
 def test_free_is_tail_first_so_tails_are_evicted_first() -> None:
-    mgr = BlockManager(3, BS)
+    mgr = BlockManager(3, BS, record_events=True)
     prompt = list(range(13))  # three full blocks (+1 token, so all three get cached)
     assert mgr.allocate_slots("a", 12)
     mgr.cache_full_blocks("a", prompt, chain(prompt), 12)
@@ -307,7 +307,7 @@ def test_free_is_tail_first_so_tails_are_evicted_first() -> None:
 
 
 def test_eviction_is_lru_across_requests() -> None:
-    mgr = BlockManager(4, BS)
+    mgr = BlockManager(4, BS, record_events=True)
     a, b = [1] * 8, [2] * 8
     prefill(mgr, "a", a)
     prefill(mgr, "b", b)
@@ -322,7 +322,7 @@ def test_eviction_is_lru_across_requests() -> None:
 
 
 def test_a_hit_refreshes_recency() -> None:
-    mgr = BlockManager(4, BS)
+    mgr = BlockManager(4, BS, record_events=True)
     a, b = [1] * 4, [2] * 4
     prefill(mgr, "a", a)
     prefill(mgr, "b", b)
@@ -337,7 +337,7 @@ def test_a_hit_refreshes_recency() -> None:
 
 
 def test_eviction_is_lazy() -> None:
-    mgr = BlockManager(4, BS)
+    mgr = BlockManager(4, BS, record_events=True)
     prompt = list(range(9))
     prefill(mgr, "a", prompt)
     mgr.take_events()
@@ -359,7 +359,7 @@ def test_eviction_is_lazy() -> None:
 
 
 def test_stored_event_batches_consecutive_blocks() -> None:
-    mgr = BlockManager(8, BS)
+    mgr = BlockManager(8, BS, record_events=True)
     prompt = list(range(10))
     hashes = chain(prompt)
     prefill(mgr, "a", prompt)
@@ -378,7 +378,7 @@ def test_stored_event_batches_consecutive_blocks() -> None:
 
 
 def test_chunked_caching_chains_parent_hashes() -> None:
-    mgr = BlockManager(8, BS)
+    mgr = BlockManager(8, BS, record_events=True)
     prompt = list(range(14))
     hashes = chain(prompt)
     assert mgr.allocate_slots("a", len(prompt))
@@ -415,7 +415,7 @@ def test_decode_blocks_are_cached_as_they_fill() -> None:
 
 
 def test_duplicate_hash_keeps_existing_block() -> None:
-    mgr = BlockManager(8, BS)
+    mgr = BlockManager(8, BS, record_events=True)
     prompt = list(range(9))
     admit(mgr, "a", prompt)
     admit(mgr, "b", prompt)  # admitted before a was computed: no hit, separate blocks
@@ -461,7 +461,7 @@ def test_cache_full_blocks_rejects_a_foreign_chain() -> None:
 
 
 def test_reset_prefix_cache() -> None:
-    mgr = BlockManager(8, BS)
+    mgr = BlockManager(8, BS, record_events=True)
     prompt = list(range(9))
     prefill(mgr, "a", prompt)
     mgr.take_events()
@@ -477,8 +477,28 @@ def test_reset_prefix_cache() -> None:
     assert mgr.take_events() == []
 
 
+def test_events_are_recorded_only_when_asked() -> None:
+    """Nobody drains an offline engine's events: by default none are kept, though the cache
+    works as ever (and a snapshot still describes it, for a consumer that asks)."""
+    mgr = BlockManager(4, BS)
+    prompt = list(range(9))
+    prefill(mgr, "a", prompt)
+    mgr.free("a")
+    assert mgr.allocate_slots("b", 16)  # evicts both cached blocks
+    mgr.free("b")
+    prefill(mgr, "c", prompt)
+    mgr.free("c")
+    assert mgr.reset_prefix_cache()
+    prefill(mgr, "d", prompt)
+    assert mgr._events == [] and mgr.take_events() == []
+    assert mgr.num_cached_blocks == 2 and admit(mgr, "e", prompt) == 8
+    assert mgr.snapshot_events() == [
+        KVEvent(KVEventKind.CLEARED, (), BS), KVEvent(KVEventKind.STORED, tuple(chain(prompt)), BS)
+    ]
+
+
 def test_caching_disabled() -> None:
-    mgr = BlockManager(4, BS, enable_caching=False)
+    mgr = BlockManager(4, BS, enable_caching=False, record_events=True)
     prompt = list(range(9))
     assert admit(mgr, "a", prompt) == 0
     mgr.cache_full_blocks("a", prompt, chain(prompt), 9)
@@ -561,7 +581,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def setup(self, num_blocks: int, block_size: int, first_prompts: list[list[int]]) -> None:
         self.bs = block_size
         self.hasher = BlockHasher("m", block_size)
-        self.mgr = BlockManager(num_blocks, block_size, enable_caching=self.ENABLE_CACHING)
+        self.mgr = BlockManager(num_blocks, block_size, enable_caching=self.ENABLE_CACHING,
+                                record_events=True)
         self.kv: dict[int, list[int | None]] = {i: [None] * block_size for i in range(num_blocks)}
         # Hypothesis may switch add_request off for a whole run (swarm testing): start with a
         # few requests anyway.

@@ -25,12 +25,13 @@ from services.engine.serving.core_loop import (
     Resync,
     Stop,
 )
-from services.engine.serving.core_process import EngineInfo
+from services.engine.serving.engine_info import EngineInfo
 from services.protocol import engine_api
 from services.protocol.engine_api import TokenLogprobs
 from services.protocol.kv_events import KVEvent, KVEventKind
 from services.protocol.sampling_params import SamplingParams
 from services.protocol.structured_outputs import StructuredOutputsParams
+from tests.engine.test_server import cache_config_info
 from tests.support.services import ServiceProcess
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], list(range(20, 40))]
@@ -62,7 +63,7 @@ def test_ipc_messages_round_trip_through_one_frame_each() -> None:
     messages = [
         Add("r1", [1, 2, 3], params, "salt"), Abort("r1"), Resync(), Stop(),
         _outputs(256), CoreOutputs(), LoadFailed("OSError: no weights"),
-        EngineInfo("m", "/m", 2048, 512, 64, (2,), "torch.float32"),
+        EngineInfo("m", "/m", 2048, 512, 16, 64, (2,), "float32", True, "xxh3_128"),
     ]
     for msg in messages:
         assert decode(encode(msg)) == msg
@@ -113,6 +114,16 @@ async def _greedy(url: str, prompts: list[list[int]], max_tokens: int) -> list[l
         return list(await asyncio.gather(*(one(s, i, p) for i, p in enumerate(prompts))))
 
 
+async def _described(url: str) -> tuple[dict, dict[str, str]]:
+    """/health and vllm:cache_config_info: the server's view of the core's ``EngineInfo``."""
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url + "/health") as r:
+            health = await r.json()
+        async with s.get(url + "/metrics") as r:
+            metrics = await r.text()
+    return health, cache_config_info(metrics)
+
+
 def _offline(model: Path, max_tokens: int) -> list[list[int]]:
     """The same requests stepped by an engine in this process (the tiny model has no
     tokenizer for ``LLM``)."""
@@ -136,6 +147,10 @@ def test_greedy_through_the_core_process_then_its_death_ends_the_server(tiny_mod
     proc = _server(model).start()
     try:
         assert asyncio.run(_greedy(proc.url, PROMPTS, 12)) == expected
+        assert asyncio.run(_described(proc.url)) == ({
+            "status": "ok", "model": model.name, "block_size": 16, "max_model_len": 128}, {
+            "block_size": "16", "cache_dtype": "float32", "enable_prefix_caching": "True",
+            "num_gpu_blocks": "64", "prefix_caching_hash_algo": "xxh3_128"})
         core = _core_pid(proc.proc.pid)
         os.kill(core, signal.SIGKILL)
         start = time.monotonic()

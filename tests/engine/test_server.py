@@ -315,15 +315,17 @@ def test_an_engine_failure_is_a_500_never_a_400(tiny_model_dir) -> None:
 
     async def run() -> None:
         async with engine_app(tiny_model_dir("LlamaForCausalLM")) as client:
-            engine = client.server.app[CORE].engine
-            for method, exc, expected in [
-                ("check_request", ValueError("max_tokens slipped"), 500),  # the handler's check
-                ("check_request", RuntimeError("boom"), 500),
-                ("add_request", ValueError("prompt broke an invariant"), 500),  # engine thread
-                ("add_request", engine_api.BadRequest("max_tokens: no", "max_tokens"), 400),
+            core = client.server.app[CORE]
+            checks, engine = core.checks, core.core.engine  # the handler's; the engine thread's
+            for target, method, exc, expected in [
+                (checks, "check", ValueError("max_tokens slipped"), 500),
+                (checks, "check", RuntimeError("boom"), 500),
+                (engine, "add_request", ValueError("prompt broke an invariant"), 500),
+                (engine, "add_request", engine_api.BadRequest("max_tokens: no", "max_tokens"),
+                 400),
             ]:
                 with pytest.MonkeyPatch.context() as mp:
-                    mp.setattr(engine, method, raising(exc))
+                    mp.setattr(target, method, raising(exc))
                     status, err = await post_generate(client, small([5, 6, 7]))
                 assert status == expected, (method, exc, err)
                 if expected == 500:
@@ -336,6 +338,37 @@ def test_an_engine_failure_is_a_500_never_a_400(tiny_model_dir) -> None:
             assert client.server.app[CORE].num_in_flight == 0
 
     asyncio.run(run())
+
+
+def test_the_server_describes_the_engine_from_its_info(tiny_model_dir) -> None:
+    """/health and vllm:cache_config_info come from the ``EngineInfo`` the core sent (the
+    process mode's are checked in test_core_process.py); without Redis nothing consumes KV
+    events, so the core records none."""
+
+    async def run() -> None:
+        async with engine_app(tiny_model_dir("LlamaForCausalLM")) as client:
+            assert await (await client.get("/health")).json() == {
+                "status": "ok", "model": client.server.app[CORE].info.model_name,
+                "block_size": 16, "max_model_len": 64}
+            metrics = await (await client.get("/metrics")).text()
+            assert cache_config_info(metrics) == {
+                "block_size": "16", "cache_dtype": "float32", "enable_prefix_caching": "True",
+                "num_gpu_blocks": "16", "prefix_caching_hash_algo": "xxh3_128"}
+            prompt = list(range(40))
+            for _ in range(2):
+                assert (await post_generate(client, small(prompt)))[0] == 200
+            core = client.server.app[CORE]
+            assert not core.publish_kv_events and len(core.kv_events) == 0
+            assert not core.core.engine.block_manager.record_events
+
+    asyncio.run(run())
+
+
+def cache_config_info(metrics_text: str) -> dict[str, str]:
+    m = re.search(r"^vllm:cache_config_info\{([^}]*)\} 1\.0$", metrics_text, re.MULTILINE)
+    assert m, "vllm:cache_config_info missing"
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+    return {k: v for k, v in labels.items() if k not in ("model_name", "engine")}
 
 
 # -- a stream that fell behind catches up in one frame ----------------------------------------

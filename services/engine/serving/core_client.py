@@ -1,14 +1,16 @@
 """The event loop's handle on the engine core, wherever the core runs (thread or process).
 
-It keeps what the server reads between steps (stats, KV events, step time, requests in
-flight) and routes each ``CoreOutputs`` batch to the per-request sinks, on the event loop.
+It keeps what the server reads between steps (the engine's ``info`` and ``checks`` once it
+has loaded, stats, KV events, step time, requests in flight) and routes each ``CoreOutputs``
+batch to the per-request sinks. Everything here is read and written on the event loop only:
+the core hands over what it learns (``_ready``, ``_dispatch``) by message, never by sharing
+the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 from collections.abc import Callable
 
 from services.engine.engine import EngineStats, RequestUpdate
@@ -22,6 +24,8 @@ from services.engine.serving.core_loop import (
     CoreOutputs,
     Resync,
 )
+from services.engine.serving.engine_info import EngineInfo, RequestChecks
+from services.engine.serving.kv_event_queue import MAX_QUEUED_KV_EVENTS, KVEventQueue
 from services.protocol.engine_api import BadRequest
 from services.protocol.sampling_params import SamplingParams
 
@@ -47,11 +51,18 @@ class CoreClient:
     """Submit, abort and the latest snapshots; subclasses deliver commands to the core and
     call ``_dispatch`` on the event loop with each batch it sends back."""
 
-    def __init__(self) -> None:
-        self.engine = None  # LLMEngine inline; a RemoteEngine for the core process
+    def __init__(
+        self, publish_kv_events: bool = False, max_kv_events: int = MAX_QUEUED_KV_EVENTS
+    ) -> None:
+        """``publish_kv_events``: the core records its KV events and they queue on
+        ``kv_events`` for a consumer that drains them (the Redis publisher); off (no
+        consumer), the block manager records none."""
+        self.info: EngineInfo | None = None  # set once the engine has loaded
+        self.checks: RequestChecks | None = None
         self.load_error: BaseException | None = None
         self.stats: EngineStats | None = None
-        self.kv_events: deque = deque(maxlen=1_000_000)  # drained by the Redis publisher
+        self.publish_kv_events = publish_kv_events
+        self.kv_events = KVEventQueue(self.request_kv_resync, max_kv_events)
         # Median wall time (ms) of the recent steps, published in heartbeats: how slow this
         # engine is compared with its peers, whatever its load.
         self.step_ms = 0.0
@@ -64,7 +75,7 @@ class CoreClient:
 
     @property
     def is_ready(self) -> bool:
-        return self.engine is not None and self.load_error is None
+        return self.info is not None and self.load_error is None
 
     @property
     def num_in_flight(self) -> int:
@@ -103,6 +114,11 @@ class CoreClient:
 
     def _send(self, cmd: Command) -> None:
         raise NotImplementedError
+
+    def _ready(self, info: EngineInfo, checks: RequestChecks) -> None:
+        self.info, self.checks = info, checks
+        logger.info("engine ready: model=%s max_model_len=%d kv_blocks=%d", info.model_name,
+                    info.max_model_len, info.num_blocks)
 
     def _dispatch(self, out: CoreOutputs) -> None:
         sinks = self._sinks

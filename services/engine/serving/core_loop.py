@@ -5,6 +5,9 @@ inline``) or the main thread of the engine-core process (``--engine-core process
 way the loop knows nothing about sinks or event loops; it hands each step's results, the
 stats snapshot and the KV events to ``emit`` in one batch, so the server side pays one
 hand-over per step (one ``call_soon_threadsafe``, or one pipe message), never one per token.
+
+KV events are recorded only when the server publishes them (``kv_events``): the loop drains
+them every step, and a ``Resync`` queues the whole prefix cache after the events before it.
 """
 
 from __future__ import annotations
@@ -89,12 +92,14 @@ class CoreOutputs:
 
 class CoreLoop:
     def __init__(
-        self, config: EngineConfig, emit: Callable[[CoreOutputs], None], step_delay_s: float = 0.0
+        self, config: EngineConfig, emit: Callable[[CoreOutputs], None], step_delay_s: float = 0.0,
+        kv_events: bool = False,
     ) -> None:
         if not step_delay_s >= 0:
             raise ValueError(f"step_delay_s must be >= 0, got {step_delay_s!r}")
         self.config = config
         self.emit = emit
+        self.kv_events = kv_events
         # Fault injection (tests, drills): a sleep before every step makes a slow engine.
         self.step_delay_s = step_delay_s
         self.engine: LLMEngine | None = None
@@ -109,7 +114,8 @@ class CoreLoop:
         self._compile_pool: ThreadPoolExecutor | None = None
 
     def load(self) -> LLMEngine:
-        self.engine = LLMEngine(self.config)
+        """Loads the engine, on the thread that will run it."""
+        self.engine = LLMEngine(self.config, kv_events=self.kv_events)
         return self.engine
 
     def stop(self) -> None:
@@ -121,6 +127,7 @@ class CoreLoop:
         engine = self.engine
         assert engine is not None, "load() first"
         try:
+            self.emit(CoreOutputs(stats=engine.stats()))  # heartbeats start with it
             while not self._stop.is_set():
                 self._drain_commands(block=not engine.has_unfinished_requests())
                 if engine.has_unfinished_requests() and not self._stop.is_set():

@@ -30,12 +30,11 @@ from dataclasses import dataclass
 
 from services.common.child_process import die_with_parent
 from services.engine.config import EngineConfig
-from services.engine.engine import LLMEngine, check_request
 from services.engine.serving import core_ipc
 from services.engine.serving.core_client import CoreClient
 from services.engine.serving.core_loop import Command, CoreLoop, CoreOutputs, Stop
-from services.engine.structured.compiler import GrammarCompiler
-from services.protocol.sampling_params import SamplingParams
+from services.engine.serving.engine_info import EngineInfo, RequestChecks
+from services.engine.serving.kv_event_queue import MAX_QUEUED_KV_EVENTS
 
 logger = logging.getLogger(__name__)
 
@@ -43,69 +42,27 @@ _STOP_GRACE_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
-class EngineInfo:
-    """What the server needs to know of the loaded engine, sent once when it is ready."""
-
-    model_name: str
-    model_path: str
-    max_model_len: int
-    vocab_size: int
-    num_blocks: int
-    eos_token_ids: tuple[int, ...]
-    dtype: str
-
-    @classmethod
-    def of(cls, engine: LLMEngine) -> EngineInfo:
-        return cls(engine.model_name, str(engine.model_path), engine.max_model_len,
-                   engine.runner.model_config.vocab_size, engine.runner.num_blocks,
-                   engine.eos_token_ids, str(engine.runner.dtype))
-
-
-@dataclass(frozen=True, slots=True)
-class RunnerInfo:
-    dtype: str
-    num_blocks: int
-
-
-class RemoteEngine:
-    """The server's stand-in for the engine in the core process: the same attributes the
-    handlers read (name, limits, ``check_request``, ``grammars``), answered locally."""
-
-    def __init__(self, config: EngineConfig, info: EngineInfo) -> None:
-        self.config = config
-        self.info = info
-        self.model_name = info.model_name
-        self.max_model_len = info.max_model_len
-        self.runner = RunnerInfo(info.dtype, info.num_blocks)
-        # Compiles on the server too (on a thread, as inline): a bad grammar is the client's
-        # 400 before the request travels; the core compiles its own copy off its step loop.
-        self.grammars = GrammarCompiler(info.model_path, info.vocab_size, info.eos_token_ids)
-
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        i = self.info
-        return check_request(prompt_token_ids, params, i.vocab_size, i.max_model_len,
-                             i.num_blocks, self.config.block_size)
-
-
-@dataclass(frozen=True, slots=True)
 class _CoreArgs:
     config: EngineConfig
     step_delay_s: float
+    kv_events: bool
     log_level: int
 
 
 class EngineCoreProcess(CoreClient):
     """The event loop's handle on the engine-core process."""
 
-    def __init__(self, config: EngineConfig, step_delay_s: float = 0.0) -> None:
+    def __init__(
+        self, config: EngineConfig, step_delay_s: float = 0.0, publish_kv_events: bool = False,
+        max_kv_events: int = MAX_QUEUED_KV_EVENTS,
+    ) -> None:
         if not step_delay_s >= 0:
             raise ValueError(f"step_delay_s must be >= 0, got {step_delay_s!r}")
-        super().__init__()
+        super().__init__(publish_kv_events, max_kv_events)
         self.config = config
         self.step_delay_s = step_delay_s
         # Called on the event loop when the core process dies unasked (the server exits).
         self.on_death: Callable[[], None] | None = None
-        self.loaded = threading.Event()
         self.process: multiprocessing.process.BaseProcess | None = None
         self._commands: multiprocessing.connection.Connection | None = None
         self._outputs: multiprocessing.connection.Connection | None = None
@@ -118,7 +75,8 @@ class EngineCoreProcess(CoreClient):
         ctx = multiprocessing.get_context("spawn")  # never a fork of a threaded process
         cmd_read, self._commands = ctx.Pipe(duplex=False)
         self._outputs, out_write = ctx.Pipe(duplex=False)
-        args = _CoreArgs(self.config, self.step_delay_s, logging.getLogger().level)
+        args = _CoreArgs(self.config, self.step_delay_s, self.publish_kv_events,
+                         logging.getLogger().level)
         self.process = ctx.Process(target=core_main, args=(args, cmd_read, out_write),
                                    name="engine-core", daemon=False)
         self.process.start()
@@ -169,13 +127,11 @@ class EngineCoreProcess(CoreClient):
         if isinstance(msg, CoreOutputs):
             self._dispatch(msg)
         elif isinstance(msg, EngineInfo):
-            self.engine = RemoteEngine(self.config, msg)
-            self.loaded.set()
-            logger.info("engine ready: model=%s (core process pid=%d)", msg.model_name,
-                        self.process.pid)
+            # A compiler of the server's own: a bad grammar is the client's 400 before the
+            # request travels; the core compiles its copy off its step loop.
+            self._ready(msg, RequestChecks(msg))
         elif isinstance(msg, core_ipc.LoadFailed):
             self.load_error = RuntimeError(msg.message)
-            self.loaded.set()
         else:
             raise TypeError(f"unexpected message from the engine core: {msg!r}")
 
@@ -192,7 +148,6 @@ class EngineCoreProcess(CoreClient):
                      code, self.num_in_flight)
         if self.load_error is None:
             self.load_error = RuntimeError(f"engine core process died (exit code {code})")
-        self.loaded.set()
         self._fail_all(f"engine core process died (exit code {code})")
         if self.on_death is not None:
             self.on_death()
@@ -216,17 +171,16 @@ def core_main(args: _CoreArgs, commands: multiprocessing.connection.Connection,
         with send_lock:
             outputs.send_bytes(core_ipc.encode(out))
 
-    core = CoreLoop(args.config, emit, args.step_delay_s)
+    core = CoreLoop(args.config, emit, args.step_delay_s, args.kv_events)
     try:
-        engine = core.load()
+        info = EngineInfo.of(core.load())
     except BaseException as exc:  # reported by the server's /health
         logger.exception("engine failed to load")
         outputs.send_bytes(core_ipc.encode(core_ipc.LoadFailed(f"{type(exc).__name__}: {exc}")))
         return
     threading.Thread(target=_read_commands, args=(commands, core), name="core-input",
                      daemon=True).start()
-    outputs.send_bytes(core_ipc.encode(EngineInfo.of(engine)))
-    emit(CoreOutputs(stats=engine.stats()))  # heartbeats start with the first snapshot
+    outputs.send_bytes(core_ipc.encode(info))
     core.run()
 
 

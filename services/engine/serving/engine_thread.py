@@ -2,33 +2,38 @@
 
 The model step never blocks the event loop, but both share one GIL: the core's Python work
 per step and the loop's per-token work slow each other down (``--engine-core process`` runs
-the core in its own process instead). Commands go through the loop's thread-safe queue; each
-step's batch comes back with one ``call_soon_threadsafe``.
+the core in its own process instead). Commands go through the loop's thread-safe queue; the
+engine's description once loaded, and each step's batch, come back with one
+``call_soon_threadsafe`` each: the event loop never reads the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
+from collections.abc import Callable
 
 from services.engine.config import EngineConfig
-from services.engine.serving.core_client import CoreClient, InternalEngineError
+from services.engine.serving.core_client import CoreClient
 from services.engine.serving.core_loop import Command, CoreLoop, CoreOutputs
+from services.engine.serving.engine_info import EngineInfo, RequestChecks
+from services.engine.serving.kv_event_queue import MAX_QUEUED_KV_EVENTS
 
 logger = logging.getLogger(__name__)
-
-__all__ = ["EngineThread", "InternalEngineError"]
 
 
 class EngineThread(CoreClient):
     """The engine's own thread and the event loop's handle on it (submit, abort, stats)."""
 
-    def __init__(self, config: EngineConfig, step_delay_s: float = 0.0) -> None:
-        super().__init__()
+    def __init__(
+        self, config: EngineConfig, step_delay_s: float = 0.0, publish_kv_events: bool = False,
+        max_kv_events: int = MAX_QUEUED_KV_EVENTS,
+    ) -> None:
+        super().__init__(publish_kv_events, max_kv_events)
         self.config = config
-        self.core = CoreLoop(config, self._emit, step_delay_s)
-        self.loaded = threading.Event()
+        self.core = CoreLoop(config, self._emit, step_delay_s, kv_events=publish_kv_events)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -46,18 +51,23 @@ class EngineThread(CoreClient):
         self.core.commands.put(cmd)
 
     def _emit(self, out: CoreOutputs) -> None:
-        self._loop.call_soon_threadsafe(self._dispatch, out)
+        self._to_loop(self._dispatch, out)
+
+    def _to_loop(self, fn: Callable[..., None], *args: object) -> None:
+        # A server stopped while the engine loaded has closed its loop: nobody is listening.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(fn, *args)
 
     def _run(self) -> None:
         try:
             engine = self.core.load()
-            self.stats = engine.stats()
+            info = EngineInfo.of(engine)
         except BaseException as exc:  # reported by /health; the process stays up to say so
             logger.exception("engine failed to load")
-            self.load_error = exc
+            self._to_loop(setattr, self, "load_error", exc)
             return
-        finally:
-            self.loaded.set()
-        self.engine = engine
-        logger.info("engine ready: model=%s", engine.model_name)
-        self.core.run()
+        # The engine's own compiler (thread-safe): a grammar the server compiled is a cache
+        # hit when the request is added, never a second compile.
+        checks = RequestChecks(info, engine.grammars)
+        self._to_loop(self._ready, info, checks)
+        self.core.run()  # returns at once if the server stopped meanwhile

@@ -37,15 +37,14 @@ class EnginePublisher:
         core = self.core
         if not core.is_ready or core.stats is None:
             return
-        engine = core.engine
-        while core.kv_events and len(self._pending) < _MAX_EVENTS_PER_TICK:
-            self._pending.append(core.kv_events.popleft())
+        info = core.info
+        self._pending.extend(core.kv_events.take(_MAX_EVENTS_PER_TICK - len(self._pending)))
         s = core.stats
         hb = EngineHeartbeat(
             engine_id=self.engine_id,
             url=self.url,
-            model=engine.model_name,
-            block_size=engine.config.block_size,
+            model=info.model_name,
+            block_size=info.block_size,
             running=s.num_running,
             # Requests that arrived since the last step are waiting too: a heartbeat sent at
             # once on their arrival must count them, or routers would see a stale, lower load.
@@ -54,12 +53,12 @@ class EnginePublisher:
             free_blocks=s.num_free_blocks,
             total_blocks=s.num_total_blocks,
             timestamp=time.time(),
-            max_model_len=engine.max_model_len,
+            max_model_len=info.max_model_len,
             step_ms=round(core.step_ms, 3),
         )
         try:
             if self._pending:
-                await self.publisher.apply_events(self.engine_id, engine.model_name, self._pending)
+                await self.publisher.apply_events(self.engine_id, info.model_name, self._pending)
                 self._pending = []
             known = await self.publisher.publish_heartbeat(hb, self.cfg.heartbeat_ttl_s)
             if not known:
@@ -76,11 +75,11 @@ class EnginePublisher:
 
     async def leave(self) -> None:
         """Graceful shutdown: stop being routable before draining."""
-        engine = self.core.engine
-        if engine is None:
+        info = self.core.info
+        if info is None:
             return
         try:
-            await self.publisher.remove_engine(self.engine_id, engine.model_name)
+            await self.publisher.remove_engine(self.engine_id, info.model_name)
         except Exception as exc:  # noqa: BLE001 -- leaving must not fail the shutdown
             logger.warning("redis remove_engine failed: %s", exc)
 

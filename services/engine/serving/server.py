@@ -85,7 +85,7 @@ def _engine_ctx(engine_config: EngineConfig):
         )
         metrics = app[METRICS] = EngineMetrics(name, lambda: core.stats,
                                                lambda: _cache_info(core))
-        core.on_step = lambda tokens: metrics.requests(core.engine.max_model_len).observe_step(
+        core.on_step = lambda tokens: metrics.requests(core.info.max_model_len).observe_step(
             tokens)
         if isinstance(core, EngineCoreProcess):
             core.on_death = lambda: _on_core_death(app)
@@ -103,9 +103,10 @@ def _engine_ctx(engine_config: EngineConfig):
 
 
 def _make_core(engine_config: EngineConfig, server_config: ServerConfig) -> CoreClient:
-    if server_config.engine_core == "process":
-        return EngineCoreProcess(engine_config, server_config.debug_step_delay_s)
-    return EngineThread(engine_config, server_config.debug_step_delay_s)
+    # KV events only for the Redis publisher: without it nobody would drain them.
+    core_cls = EngineCoreProcess if server_config.engine_core == "process" else EngineThread
+    return core_cls(engine_config, server_config.debug_step_delay_s,
+                    publish_kv_events=bool(server_config.redis_url))
 
 
 def _on_core_death(app: web.Application) -> None:
@@ -161,12 +162,12 @@ async def handle_health(request: web.Request) -> web.Response:
         return web.json_response({"status": "error", "error": str(core.load_error)}, status=503)
     if not core.is_ready:
         return web.json_response({"status": "loading"}, status=503)
-    engine = core.engine
+    info = core.info
     return web.json_response({
         "status": "ok",
-        "model": engine.model_name,
-        "block_size": engine.config.block_size,
-        "max_model_len": engine.max_model_len,
+        "model": info.model_name,
+        "block_size": info.block_size,
+        "max_model_len": info.max_model_len,
     })
 
 
@@ -196,11 +197,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         return body
     try:
         req = engine_api.GenerateRequest.from_msgpack(body)
-        core.engine.check_request(req.prompt_token_ids, req.params)
-        if req.params.structured_outputs is not None:
-            # Compiled (or found in the cache) on a worker thread, never on the step loop:
-            # a slow schema delays only its own request.
-            await core.engine.grammars.compile_async(req.params.structured_outputs)
+        await core.checks.check(req.prompt_token_ids, req.params)
     except engine_api.BadRequest as exc:  # the client's input (body, params, model limits)
         return json_error(400, str(exc), exc.param)
     except Exception as exc:  # anything else is an engine bug, never the client's 400
@@ -234,7 +231,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": engine_api.CONTENT_TYPE})
         await resp.prepare(request)
         finished = await _stream(request.app[METRICS], resp, first, updates,
-                                 core.engine.max_model_len)
+                                 core.info.max_model_len)
     except ConnectionResetError:  # the client went away mid-stream, e.g. at a stop string
         logger.debug("client closed the stream request_id=%s", rid)
     finally:
@@ -247,16 +244,15 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
 
 def _cache_info(core: CoreClient) -> dict[str, str] | None:
     """vllm:cache_config_info's labels, once the engine has loaded."""
-    engine = core.engine
-    if engine is None:
+    info = core.info
+    if info is None:
         return None
-    c = engine.config
     return {
-        "block_size": str(c.block_size),
-        "cache_dtype": str(engine.runner.dtype).removeprefix("torch."),
-        "enable_prefix_caching": str(c.enable_prefix_caching),
-        "num_gpu_blocks": str(engine.runner.num_blocks),
-        "prefix_caching_hash_algo": str(c.hash_algorithm),
+        "block_size": str(info.block_size),
+        "cache_dtype": info.kv_cache_dtype,
+        "enable_prefix_caching": str(info.enable_prefix_caching),
+        "num_gpu_blocks": str(info.num_blocks),
+        "prefix_caching_hash_algo": info.hash_algorithm,
     }
 
 

@@ -1,0 +1,76 @@
+"""The server's one view of the loaded engine, the same whether the core runs inline or in its
+own process.
+
+``EngineInfo`` is a frozen snapshot the core builds on its own thread once the engine has
+loaded (sent over the pipe in process mode); the event loop never touches the live
+``LLMEngine``. ``RequestChecks`` is what the server does with it before a request travels to
+the core: the model's limits (a 400 naming the field) and the grammar compile (on a compile
+thread, so neither loop waits for it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from services.engine.engine import check_request
+from services.engine.structured.compiler import GrammarCompiler
+from services.protocol.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from services.engine.engine import LLMEngine
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What the server needs to know of the loaded engine."""
+
+    model_name: str
+    model_path: str
+    max_model_len: int
+    vocab_size: int  # the LM head's rows (token ids must be below it)
+    block_size: int
+    num_blocks: int
+    eos_token_ids: tuple[int, ...]
+    kv_cache_dtype: str  # "float32", "bfloat16", ...
+    enable_prefix_caching: bool
+    hash_algorithm: str  # a HashAlgorithm value
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> EngineInfo:
+        """Read on the thread that owns ``engine``."""
+        runner, config = engine.runner, engine.config
+        return cls(
+            model_name=engine.model_name,
+            model_path=str(engine.model_path),
+            max_model_len=engine.max_model_len,
+            vocab_size=runner.model_config.vocab_size,
+            block_size=config.block_size,
+            num_blocks=runner.num_blocks,
+            eos_token_ids=tuple(engine.eos_token_ids),
+            kv_cache_dtype=str(runner.dtype).removeprefix("torch."),
+            enable_prefix_caching=config.enable_prefix_caching,
+            hash_algorithm=config.hash_algorithm.value,
+        )
+
+
+class RequestChecks:
+    """The server's checks of a request against the loaded model, before it is submitted."""
+
+    def __init__(self, info: EngineInfo, grammars: GrammarCompiler | None = None) -> None:
+        """``grammars``: a compiler to share (thread-safe; inline, the engine's own, so a
+        grammar compiles once); by default one of the server's own, as a core in another
+        process cannot share its cache."""
+        self.info = info
+        self.grammars = grammars or GrammarCompiler(
+            info.model_path, info.vocab_size, info.eos_token_ids)
+
+    async def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises ``BadRequest`` naming the field at fault. A grammar is compiled into the
+        cache (or found there) on a compile thread: a slow schema delays only its own request,
+        and a bad one is the client's 400 before the request travels."""
+        i = self.info
+        check_request(prompt_token_ids, params, i.vocab_size, i.max_model_len, i.num_blocks,
+                      i.block_size)
+        if params.structured_outputs is not None:
+            await self.grammars.compile_async(params.structured_outputs)
