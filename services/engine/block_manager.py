@@ -231,11 +231,11 @@ class BlockManager:
         ``new_computed_blocks`` (from ``get_computed_blocks``; only for a request that holds no
         blocks yet). Returns False, changing nothing, when there are not enough free blocks.
         """
-        _check_int("num_tokens", num_tokens, minimum=0)
         entry = self._requests.get(request_id)
         held = 0 if entry is None else len(entry.blocks)
         if entry is not None and not new_computed_blocks and num_tokens <= held * self.block_size:
             return True  # most decode steps: the last block still has room
+        assert num_tokens >= 0, num_tokens  # the scheduler's arithmetic, never a client's
         computed = list(new_computed_blocks)
         if computed:
             self._check_computed(entry, computed)

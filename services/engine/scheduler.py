@@ -133,20 +133,30 @@ class Scheduler:
             )
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        running, allocate = self.running, self.block_manager.allocate_slots
+        # Runs for every running request every step: locals, no helper calls on the common
+        # path (a decode whose last block has room).
+        running, scheduled = self.running, out.scheduled
+        bm = self.block_manager
+        allocate, block_ids = bm.allocate_slots, bm.block_ids
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            if req.num_placeholders and self._surely_finishes(req):
+            placeholders = req.num_placeholders
+            if placeholders and self._surely_finishes(req):
                 i += 1  # its last token is on its way: nothing more to compute for it
                 continue
             start = req.num_computed_tokens + req.num_scheduled_tokens
-            num_new = min(len(req.token_ids) + req.num_placeholders - start, budget)
+            end = len(req.token_ids) + placeholders
+            num_new = min(end - start, budget)
             # allocate_slots first: it succeeds at once while the last block has room.
             total = start + num_new
             if not allocate(req.request_id, total) and not self._preempt_for(req, total, out):
                 break  # req itself was preempted: everything after it is gone too
-            out.scheduled.append(self._scheduled(req, num_new))
+            samples = total == end
+            req.num_scheduled_tokens += num_new
+            req.num_placeholders = placeholders + samples
+            scheduled.append(ScheduledRequest(req, num_new, block_ids(req.request_id), samples,
+                                              start))
             budget -= num_new
             i += 1
         return budget
@@ -224,14 +234,24 @@ class Scheduler:
         that had finished (or was aborted) before the step was applied gets none: with async
         scheduling a step can be scheduled before its requests' previous tokens are known.
         """
-        sampled = [s.request for s in sched.scheduled if s.completes_sequence]
-        assert len(token_ids) == len(sampled), (len(token_ids), len(sampled))
+        assert len(token_ids) == sum(s.completes_sequence for s in sched.scheduled), (
+            "one token per request that samples")
         self.num_steps_in_flight -= 1
-        self._advance(sched)
         now = time.monotonic()
         finished = False
         kept = []
-        for req, tok in zip(sampled, token_ids):
+        running = RequestStatus.RUNNING
+        tokens = iter(token_ids)
+        for s in sched.scheduled:
+            req = s.request
+            if req.status is running:  # else preempted, finished or aborted since: no blocks
+                req.num_scheduled_tokens -= s.num_new_tokens
+                after = req.num_computed_tokens + s.num_new_tokens
+                self._cache_blocks(req, after)
+                req.num_computed_tokens = after
+            if not s.completes_sequence:
+                continue
+            tok = next(tokens)
             if req.status.is_finished:
                 continue  # the extra token of a step scheduled before it finished
             req.num_placeholders -= 1
@@ -251,16 +271,6 @@ class Scheduler:
             self.running[:] = [r for r in self.running if not r.status.is_finished]
             self._left.extend(r for r in kept if r.status.is_finished)
         return kept
-
-    def _advance(self, sched: SchedulerOutput) -> None:
-        for s in sched.scheduled:
-            req = s.request
-            if req.status is not RequestStatus.RUNNING:
-                continue  # preempted, finished or aborted since it was scheduled: no blocks
-            req.num_scheduled_tokens -= s.num_new_tokens
-            after = req.num_computed_tokens + s.num_new_tokens
-            self._cache_blocks(req, after)
-            req.num_computed_tokens = after
 
     def _stopped(self, req: Request, tok: int) -> bool:
         """Sets the finished status if ``tok`` ends the request; True if it does."""

@@ -113,7 +113,8 @@ def test_allocate_zero_tokens_registers_an_empty_table() -> None:
 
 @pytest.mark.parametrize("num_tokens", [-1, 1.5, None])
 def test_allocate_bad_num_tokens_raises(num_tokens: object) -> None:
-    with pytest.raises(ValueError, match="num_tokens"):
+    # The scheduler's arithmetic, never a client's input: an engine bug fails loudly.
+    with pytest.raises((AssertionError, TypeError)):
         BlockManager(2, BS).allocate_slots("a", num_tokens)  # type: ignore[arg-type]
 
 

@@ -131,6 +131,8 @@ SHAPES = [  # (num_heads, num_kv_heads, head_dim, block_size): specialised and g
     (16, 2, 128, 16),
     (32, 4, 128, 16),
     (6, 2, 32, 16),
+    (4, 2, 16, 16),
+    (6, 2, 48, 16),  # a head_dim without its own clone: the generic loops
     (4, 1, 64, 8),
     (12, 1, 64, 32),
 ]
