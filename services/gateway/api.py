@@ -187,6 +187,7 @@ def _builder(state: GatewayState, plan: _Plan) -> ResponseBuilder:
         echo_texts=echo,
         prompt_logprobs=req.params.prompt_logprobs is not None,
         tools=ToolOutput.of(req.constraint.tools, state.config.tool_call_parser),
+        fingerprint=plan.model.fingerprint,
     )
 
 

@@ -3,7 +3,8 @@
 Tokenizers come from ``--model NAME=HF_DIR``. The context length is the directory's
 ``max_position_embeddings`` until the engines report a ``max_model_len`` (the smallest wins);
 the block size is ``--block-size`` until the engines report theirs. Which models are *live*
-(have engines) is what the router's ``/engines`` said last.
+(have engines) is what the router's ``/engines`` said last. A model's ``system_fingerprint`` is
+recomputed whenever its block size or context length changes.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.gateway.config import ModelSpec
+from services.gateway.fingerprint import system_fingerprint
 from services.gateway.router_client import EngineInfo
 from services.protocol.openai import OpenAIError
 from services.text.tokenizer import Tokenizer
@@ -33,11 +35,19 @@ class ServedModel:
     engine_context: int | None = None  # smallest max_model_len the engines reported
     engine_ids: tuple[str, ...] = ()
     created: int = 0
+    fingerprint: str = ""  # set by refresh_fingerprint
+
+    def __post_init__(self) -> None:
+        self.refresh_fingerprint()
 
     @property
     def max_model_len(self) -> int | None:
         known = [c for c in (self.config_context, self.engine_context) if c]
         return min(known) if known else None
+
+    def refresh_fingerprint(self) -> None:
+        self.fingerprint = system_fingerprint(self.name, self.path, self.block_size,
+                                              self.max_model_len)
 
 
 def context_length_of(model_dir: str | Path) -> int | None:
@@ -144,3 +154,4 @@ class ModelRegistry:
             model.block_size = block_size
             limits = [e.max_model_len for e in mine if e.max_model_len]
             model.engine_context = min(limits) if limits else None
+            model.refresh_fingerprint()

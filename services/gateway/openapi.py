@@ -272,6 +272,8 @@ _COMPLETION_RESPONSE = {
         "object": {"type": "string"},
         "created": {"type": "integer"},
         "model": {"type": "string"},
+        "system_fingerprint": {"type": "string",
+                               "description": "the serving configuration that answered"},
         "choices": {"type": "array", "items": {"type": "object"}},
         "usage": {**_USAGE, "nullable": True},
     },

@@ -60,10 +60,13 @@ class ResponseBuilder:
         echo_texts: list[str] | None = None,
         prompt_logprobs: bool = False,
         tools: ToolOutput | None = None,
+        fingerprint: str | None = None,
     ) -> None:
         self.kind = kind
         self.rid = rid
         self.model = model
+        self._build = oa.chat_object if kind == "chat" else oa.completion_object
+        self._fingerprint = fingerprint  # system_fingerprint, on the body and every chunk
         self._want_logprobs = want_logprobs
         self._want_prompt_logprobs = prompt_logprobs
         # Completions echo with logprobs: the prompt's logprobs lead the choice's logprobs, so
@@ -119,7 +122,8 @@ class ResponseBuilder:
                 }
                 for c in self._choices.values()
             ]
-            body = oa.chat_object(self.rid, self.model, choices, usage)
+            body = self._build(self.rid, self.model, choices, usage,
+                               fingerprint=self._fingerprint)
             if self._want_prompt_logprobs:  # vLLM: one list for the (one) prompt, top level
                 body["prompt_logprobs"] = next(iter(self._choices.values())).prompt_logprobs
             return body
@@ -139,7 +143,7 @@ class ResponseBuilder:
             if self._want_prompt_logprobs:
                 choice["prompt_logprobs"] = c.prompt_logprobs
             choices.append(choice)
-        return oa.completion_object(self.rid, self.model, choices, usage)
+        return self._build(self.rid, self.model, choices, usage, fingerprint=self._fingerprint)
 
     # -- stream chunks ----------------------------------------------------------------------
 
@@ -208,12 +212,12 @@ class ResponseBuilder:
         return self._chunk(choice)
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
-        build = oa.chat_object if self.kind == "chat" else oa.completion_object
-        return build(self.rid, self.model, [], usage, chunk=True)
+        return self._build(self.rid, self.model, [], usage, chunk=True,
+                           fingerprint=self._fingerprint)
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
-        build = oa.chat_object if self.kind == "chat" else oa.completion_object
-        return build(self.rid, self.model, [choice], None, chunk=True)
+        return self._build(self.rid, self.model, [choice], None, chunk=True,
+                           fingerprint=self._fingerprint)
 
 
 def _chat_delta(text: str, parsed: ParsedDelta | None) -> dict[str, Any]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.metadata
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -31,6 +30,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.engine_metrics import engine_metrics
 from services.gateway.engine_watch import EngineWatch
 from services.gateway.errors import error_middleware
+from services.gateway.fingerprint import package_version
 from services.gateway.generation import Upstreams
 from services.gateway.metrics import OTHER_MODEL, GatewayMetrics
 from services.gateway.models import ModelRegistry, load_tokenizers
@@ -224,13 +224,6 @@ async def _metrics(request: web.Request) -> web.Response:
 async def _version(request: web.Request) -> web.Response:
     """vLLM's ``GET /version``: the server's version."""
     return web.json_response({"version": package_version()})
-
-
-def package_version() -> str:
-    try:
-        return importlib.metadata.version("pagoda")
-    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
-        return "0+unknown"
 
 
 async def _openapi(request: web.Request) -> web.Response:

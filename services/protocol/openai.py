@@ -469,31 +469,29 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 def completion_object(
     rid: str, model: str, choices: list[dict[str, Any]], use: dict[str, Any] | None,
-    chunk: bool = False,
+    chunk: bool = False, fingerprint: str | None = None,
 ) -> dict[str, Any]:
-    obj: dict[str, Any] = {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-    }
-    if use is not None or not chunk:
-        obj["usage"] = use
-    return obj
+    return _response_object(rid, "text_completion", model, choices, use, chunk, fingerprint)
 
 
 def chat_object(
     rid: str, model: str, choices: list[dict[str, Any]], use: dict[str, Any] | None,
-    chunk: bool = False,
+    chunk: bool = False, fingerprint: str | None = None,
 ) -> dict[str, Any]:
-    obj: dict[str, Any] = {
-        "id": rid,
-        "object": "chat.completion.chunk" if chunk else "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-    }
+    kind = "chat.completion.chunk" if chunk else "chat.completion"
+    return _response_object(rid, kind, model, choices, use, chunk, fingerprint)
+
+
+def _response_object(
+    rid: str, kind: str, model: str, choices: list[dict[str, Any]],
+    use: dict[str, Any] | None, chunk: bool, fingerprint: str | None,
+) -> dict[str, Any]:
+    """A response body or stream chunk: usage on every body, on a chunk only when given;
+    ``system_fingerprint`` (the serving configuration) when known."""
+    obj: dict[str, Any] = {"id": rid, "object": kind, "created": int(time.time()), "model": model}
+    if fingerprint is not None:
+        obj["system_fingerprint"] = fingerprint
+    obj["choices"] = choices
     if use is not None or not chunk:
         obj["usage"] = use
     return obj

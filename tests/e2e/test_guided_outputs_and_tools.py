@@ -208,6 +208,31 @@ def test_streamed_tool_calls_reassemble_to_the_whole_response(ready: Stack, tool
         assert [d["name"] for d in calls] == ["get_time"]
 
 
+@pytest.mark.parametrize("max_tokens", [14, 30])
+def test_required_calls_cut_by_max_tokens_are_dropped(ready: Stack, max_tokens: int) -> None:
+    """Parallel calls on: the output is cut inside a call (greedily the model's first call
+    ends after about 40 tokens); what comes back, whole or streamed, is only the calls that
+    closed, each valid against its tool, and finish_reason length."""
+    c = client(ready)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    kw: dict[str, Any] = {"model": MODEL, "messages": ASK, "tools": [WEATHER, TIME],
+                          "tool_choice": "required", "max_tokens": max_tokens,
+                          "temperature": 0}
+    whole = c.chat.completions.create(**kw)
+    choice = whole.choices[0]
+    assert whole.system_fingerprint and choice.finish_reason == "length"
+    assert whole.usage.completion_tokens == max_tokens
+    calls = as_dicts(choice.message)
+    for call in calls:
+        jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
+    chunks = list(c.chat.completions.create(stream=True, **kw))
+    assert all(ch.system_fingerprint == whole.system_fingerprint for ch in chunks)
+    _, streamed, finish = reassemble(chunks)
+    assert finish == "length"
+    assert [{k: v for k, v in d.items() if k != "id"} for d in streamed] == [
+        {k: v for k, v in d.items() if k != "id"} for d in calls]
+
+
 def test_tool_round_trip_through_the_chat_template(ready: Stack) -> None:
     c = client(ready)
     first = c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],

@@ -1,11 +1,17 @@
 """Completions and chat through the gateway with the official openai client: JSON and SSE,
-usage, n > 1, stop strings, multi-byte text, logprobs, block hashes and routing by model."""
+usage, system_fingerprint, n > 1, stop strings, multi-byte text, logprobs, block hashes and
+routing by model."""
 
 from __future__ import annotations
+
+import re
 
 import aiohttp
 import pytest
 
+from services.gateway.config import ModelSpec
+from services.gateway.models import ModelRegistry
+from services.gateway.router_client import EngineInfo
 from services.protocol.block_hash import BlockHasher
 from tests.gateway.conftest import MODEL, Stack, StackFactory
 
@@ -116,6 +122,39 @@ async def test_stream_without_usage_and_raw_sse_framing(stack: Stack) -> None:
     assert events[-1] == "" and events[-2] == "data: [DONE]"
     assert all(e.startswith("data: {") for e in events[:-2])
     assert '"usage"' not in raw
+
+
+async def test_system_fingerprint_on_every_body_and_chunk(stack: Stack) -> None:
+    script(stack, FOX)
+    fp = stack.app_state.models.get(MODEL).fingerprint
+    assert re.fullmatch(r"pagoda-\S+-[0-9a-f]{8}", fp)
+    c = stack.client()
+    messages = [{"role": "user", "content": "Foxes?"}]
+    assert (await c.completions.create(model=MODEL, prompt="hi")).system_fingerprint == fp
+    assert (await c.chat.completions.create(model=MODEL, messages=messages)
+            ).system_fingerprint == fp
+    usage = {"include_usage": True}
+    for stream in (
+        await c.completions.create(model=MODEL, prompt="hi", echo=True, stream=True,
+                                   stream_options=usage),
+        await c.chat.completions.create(model=MODEL, messages=messages, stream=True,
+                                        stream_options=usage),
+    ):
+        chunks = [ch async for ch in stream]
+        assert len(chunks) > 3 and chunks[-1].usage is not None
+        assert all(ch.system_fingerprint == fp for ch in chunks)
+
+
+async def test_system_fingerprint_follows_the_serving_configuration(
+        tokenizer, default_model_path) -> None:
+    registry = ModelRegistry.build([ModelSpec(MODEL, str(default_model_path))],
+                                   {MODEL: tokenizer}, block_size=16)
+    model = registry.get(MODEL)
+    seen = {model.fingerprint}
+    for block_size, context in ((16, None), (32, None), (32, 2048)):
+        registry.update([EngineInfo("e1", "http://e1", MODEL, block_size, context)])
+        seen.add(model.fingerprint)
+    assert len(seen) == 3  # the first update changed nothing
 
 
 async def test_n2_non_stream_seeds_and_choice_indexes(stack: Stack) -> None:

@@ -1,4 +1,5 @@
-"""Tool-call parsers on canned model outputs: whole text and streamed in pieces agree."""
+"""Tool-call parsers on canned model outputs: whole text and streamed in pieces agree, a call
+is sent only whole (never cut arguments), and parallel_tool_calls false keeps one call."""
 
 from __future__ import annotations
 
@@ -20,15 +21,16 @@ def run(parser, text: str, pieces: int | None = None, seed: int = 0):
     """Feeds ``text`` whole (pieces=None) or cut at random places; returns (content, calls as
     (name, arguments)) rebuilt from the deltas, as an OpenAI client does."""
     content, calls = "", {}
-    cuts = sorted(random.Random(seed).sample(range(1, len(text)), min(pieces or 0, len(text) - 1)))
+    count = max(0, min(pieces or 0, len(text) - 1))
+    cuts = sorted(random.Random(seed).sample(range(1, len(text)), count))
     chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
     deltas = [parser.feed(c) for c in chunks] + [parser.finish()]
     for d in deltas:
         content += d.content
         for c in d.calls:
-            entry = calls.setdefault(c.index, {"id": c.id, "name": c.name, "arguments": ""})
-            assert c.id is None or entry["id"] == c.id
-            entry["arguments"] += c.arguments
+            assert c.index not in calls and c.index == len(calls)  # each call once, whole
+            json.loads(c.arguments)
+            calls[c.index] = {"id": c.id, "name": c.name, "arguments": c.arguments}
     assert [c.arguments for c in parser.calls] == [calls[i]["arguments"] for i in sorted(calls)]
     assert parser.content == content
     return content, [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)]
@@ -74,3 +76,45 @@ def test_required_array_and_named_function(pieces) -> None:
     assert run(CallSequenceParser(), text, pieces) == (
         "", [("a", '{"x": [1, {"y": "]}"}]}'), ("b", "{}")])
     assert run(NamedFunctionParser("f"), '{"k": 1}', pieces) == ("", [("f", '{"k": 1}')])
+
+
+CALLS = [{"name": "a", "parameters": {"x": [1, {"y": "]}"}]}},
+         {"name": "b", "parameters": {"city": "Paris"}}]
+
+
+def test_a_cut_output_never_yields_a_cut_call() -> None:
+    """max_tokens can end the output anywhere: at every cut, the calls are exactly the ones
+    whose objects closed, each with complete JSON arguments, streamed or not."""
+    text = json.dumps(CALLS)
+    first_end = text.index("}}") + 2
+    for cut in range(len(text) + 1):
+        head = text[:cut]
+        expected = [("a", json.dumps(CALLS[0]["parameters"]))] if cut >= first_end else []
+        if cut >= len(text) - 1:  # the second object closed (the array's "]" may be missing)
+            expected.append(("b", json.dumps(CALLS[1]["parameters"])))
+        for pieces in (None, 4):
+            assert run(CallSequenceParser(), head, pieces, seed=cut) == ("", expected), cut
+    for cut in range(len('{"k": [1, 2]}')):
+        assert run(NamedFunctionParser("f"), '{"k": [1, 2]}'[:cut]) == ("", [])
+
+
+@pytest.mark.parametrize("pieces", [None, 6])
+def test_hermes_drops_a_cut_last_call_and_bad_arguments(pieces) -> None:
+    good = '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+    assert run(PARSERS["hermes"](), good + '<tool_call>{"name": "g", "arguments": {"b": ',
+               pieces) == ("", [("f", '{"a": 1}')])
+    assert run(PARSERS["hermes"](), '<tool_call>{"name": "f", "arguments": {a: 1}}</tool_call>'
+               + good, pieces) == ("", [("f", '{"a": 1}')])
+
+
+def test_a_call_without_arguments_takes_an_empty_object() -> None:
+    assert run(PARSERS["llama3_json"](), '{"name": "noop"}') == ("", [("noop", "{}")])
+
+
+@pytest.mark.parametrize("pieces", [None, 9])
+def test_parallel_tool_calls_false_keeps_the_first_call(pieces) -> None:
+    text = json.dumps(CALLS)
+    assert [n for n, _ in run(CallSequenceParser(1), text, pieces)[1]] == ["a"]
+    hermes = "".join(f"<tool_call>{json.dumps({'name': c['name'], 'arguments': {}})}</tool_call>"
+                     for c in CALLS)
+    assert run(PARSERS["hermes"](1), hermes, pieces) == ("", [("a", "{}")])

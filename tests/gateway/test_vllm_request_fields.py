@@ -9,7 +9,7 @@ import aiohttp
 import openai
 import pytest
 
-from services.gateway.server import package_version
+from services.gateway.fingerprint import package_version
 from tests.gateway.conftest import MODEL, Stack, StackFactory
 
 pytestmark = pytest.mark.asyncio

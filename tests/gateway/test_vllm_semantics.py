@@ -17,7 +17,12 @@ import openai
 import pytest
 import requests
 
-from services.engine.serving.request_metrics import ITERATION_TOKEN_BUCKETS, REQUEST_LATENCY_BUCKETS
+from services.engine.serving.request_metrics import (
+    ITERATION_TOKEN_BUCKETS,
+    PREEMPTION_BUCKETS,
+    REQUEST_LATENCY_BUCKETS,
+    TIME_PER_OUTPUT_TOKEN_BUCKETS,
+)
 from tests.support.stack import PagodaStack
 
 CONTEXT = 4096  # fast_model_dir's max_position_embeddings
@@ -187,9 +192,14 @@ def _samples(text: str) -> list[tuple[str, dict[str, str], float]]:
     return out
 
 
+def _engine_metrics(pagoda: PagodaStack) -> str:
+    return urllib.request.urlopen(pagoda.engines[0].url + "/metrics", timeout=5).read().decode()
+
+
 def test_engine_exports_vllms_metric_families(pagoda: PagodaStack) -> None:
-    post(pagoda, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "n": 2, **GREEDY})
-    text = urllib.request.urlopen(pagoda.engines[0].url + "/metrics", timeout=5).read().decode()
+    before = _samples(_engine_metrics(pagoda))
+    resp = post(pagoda, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "n": 2, **GREEDY})
+    text = _engine_metrics(pagoda)
     types = dict(_FAMILY.findall(text))
     expected = {
         "vllm:request_queue_time_seconds": "histogram",
@@ -204,6 +214,10 @@ def test_engine_exports_vllms_metric_families(pagoda: PagodaStack) -> None:
         "vllm:num_requests_waiting_by_reason": "gauge",
         "vllm:cache_config_info": "gauge",
         "vllm:prompt_tokens_cached_total": "counter",
+        "vllm:request_time_per_output_token_seconds": "histogram",
+        "vllm:request_num_preemptions": "histogram",
+        "vllm:request_prefill_kv_computed_tokens": "histogram",
+        "vllm:request_max_num_generation_tokens": "histogram",
     }
     for name, kind in expected.items():
         assert types.get(name) == kind, (name, types.get(name))
@@ -220,9 +234,30 @@ def test_engine_exports_vllms_metric_families(pagoda: PagodaStack) -> None:
         *(str(float(b)) for b in ITERATION_TOKEN_BUCKETS), "+Inf"]
     tokens = bounds("vllm:request_prompt_tokens")
     assert tokens[:3] == ["1.0", "2.0", "5.0"] and float(tokens[-2]) <= CONTEXT
-    decodes = [v for n, lb, v in samples
-               if n == "vllm:request_decode_time_seconds_count" and lb == mine]
-    assert decodes and decodes[0] >= 2  # the two samples of n=2
+    assert bounds("vllm:request_time_per_output_token_seconds") == [
+        *(str(float(b)) for b in TIME_PER_OUTPUT_TOKEN_BUCKETS), "+Inf"]
+    assert bounds("vllm:request_num_preemptions") == [
+        *(str(float(b)) for b in PREEMPTION_BUCKETS), "+Inf"]
+    assert bounds("vllm:request_prefill_kv_computed_tokens") == tokens
+    assert bounds("vllm:request_max_num_generation_tokens") == tokens
+
+    def grew(name: str) -> float:
+        def value(snapshot) -> float:
+            return sum(v for n, lb, v in snapshot if n == name and lb == mine)
+        return value(samples) - value(before)
+
+    # The two samples of n=2, each its own engine request of 3 generated tokens.
+    for family in ("vllm:request_decode_time_seconds", "vllm:request_num_preemptions",
+                   "vllm:request_time_per_output_token_seconds",
+                   "vllm:request_prefill_kv_computed_tokens",
+                   "vllm:request_max_num_generation_tokens"):
+        assert grew(family + "_count") == 2, family
+    assert grew("vllm:request_max_num_generation_tokens_sum") == 6
+    assert grew("vllm:request_num_preemptions_sum") == 0
+    assert grew("vllm:request_time_per_output_token_seconds_sum") > 0
+    prompt_len = resp.json()["usage"]["prompt_tokens"]
+    cached = grew("vllm:prompt_tokens_cached_total")
+    assert grew("vllm:request_prefill_kv_computed_tokens_sum") == 2 * prompt_len - cached
     assert re.search(r'^vllm:num_requests_waiting_by_reason\{.*reason="capacity".*\} 0\.0$', text,
                      re.MULTILINE)
     assert re.search(r'^vllm:cache_config_info\{.*block_size="16".*num_gpu_blocks="512".*\} 1\.0$',

@@ -3,7 +3,9 @@
 each engine step.
 
 Each sample of an ``n > 1`` request is its own engine request here (the gateway fans out
-``n``), so ``vllm:request_params_n`` observes 1 per engine request.
+``n``), so ``vllm:request_params_n`` observes 1 per engine request, and
+``vllm:request_max_num_generation_tokens`` (vLLM: the most tokens any of a request's ``n``
+samples generated) observes that request's own generated tokens.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 N_BUCKETS = (1, 2, 5, 10, 20)
+# vLLM's inter-token latency buckets (seconds), also those of the per-request mean (TPOT).
+TIME_PER_OUTPUT_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                                 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)  # vLLM's: the first holds 0 and 1 preemption
 ENGINE_INDEX = "0"  # one engine core per process (vLLM labels data-parallel cores 0, 1, ...)
 
 
@@ -66,6 +72,20 @@ class RequestMetrics:
                              N_BUCKETS)
         self.params_max_tokens = hist("vllm:request_params_max_tokens",
                                       "Histogram of the max_tokens request parameter.", tokens)
+        self.max_generation_tokens = hist(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.", tokens)
+        self.time_per_output_token = hist(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            TIME_PER_OUTPUT_TOKEN_BUCKETS)
+        self.num_preemptions = hist("vllm:request_num_preemptions",
+                                    "Histogram of the number of preemptions per request.",
+                                    PREEMPTION_BUCKETS)
+        self.prefill_kv_computed = hist(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            tokens)
         self.iteration_tokens = hist("vllm:iteration_tokens_total",
                                      "Histogram of number of tokens per engine_step.",
                                      ITERATION_TOKEN_BUCKETS)
@@ -83,6 +103,7 @@ class RequestMetrics:
         output_tokens: int,
         cached_tokens: int,
         max_tokens: int,
+        num_preemptions: int = 0,
         now: float | None = None,
     ) -> None:
         """One finished engine request; times are ``time.monotonic()`` seconds."""
@@ -92,10 +113,17 @@ class RequestMetrics:
         first = first_token if first_token is not None else now
         self.queue.labels(*lv).observe(max(scheduled - arrival, 0.0))
         self.prefill.labels(*lv).observe(max(first - scheduled, 0.0))
-        self.decode.labels(*lv).observe(max(now - first, 0.0))
+        decode = max(now - first, 0.0)
+        self.decode.labels(*lv).observe(decode)
         self.inference.labels(*lv).observe(max(now - scheduled, 0.0))
         self.prompt_tokens.labels(*lv).observe(prompt_tokens)
         self.generation_tokens.labels(*lv).observe(output_tokens)
+        # As vLLM: the first token is the prefill's, so the mean is over the ones after it.
+        tpot = decode / (output_tokens - 1) if output_tokens > 1 else 0.0
+        self.time_per_output_token.labels(*lv).observe(tpot)
+        self.max_generation_tokens.labels(*lv).observe(output_tokens)
+        self.num_preemptions.labels(*lv).observe(num_preemptions)
+        self.prefill_kv_computed.labels(*lv).observe(prompt_tokens - max(cached_tokens, 0))
         self.params_n.labels(*lv).observe(1)
         if max_tokens:
             self.params_max_tokens.labels(*lv).observe(max_tokens)

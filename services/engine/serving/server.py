@@ -309,7 +309,7 @@ async def _stream(
                 arrival=item.arrival_time, first_scheduled=item.first_scheduled_time,
                 first_token=item.first_token_time, prompt_tokens=item.num_prompt_tokens,
                 output_tokens=item.num_output_tokens, cached_tokens=item.num_cached_tokens,
-                max_tokens=item.max_tokens)
+                max_tokens=item.max_tokens, num_preemptions=item.num_preemptions)
             await resp.write(_finished(item))
             await resp.write_eof()
             return True

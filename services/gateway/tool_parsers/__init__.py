@@ -4,6 +4,9 @@
     required   the grammar-forced JSON array of {"name", "parameters"} (``CallSequenceParser``)
     function   the whole output is the named function's arguments (``NamedFunctionParser``)
     none       no parser: the text is the content
+
+With ``parallel_tool_calls`` false every parser keeps only the first call (the required
+grammar already allows only one).
 """
 
 from __future__ import annotations
@@ -22,14 +25,19 @@ __all__ = ["PARSERS", "ParsedDelta", "ToolCall", "ToolCallDelta", "ToolParser", 
 
 
 class NamedFunctionParser(ToolParser):
-    """tool_choice names a function: the grammar makes the whole output its arguments."""
+    """tool_choice names a function: the grammar makes the whole output its arguments, which
+    are complete only when the output is (a cut output is no call)."""
 
-    def __init__(self, name: str) -> None:
-        super().__init__()
-        self._begin_call(name)
+    def __init__(self, name: str, max_calls: int | None = None) -> None:
+        super().__init__(max_calls)
+        self._name = name
+        self._arguments = ""
 
     def _feed(self, text: str) -> None:
-        self._emit_arguments(text)
+        self._arguments += text
+
+    def _finish(self) -> None:
+        self._add_call(self._name, self._arguments)
 
 
 def parser_factory(spec: ToolSpec | None,
@@ -38,8 +46,10 @@ def parser_factory(spec: ToolSpec | None,
     has refused tool_choice auto without a configured parser (``needs_parser``)."""
     if spec is None or spec.choice == "none":
         return None
+    max_calls = None if spec.parallel else 1
     if spec.choice == "required":
-        return CallSequenceParser
+        return lambda: CallSequenceParser(max_calls)
     if spec.choice == "function":
-        return lambda: NamedFunctionParser(spec.function)
-    return PARSERS[configured]
+        return lambda: NamedFunctionParser(spec.function, max_calls)
+    parser = PARSERS[configured]
+    return lambda: parser(max_calls)

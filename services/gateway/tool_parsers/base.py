@@ -3,11 +3,19 @@
 A parser reads one choice's text as it streams (``feed``) and splits it into content and tool
 calls; ``finish`` flushes what it held back. The non-streaming response runs the same parser
 over the same text, so the streamed deltas always reassemble to the whole response.
-Arguments are streamed as the model wrote them (the raw JSON text of the arguments value).
+
+A call is sent whole, in one delta (id, name and arguments), once its arguments are complete:
+the raw text of the arguments value as the model wrote it, which must parse as JSON. A call
+that never completes (cut off by ``max_tokens``, a stop string or an abort) is dropped, in a
+stream as in a whole response, so no client ever receives arguments it cannot parse; the
+choice's finish reason (``length``...) says the output was cut. With ``max_calls`` (1 when
+``parallel_tool_calls`` is false) the calls after the first ``max_calls`` are dropped, as
+vLLM does.
 """
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass, field
 
@@ -25,21 +33,16 @@ class ToolCall:
 
 @dataclass(slots=True)
 class ToolCallDelta:
-    """A piece of call ``index``: its first delta carries id and name."""
+    """Call ``index`` of the choice, whole: the only delta it gets."""
 
     index: int
-    id: str | None = None
-    name: str | None = None
-    arguments: str = ""
+    id: str
+    name: str
+    arguments: str
 
     def to_openai(self) -> dict:
-        out: dict = {"index": self.index}
-        fn: dict = {"arguments": self.arguments}
-        if self.id is not None:
-            out["id"], out["type"] = self.id, "function"
-            fn = {"name": self.name, "arguments": self.arguments}
-        out["function"] = fn
-        return out
+        return {"index": self.index, "id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
 
 
 @dataclass(slots=True)
@@ -64,12 +67,22 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-class ToolParser:
-    """Base: call bookkeeping. Subclasses implement ``_feed`` and may override ``_finish``."""
+def is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
-    def __init__(self) -> None:
+
+class ToolParser:
+    """Base: call bookkeeping. Subclasses implement ``_feed`` and may override ``_finish``;
+    they report each call with ``_add_call`` when its text is complete."""
+
+    def __init__(self, max_calls: int | None = None) -> None:
         self.calls: list[ToolCall] = []
         self.content = ""
+        self._max_calls = max_calls
         self._out = ParsedDelta()
 
     def feed(self, text: str) -> ParsedDelta:
@@ -93,21 +106,16 @@ class ToolParser:
             self.content += text
             self._out.content += text
 
-    def _begin_call(self, name: str) -> None:
-        call = ToolCall(new_call_id(), name)
-        self.calls.append(call)
-        self._out.calls.append(ToolCallDelta(len(self.calls) - 1, call.id, name))
-
-    def _emit_arguments(self, text: str) -> None:
-        if not text:
+    def _add_call(self, name: str, arguments: str) -> None:
+        """A call whose text is complete: kept (and sent) unless its arguments are not JSON or
+        the choice already has ``max_calls`` calls."""
+        if self._max_calls is not None and len(self.calls) >= self._max_calls:
             return
-        self.calls[-1].arguments += text
-        index = len(self.calls) - 1
-        last = self._out.calls[-1] if self._out.calls else None
-        if last is not None and last.index == index:
-            last.arguments += text
-        else:
-            self._out.calls.append(ToolCallDelta(index, arguments=text))
+        if not is_json(arguments):
+            return
+        call = ToolCall(new_call_id(), name, arguments)
+        self.calls.append(call)
+        self._out.calls.append(ToolCallDelta(len(self.calls) - 1, call.id, name, arguments))
 
     def _take(self) -> ParsedDelta:
         out, self._out = self._out, ParsedDelta()

@@ -1,18 +1,19 @@
 """Hermes-style calls (Qwen2.5, Qwen3, Hermes 2/3): ``<tool_call>{"name": ..., "arguments":
 {...}}</tool_call>``, any number of them. Text before the first call is the content; text after
-a call (between or after the blocks) is dropped, as vLLM's parser does."""
+a call (between or after the blocks) is dropped, as vLLM's parser does. A last call left
+without its end tag still counts when its object is complete."""
 
 from __future__ import annotations
 
-from services.gateway.tool_parsers.base import ToolParser, partial_suffix
+from services.gateway.tool_parsers.base import ParsedDelta, ToolParser, partial_suffix
 from services.gateway.tool_parsers.sequence import CallSequenceParser
 
 START, END = "<tool_call>", "</tool_call>"
 
 
 class HermesParser(ToolParser):
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, max_calls: int | None = None) -> None:
+        super().__init__(max_calls)
         self._buf = ""
         self._inside: CallSequenceParser | None = None
         self._seen_call = False
@@ -50,7 +51,7 @@ class HermesParser(ToolParser):
         return True
 
     def _finish(self) -> None:
-        if self._inside is not None:  # an unterminated last call: keep what it had
+        if self._inside is not None:  # no end tag: a call if its object closed
             self._relay(self._inside.feed(self._buf))
         else:
             self._content(self._buf)
@@ -60,8 +61,6 @@ class HermesParser(ToolParser):
         if not self._seen_call:
             self._emit_content(text)
 
-    def _relay(self, delta) -> None:
+    def _relay(self, delta: ParsedDelta) -> None:
         for d in delta.calls:
-            if d.id is not None:
-                self._begin_call(d.name)
-            self._emit_arguments(d.arguments)
+            self._add_call(d.name, d.arguments)

@@ -1,9 +1,8 @@
 """An incremental reader of one JSON call object, ``{"name": ..., "arguments": {...}}``.
 
-Fed characters as they stream, it finds the name (once its string is complete) and passes
-through the raw text of the ``arguments`` (or ``parameters``) value as it arrives, whatever the
-key order: arguments that come before the name are held until the name is known. It stops at
-the object's closing brace and says how many characters it used.
+Fed characters as they stream, it finds the name and collects the raw text of the
+``arguments`` (or ``parameters``) value, whatever the key order. It stops at the object's
+closing brace (``done``) and says how many characters it used.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ PYTHON_TAG = "<|python_tag|>"
 
 
 class Llama3JsonParser(ToolParser):
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, max_calls: int | None = None) -> None:
+        super().__init__(max_calls)
         self._buf = ""
         self._mode: str | None = None  # None (undecided) | "content" | "calls"
         self._calls = CallSequenceParser()
@@ -33,9 +33,7 @@ class Llama3JsonParser(ToolParser):
             self._emit_content(text)
             return
         for d in self._calls.feed(text).calls:
-            if d.id is not None:
-                self._begin_call(d.name)
-            self._emit_arguments(d.arguments)
+            self._add_call(d.name, d.arguments)
 
     def _finish(self) -> None:
         if self._mode is None:
