@@ -23,8 +23,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from services.common import tracing
 from services.common.http_errors import json_error, json_errors
 from services.common.redis_index import KVIndexReader, connect, redact_url
-from services.protocol.messages import MessageError, RouteRequest
+from services.protocol.messages import RouteRequest
 from services.protocol.redis_schema import RedisKeys
+from services.protocol.wire import BadRequest
 from services.router.config import RouterConfig
 from services.router.discovery import (
     Discovery,
@@ -125,8 +126,8 @@ async def handle_route(request: web.Request) -> web.Response:
         return json_error(413, f"request body is too large: {exc.text}")
     try:
         route_request = RouteRequest.from_msgpack(body)
-    except MessageError as exc:
-        return json_error(400, str(exc), exc.field)
+    except BadRequest as exc:
+        return json_error(400, str(exc), exc.param)
     try:
         response = await request.app[ROUTER_KEY].route(route_request)
     except NoEngineError as exc:

@@ -14,7 +14,7 @@ SERVICES = Path(__file__).resolve().parents[2] / "services"
 ALLOWED = {
     "protocol": set(),
     "common": {"protocol"},
-    "text": {"protocol"},
+    "text": {"protocol", "common"},  # common.model_files: the tokenizer's end-of-sequence ids
     "engine": {"protocol", "common", "text"},
     "router": {"protocol", "common"},
     "gateway": {"protocol", "common", "text"},
