@@ -21,7 +21,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.common import tracing
-from services.common.http_errors import json_error, json_errors
+from services.common.http_errors import error_middleware, json_error
 from services.common.redis_index import KVIndexReader, connect, redact_url
 from services.protocol.messages import RouteRequest
 from services.protocol.redis_schema import RedisKeys
@@ -52,7 +52,7 @@ ROUTER_KEY = web.AppKey("router", Router)
 def create_app(config: RouterConfig) -> web.Application:
     app = web.Application(
         client_max_size=MAX_BODY_BYTES,
-        middlewares=[json_errors, tracing.server_span_middleware(["/route"])],
+        middlewares=[error_middleware, tracing.server_span_middleware(["/route"])],
     )
     app[CONFIG_KEY] = config
     app[METRICS_KEY] = RouterMetrics()

@@ -32,10 +32,8 @@ class WorkerArgs:
 def worker_main(args: WorkerArgs) -> None:
     """A worker process: join the group, load the shard, run steps until told to stop."""
     die_with_parent()
-    logging.basicConfig(
-        level=args.log_level,
-        format=f"%(asctime)s %(levelname)s [tp rank {args.rank}] %(name)s: %(message)s",
-    )
+    from services.common.logs import setup_logging
+    setup_logging(args.log_level, f"engine-tp{args.rank}")
     if os.getppid() == 1:  # the engine died before the death signal was armed
         os._exit(EXIT_CODE)
     from services.engine.model_runner import ModelRunner  # the worker's heavy imports

@@ -22,7 +22,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.common import tracing
 from services.common.default_model import DEFAULT_MODEL_NAME
-from services.common.http_errors import json_error, json_errors
+from services.common.http_errors import error_middleware, json_error
+from services.common.logs import setup_logging
 from services.engine.config import EngineConfig
 from services.engine.engine import RequestUpdate
 from services.engine.serving.core_client import CoreClient, InternalEngineError
@@ -62,7 +63,7 @@ SERVER_CONFIG = web.AppKey("server_config", ServerConfig)
 def create_app(engine_config: EngineConfig, server_config: ServerConfig) -> web.Application:
     app = web.Application(
         client_max_size=64 * 1024 * 1024,
-        middlewares=[json_errors, tracing.server_span_middleware([engine_api.GENERATE_PATH])],
+        middlewares=[error_middleware, tracing.server_span_middleware([engine_api.GENERATE_PATH])],
     )
     app[SERVER_CONFIG] = server_config
     app[LIFECYCLE] = Lifecycle()
@@ -426,8 +427,7 @@ async def _publish_loop(app: web.Application) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     engine_config, server_config = configs_from_args(argv)  # flags: server_config.py
-    logging.basicConfig(level=server_config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    setup_logging(server_config.log_level, "engine")
     global _EXIT_ON_CORE_DEATH
     _EXIT_ON_CORE_DEATH = True
     app = create_app(engine_config, server_config)
