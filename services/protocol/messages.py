@@ -1,11 +1,8 @@
 """Msgpack wire messages of the routing plane: an engine's heartbeat (engine -> Redis -> router)
 and the route request and answer (gateway -> router -> gateway).
 
-They are ``wire.Message`` subclasses: ``from_dict``/``from_msgpack`` validate them with the one
-validator the engine's messages use too, under the same limits (``services.protocol.wire``).
-To add a message: subclass ``Message`` with ``@dataclass(frozen=True, slots=True)``, give the
-fields type hints the validator knows, size bounds with ``bounds``, and value checks in
-``_check``.
+They are ``wire.Message`` subclasses, validated when decoded by the one validator the engine's
+messages use too, under the same limits (``services.protocol.wire``, which says how to add one).
 """
 
 from __future__ import annotations
@@ -128,8 +125,9 @@ class RouteResponse(Message):
     engine_id: str = field(metadata=bounds(MAX_NAME_CHARS, min_len=1))
     url: str = field(metadata=bounds(MAX_URL_CHARS, min_len=1))
     matched_blocks: int  # leading blocks of the prompt the index says the engine holds
-    reason: str  # e.g. "prefix-hit", "least-loaded", "hot-spot", "round-robin", "degraded"
-    policy: str  # the policy that decided
+    # e.g. "prefix-hit", "least-loaded", "hot-spot", "round-robin", "degraded"
+    reason: str = field(metadata=bounds(MAX_NAME_CHARS))
+    policy: str = field(metadata=bounds(MAX_NAME_CHARS))  # the policy that decided
 
     def _check(self) -> None:
         _check_non_negative("RouteResponse.matched_blocks", self.matched_blocks)

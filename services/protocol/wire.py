@@ -3,16 +3,21 @@ heartbeats), and the limits every service applies to them.
 
 Every message is a frozen dataclass subclassing ``Message`` whose type hints are its schema.
 Decoding (``from_dict``, ``from_msgpack``) checks, in this order: the body is a map; each
-field's size against its declared ``bounds``, before any element is looked at, so a
-huge list costs nothing; each field against its type hint (``str``, ``int``, ``float``,
-``bool``, ``bytes``, ``list[X]``, ``X | None``, a str ``Enum``, a nested message, or the
-field's ``codec``); then the message's ``_check`` for its values (ranges, relations
-between fields). Anything wrong raises ``BadRequest`` (a ValueError, answered as a 400) whose
-``param`` names the top-level field at fault (None: the body as a whole) and whose text starts
-with ``Message.field``; a peer can never crash a service with a bad frame.
+field's size against its ``bounds``, before any item is looked at (a huge list costs nothing);
+each field against its type hint (``str``, ``int``, ``float``, ``bool``, ``bytes``,
+``list[X]``, ``X | None``, a str ``Enum``, a nested message) or its ``codec``; then the
+message's ``_check`` for its values (ranges, relations between fields). Anything wrong raises
+``BadRequest`` (a ValueError, answered as a 400) whose ``param`` names the top-level field at
+fault (None: the body as a whole; a sampling parameter for the engine's ``params``) and whose
+text names it too; a peer can never crash a service with a bad frame.
 
 Constructing a message in code does not validate: the code that builds it is trusted (types and
 tests), and the receiver validates when it decodes: input is checked once, where it enters.
+
+To add a message: subclass ``Message`` with ``@dataclass(frozen=True, slots=True)``, give its
+fields hints from the list above, bound every str and list field
+(``name: str = field(metadata=bounds(MAX_NAME_CHARS, min_len=1))``), and put value checks in
+``_check``, their messages starting with ``Message.field``.
 
 Compatibility rules, so that replicas of different versions can talk during a rolling upgrade:
 unknown keys are ignored, and a field added later must have a default.
@@ -87,10 +92,9 @@ class Message:
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            encode = f.metadata.get("encode")
-            value = getattr(self, f.name)
-            out[f.name] = encode(value) if encode is not None else _plain(value)
+        for name, encode in _encoders_of(type(self)):
+            value = getattr(self, name)
+            out[name] = value if encode is None else encode(value)
         return out
 
     @classmethod
@@ -101,6 +105,8 @@ class Message:
         hints = _hints_of(cls)
         kwargs: dict[str, Any] = {}
         for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            if not f.init:
+                continue
             if f.name not in data:
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                     raise BadRequest(f"{name}: missing field {f.name!r}", f.name)
@@ -187,6 +193,28 @@ def _plain(value: Any) -> Any:
 
 
 _HINT_CACHE: dict[type, dict[str, Any]] = {}
+_ENCODER_CACHE: dict[type, list[tuple[str, Encode | None]]] = {}
+
+
+def _encoders_of(cls: type) -> list[tuple[str, Encode | None]]:
+    """Each field with what turns it into msgpack-ready values: its codec's encode, ``_plain``
+    where its type holds messages or enums, or None: the value goes as it is (a prompt's token
+    list is never copied)."""
+    encoders = _ENCODER_CACHE.get(cls)
+    if encoders is None:
+        hints = _hints_of(cls)
+        encoders = [
+            (f.name, f.metadata.get("encode") or (_plain if _needs_plain(hints[f.name]) else None))
+            for f in dataclasses.fields(cls)
+        ]
+        _ENCODER_CACHE[cls] = encoders
+    return encoders
+
+
+def _needs_plain(hint: Any) -> bool:
+    if isinstance(hint, type):
+        return issubclass(hint, (Message, Enum))
+    return any(_needs_plain(a) for a in typing.get_args(hint))
 
 
 def _hints_of(cls: type) -> dict[str, Any]:
@@ -232,7 +260,7 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
 
 def _coerce_list(item: Any, value: Any, where: str) -> list[Any]:
     if isinstance(value, (list, tuple)):
-        if item is int and all(type(v) is int for v in value):  # token ids: one fast pass
+        if item is int and set(map(type, value)) <= {int}:  # token ids: one pass in C
             return list(value)
         return [_coerce(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
     raise ValueError(f"{where}: expected a list, got {kind(value)}")
