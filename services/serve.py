@@ -3,12 +3,15 @@
 Starts a real redis-server on loopback (installing it if missing), ENGINES engine processes,
 the router and the gateway; Ctrl-C (or SIGTERM) stops all of it, engines first drained.
 
-    python -m services.serve --port 8000 --engines 1 [--model PATH]
+    python -m services.serve --port 8000 --engines 1 [--model PATH] [engine flags]
+
+Its own flags are ``ServeConfig``'s (the one CLI scheme, ``services.common.cli``); any other
+flag is an engine flag (``python -m services.engine.serving.server --help``), passed to every
+engine, as ``vllm serve`` takes the engine's arguments.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import shutil
@@ -18,9 +21,15 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+from services.common import cli
+from services.common.cli import flag
 from services.common.default_model import default_model_dir, is_converted
+from services.common.logs import setup_logging
+from services.router.config import PolicyName
 
 logger = logging.getLogger("pagoda.serve")
 
@@ -81,27 +90,51 @@ def _default_model() -> Path:
     return path
 
 
+PROG = "python -m services.serve"
+# Set by serve for each engine (--port and --model are serve's own flags as well).
 _FIXED_ENGINE_FLAGS = {"--port", "--model", "--engine-id", "--redis-url"}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--port", type=int, default=8000, help="gateway port")
-    ap.add_argument("--engines", type=int, default=1, help="engine processes")
-    ap.add_argument("--model", default=None, help="HF model directory (default: SmolLM2)")
-    ap.add_argument("--policy", default="prefix", help="routing policy")
-    ap.add_argument("--dtype", default="auto", help="engine dtype (auto: float32 on the CPU)")
-    ap.add_argument("--api-key", action="append", default=[], help="require this API key")
-    # Any other flag is an engine flag (`python -m services.engine.serving.server --help`), passed to
-    # every engine, as `vllm serve` takes the engine's arguments.
-    args, engine_flags = ap.parse_known_args(argv)
-    if any(f.split("=")[0] in _FIXED_ENGINE_FLAGS for f in engine_flags):
-        raise SystemExit(f"these engine flags are set by serve itself: {sorted(_FIXED_ENGINE_FLAGS)}")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    port: int = flag(8000, help="gateway port")
+    engines: int = flag(1, help="engine processes")
+    model: str | None = flag(None, help="HF model directory (default: SmolLM2)")
+    policy: PolicyName = flag(PolicyName.PREFIX, help="routing policy")
+    dtype: str = flag("auto", help="engine dtype (auto: float32 on the CPU)")
+    api_keys: tuple[str, ...] = flag(
+        (), name="api-key", repeat=True, metavar="KEY",
+        help="require this API key (repeat for several)",
+    )
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.engines < 1:
+            raise ValueError(f"engines must be >= 1, got {self.engines}")
+
+
+def args_from(argv: Sequence[str] | None = None) -> tuple[ServeConfig, list[str]]:
+    """serve's config and the engine flags (every flag it has not), in order; exits 2 on a
+    bad flag of its own, or on an engine flag it sets itself."""
+    config, engine_flags = cli.config_and_rest(
+        ServeConfig, argv, prog=PROG, description=__doc__.split("\n\n")[0],
+        epilog="Any other flag is passed to every engine "
+        "(python -m services.engine.serving.server --help).",
+    )
+    fixed = sorted({f.split("=")[0] for f in engine_flags} & _FIXED_ENGINE_FLAGS)
+    if fixed:  # as argparse says it: status 2
+        print(f"{PROG}: error: serve sets {', '.join(fixed)} for each engine itself",
+              file=sys.stderr)
+        raise SystemExit(2)
+    return config, engine_flags
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, engine_flags = args_from(argv)
+    setup_logging("INFO", "serve")
     # Started in the background by a shell, SIGINT arrives ignored; Ctrl-C must still stop us.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    if args.engines < 1:
-        raise SystemExit("--engines must be >= 1")
 
     model_dir = Path(args.model) if args.model else _default_model()
     model_name = model_dir.name
@@ -149,12 +182,12 @@ def main(argv: list[str] | None = None) -> int:
         p = start("router", [_PY, "-m", "services.router", "--host", "127.0.0.1",
                              "--port", str(router_port),
                              "--redis-url", redis_url, "--engines", ",".join(engine_urls),
-                             "--policy", args.policy])
+                             "--policy", args.policy.value])
         wait_http(f"http://127.0.0.1:{router_port}/health", 60, p)
         gw_cmd = [_PY, "-m", "services.gateway", "--host", "127.0.0.1", "--port", str(args.port),
                   "--router-url", f"http://127.0.0.1:{router_port}",
                   "--model", f"{model_name}={model_dir}"]
-        for key in args.api_key:
+        for key in args.api_keys:
             gw_cmd += ["--api-key", key]
         p = start("gateway", gw_cmd)
         wait_http(f"http://127.0.0.1:{args.port}/health", 120, p)

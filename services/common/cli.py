@@ -1,7 +1,8 @@
 """Command-line flags from a config dataclass: the one way every service builds its CLI.
 
 Each init field of the dataclass is one flag, ``redis_url`` -> ``--redis-url``, declared with
-its help text by :func:`flag`. The dataclass stays the only source of defaults (a flag not
+its help text by :func:`flag` (or, with ``positional=True``, one positional argument: a batch
+job's input file). The dataclass stays the only source of defaults (a flag not
 given is not passed, so the field's own default applies) and of validation (its
 ``__post_init__``; a ``ValueError`` there becomes an argparse error, exit status 2).
 
@@ -14,6 +15,9 @@ How a field's type reads from the command line:
     tuple[X, ...], list[X]   one comma-separated value (``--engines URL,URL``), or with
                              ``repeat=True`` the flag repeats, one item each (``--model M``)
     anything else            needs ``parse=``: a function from the text to the value
+
+A launcher that hands the flags it does not know to its children (``services.serve`` passes
+engine flags to every engine, as ``vllm serve`` does) parses with :func:`config_and_rest`.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class FlagSpec:
     metavar: str | None = None
     parse: Callable[[str], Any] | None = None  # text -> value (an item, for a tuple or list)
     repeat: bool = False  # a tuple or list: the flag repeats instead of taking commas
+    positional: bool = False  # an argument without "--", required unless the field has a default
 
 
 def flag(
@@ -53,27 +58,35 @@ def flag(
     metavar: str | None = None,
     parse: Callable[[str], Any] | None = None,
     repeat: bool = False,
+    positional: bool = False,
 ) -> Any:
     """A dataclass field that is also a flag: ``port: int = flag(8100, help="port to listen on")``.
 
     ``name`` spells the flag differently from the field (``--model`` for ``models``), where a
     repeatable flag names one item; the mapping stays one field, one flag."""
-    spec = FlagSpec(help, name, metavar, parse, repeat)
+    spec = FlagSpec(help, name, metavar, parse, repeat, positional)
     return dataclasses.field(
         default=default, default_factory=default_factory, metadata={_METADATA_KEY: spec}
     )
 
 
 def option(field: dataclasses.Field) -> str:
-    """The flag of a field: ``--redis-url`` for ``redis_url``."""
+    """The flag of a field: ``--redis-url`` for ``redis_url`` (a positional one: ``input``)."""
     spec = field.metadata.get(_METADATA_KEY)
+    if spec is not None and spec.positional:
+        return field.name
     name = spec.name if spec is not None and spec.name else field.name.replace("_", "-")
     return "--" + name
 
 
-def build_parser(*config_classes: type, prog: str, description: str) -> argparse.ArgumentParser:
+def build_parser(
+    *config_classes: type, prog: str, description: str, epilog: str | None = None,
+    allow_abbrev: bool = True,
+) -> argparse.ArgumentParser:
     """A parser with one flag per init field of each class (their field names must differ)."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description, epilog=epilog, allow_abbrev=allow_abbrev
+    )
     for config_cls in config_classes:
         add_arguments(parser, config_cls)
     return parser
@@ -89,12 +102,20 @@ def add_arguments(parser: argparse.ArgumentParser, config_cls: type) -> None:
         spec = field.metadata.get(_METADATA_KEY)
         if spec is None:
             raise TypeError(f"{config_cls.__name__}.{field.name}: declare it with cli.flag(...)")
+        where = f"{config_cls.__name__}.{field.name}"
+        kwargs = _reader(hints[field.name], spec, where)
+        if spec.positional:  # argparse takes its dest from the name
+            if _has_default(field):
+                kwargs["nargs"] = "?"
+            parser.add_argument(field.name, default=argparse.SUPPRESS,
+                                help=_help(spec, field), **kwargs)
+            continue
         parser.add_argument(
             option(field),
             dest=field.name,
             default=argparse.SUPPRESS,  # not given: the dataclass's default applies
             help=_help(spec, field),
-            **_reader(hints[field.name], spec, f"{config_cls.__name__}.{field.name}"),
+            **kwargs,
         )
 
 
@@ -120,6 +141,19 @@ def config_from_args(
     """Parses ``argv`` (default: ``sys.argv[1:]``) into ``config_cls``; exits 2 on a bad flag."""
     parser = build_parser(config_cls, prog=prog, description=description)
     return from_namespace(config_cls, parser.parse_args(argv), parser)
+
+
+def config_and_rest(
+    config_cls: type[T], argv: Sequence[str] | None = None, *, prog: str, description: str,
+    epilog: str | None = None,
+) -> tuple[T, list[str]]:
+    """As ``config_from_args``, but the arguments ``config_cls`` has no flag for are returned,
+    in order, instead of refused: a launcher passes them on to its children. Flags must be
+    spelled out (no abbreviations): ``--engine`` must not become ``--engines``."""
+    parser = build_parser(config_cls, prog=prog, description=description, epilog=epilog,
+                          allow_abbrev=False)
+    ns, rest = parser.parse_known_args(argv)
+    return from_namespace(config_cls, ns, parser), rest
 
 
 def parse_bool(text: str) -> bool:
@@ -246,6 +280,11 @@ def _metavar(item: Any) -> str:
 
 
 # -- help ------------------------------------------------------------------------------------
+
+
+def _has_default(field: dataclasses.Field) -> bool:
+    return (field.default is not dataclasses.MISSING
+            or field.default_factory is not dataclasses.MISSING)
 
 
 def _help(spec: FlagSpec, field: dataclasses.Field) -> str:

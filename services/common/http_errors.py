@@ -1,12 +1,15 @@
 """Error responses in OpenAI's shape (``{"error": {message, type, param, code}}``, the
-``OpenAIError`` contract) for every service, and a last-resort aiohttp middleware for the
-internal services (engine, router): an exception a handler did not expect becomes a JSON 500,
-logged with its traceback, instead of aiohttp's plain-text page. HTTP errors raised on purpose
-(404, 405, 413...) keep their status and also get the JSON shape."""
+``OpenAIError`` contract), and the one error middleware of every service (gateway, router,
+engine): whatever a handler raises leaves as that JSON, never as aiohttp's plain-text page.
+
+``error_middleware`` answers ``OpenAIError`` with its own status and fields; aiohttp's HTTP
+exceptions raised on purpose (404 route, 405 method, 413 body...) keep their status (and their
+``Allow``, ``WWW-Authenticate``, ``Retry-After`` headers); anything unexpected is a 500, logged
+with its traceback but never with the request body. A client that went away gets nothing.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -17,6 +20,7 @@ from services.protocol.openai import OpenAIError
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_KEPT_HEADERS = ("Allow", "WWW-Authenticate", "Retry-After")
 
 
 def error_response(err: OpenAIError, headers: dict[str, str] | None = None) -> web.Response:
@@ -29,16 +33,38 @@ def json_error(status: int, message: str, param: str | None = None,
 
 
 @web.middleware
-async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
+    except OpenAIError as err:
+        return _closing(request, error_response(err))
     except web.HTTPException as exc:
         if exc.status < 400:
-            raise
-        allow = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
-        return error_response(OpenAIError(exc.reason, exc.status), headers=allow)
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
+            raise  # redirects and the like pass through untouched
+        kept = {k: v for k, v in exc.headers.items() if k in _KEPT_HEADERS}
+        return _closing(request, error_response(_from_http_exception(exc), headers=kept))
+    except ConnectionError:
+        raise  # the client has gone: there is no one to answer
     except Exception:
-        logger.exception("unhandled error in %s %s", request.method, request.path)
-        return json_error(500, "internal error")
+        logger.exception("unhandled error method=%s path=%s", request.method, request.path)
+        return _closing(request, error_response(OpenAIError("internal server error", 500)))
+
+
+def _from_http_exception(exc: web.HTTPException) -> OpenAIError:
+    if exc.status == 413:
+        message = "request body is too large"
+    elif exc.status == 404:
+        message = "no such route"
+    else:
+        message = exc.reason or "request failed"
+    return OpenAIError(message, status=exc.status)
+
+
+def _closing(request: web.Request, resp: web.Response) -> web.Response:
+    """An error answered before the body was read to its end (too large, too slow, undecodable,
+    refused before reading) says ``Connection: close``: aiohttp only drains the rest of the body
+    for a while, or drops the connection at once if it cannot be decoded, so a client must not
+    send its next request on it."""
+    if request.body_exists and not request.content.is_eof():
+        resp.force_close()
+    return resp

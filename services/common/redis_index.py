@@ -27,7 +27,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ResponseError
 
 from services.protocol.kv_events import KVEvent, KVEventKind
-from services.protocol.messages import BLOCK_HASH_BYTES, EngineHeartbeat
+from services.protocol.messages import EngineHeartbeat
 from services.protocol.redis_schema import (
     DEFAULT_BLOCK_TTL_S,
     DEFAULT_HEARTBEAT_TTL_S,
@@ -37,6 +37,7 @@ from services.protocol.redis_schema import (
     REGISTRY_TTL_S,
     RedisKeys,
 )
+from services.protocol.wire import BLOCK_HASH_BYTES
 
 # Hashes per script call when applying events: keeps any one script run short (Redis is
 # single-threaded); several calls share one pipeline round trip.

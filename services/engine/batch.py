@@ -1,6 +1,9 @@
 """Offline batch job in OpenAI's batch-file format.
 
-    python -m services.engine.batch IN.jsonl OUT.jsonl [--model PATH] [engine options]
+    python -m services.engine.batch IN.jsonl OUT.jsonl [--model PATH] [engine flags]
+
+The engine flags are the engine server's (``EngineConfig``: ``--dtype``, ``--max-num-seqs``,
+``--num-blocks``...), read by the one CLI scheme (``services.common.cli``).
 
 Each input line is ``{"custom_id": ..., "method": "POST", "url": "/v1/completions" or
 "/v1/chat/completions", "body": {...}}``. Every line gets exactly one output line, in input
@@ -10,14 +13,19 @@ lines run together, so continuous batching keeps the engine full.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import logging
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.common import cli
+from services.common.cli import flag
+from services.common.logs import setup_logging
+from services.engine.config import EngineConfig
 from services.engine.llm import LLM
 from services.engine.outputs import RequestOutput
 from services.protocol import openai as oa
@@ -151,21 +159,34 @@ def _response_body(llm: LLM, req: oa.GenerationRequest, outs: list[RequestOutput
     return build(oa.new_id("chatcmpl" if req.kind == "chat" else "cmpl"), model, choices, use)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("input", type=Path, help="OpenAI batch input (.jsonl)")
-    ap.add_argument("output", type=Path, help="where to write one result line per input line")
-    ap.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M)")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--max-num-seqs", type=int, default=128)
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    lines = args.input.read_text().splitlines()
-    llm = LLM(args.model, dtype=args.dtype, block_size=args.block_size,
-              max_num_seqs=args.max_num_seqs)
+PROG = "python -m services.engine.batch"
+
+
+@dataclass(frozen=True, slots=True)
+class BatchFiles:
+    """The job's own arguments; every other flag is the engine's."""
+
+    input: Path = flag(help="OpenAI batch input (.jsonl)", positional=True, parse=Path)
+    output: Path = flag(
+        help="where to write one result line per input line", positional=True, parse=Path
+    )
+
+
+def args_from(argv: Sequence[str] | None = None) -> tuple[BatchFiles, EngineConfig]:
+    """The files and the engine's config from one command line; exits 2 on a bad flag."""
+    parser = cli.build_parser(BatchFiles, EngineConfig, prog=PROG,
+                              description=__doc__.split("\n\n")[0])
+    ns = parser.parse_args(argv)
+    return cli.from_namespace(BatchFiles, ns, parser), cli.from_namespace(EngineConfig, ns, parser)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    files, engine = args_from(argv)
+    setup_logging("INFO", "batch")
+    lines = files.input.read_text().splitlines()
+    llm = LLM(**{f.name: getattr(engine, f.name) for f in dataclasses.fields(engine) if f.init})
     records = run_batch(llm, lines)
-    with args.output.open("w") as f:
+    with files.output.open("w") as f:
         for rec in records:
             f.write(json.dumps(rec) + "\n")
     failed = sum(rec["error"] is not None for rec in records)

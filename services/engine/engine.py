@@ -21,9 +21,10 @@ from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.structured.compiler import GrammarCompiler
 from services.engine.structured.masks import GrammarState
 from services.protocol.block_hash import BlockHasher, HashAlgorithm
-from services.protocol.engine_api import BadRequest, TokenLogprobs
+from services.protocol.engine_api import TokenLogprobs
 from services.protocol.kv_events import KVEvent
 from services.protocol.sampling_params import SamplingParams
+from services.protocol.wire import BadRequest
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.protocol.engine_api import BadRequest
+from services.protocol.wire import BadRequest
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from services.common.default_model import DEFAULT_MODEL_NAME, converted_default_model
+from services.common.logs import setup_logging
 from services.gateway.config import GatewayConfig, ModelSpec
 from services.gateway.server import create_app
 
@@ -27,10 +28,7 @@ def _with_default_model(config: GatewayConfig) -> GatewayConfig:
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = GatewayConfig.from_args(argv)
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-    )
+    setup_logging(config.log_level, "gateway")
     try:
         config = _with_default_model(config)
     except FileNotFoundError as exc:

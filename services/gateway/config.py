@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 from services.common import cli
 from services.common.cli import flag
+from services.common.logs import check_log_level
 from services.protocol.openai import MAX_CHOICES, MAX_N
 
 API_KEYS_ENV = "PAGODA_API_KEYS"
@@ -22,7 +23,6 @@ PROG = "python -m services.gateway"
 DESCRIPTION = (
     "Pagoda OpenAI-compatible gateway: auth, templating, tokenizing, routing, streaming."
 )
-_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 TOOL_PARSERS = ("hermes", "llama3_json")  # services/gateway/tool_parsers
 
 
@@ -143,8 +143,7 @@ class GatewayConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, "
                              f"got {self.tool_call_parser!r}")
-        if self.log_level.upper() not in _LOG_LEVELS:
-            raise ValueError(f"log_level must be one of {', '.join(_LOG_LEVELS)}")
+        check_log_level(self.log_level)
 
     @classmethod
     def from_args(

@@ -1,8 +1,5 @@
-"""Every failure leaves the gateway in OpenAI's error JSON: bad input is a 4xx, never a 500.
-
-``error_middleware`` turns ``OpenAIError``, aiohttp's own HTTP exceptions (404 route, 405
-method, 413 body) and anything unexpected (500, logged with its traceback but never with the
-request body) into ``{"error": {...}}`` responses.
+"""The gateway's request body reader; its errors leave through the one error middleware
+(``services.common.http_errors.error_middleware``) in OpenAI's error JSON.
 
 ``read_json_body`` is the one place a request body is read: 413 past the size limit, 408 when
 it does not arrive within the read timeout (a stalled or slowloris client), 400 when it cannot
@@ -13,65 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import re
 from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from services.common.http_errors import error_response
 from services.protocol.openai import OpenAIError
 
-logger = logging.getLogger(__name__)
-
-_HTTP_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
 # A JSON escape of a UTF-16 surrogate: the body may hold a lone one, which no UTF-8 text can.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
-
-
-def _from_http_exception(exc: web.HTTPException) -> OpenAIError:
-    status = exc.status
-    if status == 413:
-        message = "request body is too large"
-    elif status == 404:
-        message = "no such route"
-    else:
-        message = exc.reason or "request failed"
-    return OpenAIError(message, status=status, type_=_HTTP_TYPES.get(status))
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except OpenAIError as err:
-        return _closing(request, error_response(err))
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise  # redirects and the like pass through untouched
-        resp = error_response(_from_http_exception(exc), headers=_kept_headers(exc))
-        return _closing(request, resp)
-    except ConnectionError:
-        raise  # the client has gone: there is no one to answer
-    except Exception:
-        logger.exception("unhandled error method=%s path=%s", request.method, request.path)
-        return _closing(request, error_response(OpenAIError("internal server error", status=500)))
-
-
-def _closing(request: web.Request, resp: web.Response) -> web.Response:
-    """An error answered before the body was read to its end (too large, too slow, undecodable,
-    refused before reading) says ``Connection: close``: aiohttp only drains the rest of the body
-    for a while, or drops the connection at once if it cannot be decoded, so a client must not
-    send its next request on it."""
-    if request.body_exists and not request.content.is_eof():
-        resp.force_close()
-    return resp
-
-
-def _kept_headers(exc: web.HTTPException) -> dict[str, str]:
-    keep = ("Allow", "WWW-Authenticate", "Retry-After")
-    return {k: v for k, v in exc.headers.items() if k in keep}
 
 
 async def read_json_body(request: web.Request, limit: int, timeout: float) -> Any:

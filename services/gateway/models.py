@@ -9,13 +9,13 @@ recomputed whenever its block size or context length changes.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.model_files import ModelFiles
 from services.gateway.config import ModelSpec
 from services.gateway.fingerprint import system_fingerprint
 from services.gateway.router_client import EngineInfo
@@ -51,17 +51,11 @@ class ServedModel:
 
 
 def context_length_of(model_dir: str | Path) -> int | None:
-    """``max_position_embeddings`` (or a common alias) from the directory's config.json."""
+    """The directory's context length (``model_files.context_length``); None when unreadable."""
     try:
-        raw = json.loads((Path(model_dir) / "config.json").read_text())
+        return ModelFiles.read(model_dir).context_length
     except (OSError, ValueError):
         return None
-    cfg = raw.get("text_config", raw) if isinstance(raw, dict) else {}
-    for key in ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length"):
-        value = cfg.get(key) if isinstance(cfg, dict) else None
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
 
 
 def load_tokenizers(specs: Iterable[ModelSpec]) -> dict[str, Tokenizer]:

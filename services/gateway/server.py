@@ -24,12 +24,12 @@ import aiohttp
 from aiohttp import web
 
 from services.common import tracing
+from services.common.http_errors import error_middleware
 from services.gateway import api, tokenization
 from services.gateway.auth import ApiKeyAuth, auth_middleware
 from services.gateway.config import GatewayConfig
 from services.gateway.engine_metrics import engine_metrics
 from services.gateway.engine_watch import EngineWatch
-from services.gateway.errors import error_middleware
 from services.gateway.fingerprint import package_version
 from services.gateway.generation import Upstreams
 from services.gateway.metrics import OTHER_MODEL, GatewayMetrics

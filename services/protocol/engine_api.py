@@ -14,101 +14,65 @@ A request the engine refuses (malformed body, bad params, prompt too long) gets 
 JSON OpenAI error before any frame, its ``param`` naming the field at fault. Closing the stream
 aborts the request and frees its KV blocks. ``POST /internal/abort`` with the JSON body
 ``{"request_id": ...}`` aborts explicitly.
+
+The request messages are validated by the one validator of every internal message
+(``services.protocol.wire``), under the limits the router applies to the same prompt and id;
+``BadRequest`` (the refusal, a 400 naming its field) is the engine's own too, for the limits
+only it knows (vocabulary, context, grammars).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import msgpack
 
 from services.protocol.sampling_params import SamplingParams
+from services.protocol.wire import (
+    MAX_CACHE_SALT_CHARS,
+    MAX_PROMPT_TOKENS,
+    MAX_REQUEST_ID_CHARS,
+    BadRequest,
+    Message,
+    bounds,
+    codec,
+    first_line,
+    kind,
+    show,
+)
 
 GENERATE_PATH = "/internal/generate"
 ABORT_PATH = "/internal/abort"
 CONTENT_TYPE = "application/msgpack"
-MAX_PROMPT_TOKENS = 1_000_000
-MAX_REQUEST_ID_CHARS = 256
-MAX_CACHE_SALT_CHARS = 4096  # the salt keys a hasher the engine keeps per salt
-_MAX_SHOWN_CHARS = 80  # of a bad value echoed back in an error message
 
 _PARAM_FIELDS = frozenset(f.name for f in fields(SamplingParams))
-_TOP_FIELDS = frozenset({"request_id", "prompt_token_ids", "params", "cache_salt", "prompt"})
-_MISSING = object()
 
 
-class BadRequest(ValueError):
-    """A request the engine refuses (a 400). ``param`` names the field at fault, None when the
-    body as a whole is wrong; the message starts with that name."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-def param_of(exc: Exception) -> str | None:
-    """The field an error is about: ``BadRequest.param``, else the leading name of a message
-    that starts with a known field ("max_tokens=9000 is too large..." -> "max_tokens")."""
-    if isinstance(exc, BadRequest):
-        return exc.param
-    m = re.match(r"[a-z_]+", str(exc))
-    name = m.group(0) if m else None
-    return name if name in _PARAM_FIELDS or name in _TOP_FIELDS else None
-
-
-@dataclass(slots=True)
-class GenerateRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    cache_salt: str | None = None
-
-    def to_msgpack(self) -> bytes:
-        return msgpack.packb(
-            {
-                "request_id": self.request_id,
-                "prompt_token_ids": self.prompt_token_ids,
-                "params": _params_to_wire(self.params),
-                "cache_salt": self.cache_salt,
-            }
+def _params_from_wire(raw: Any, where: str) -> SamplingParams:
+    """``params``: a map of SamplingParams fields (nil: all defaults). Its errors name the
+    parameter at fault (``temperature``), as the gateway's 400s do."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise BadRequest(f"{where} must be a map, got {kind(raw)}", "params")
+    unknown = sorted(show(k) for k in raw if k not in _PARAM_FIELDS)
+    if unknown:
+        raise BadRequest(f"{where} has unknown fields: {', '.join(unknown[:8])}", "params")
+    try:
+        params = SamplingParams(**raw)
+    except (ValueError, TypeError, OverflowError) as exc:
+        # Every SamplingParams error starts with the field's name.
+        m = re.match(r"[a-z_]+", str(exc))
+        name = m.group(0) if m and m.group(0) in _PARAM_FIELDS else "params"
+        raise BadRequest(first_line(exc), name) from None
+    if params.n != 1:
+        raise BadRequest(
+            f"n must be 1 on the engine API (the gateway fans out n), got {params.n}", "n"
         )
-
-    @classmethod
-    def from_msgpack(cls, data: bytes) -> GenerateRequest:
-        """Decodes and validates; any malformed input is a ``BadRequest`` (a ValueError, a 400),
-        never another exception. Ids past the vocabulary and prompts past the context are the
-        engine's to refuse (``LLMEngine.check_request``): only it knows the model."""
-        obj = _unpack_map(data)
-        return cls(
-            request_id=_request_id(obj.get("request_id", _MISSING)),
-            prompt_token_ids=_token_ids(obj.get("prompt_token_ids", _MISSING)),
-            params=_sampling_params(obj.get("params")),
-            cache_salt=_cache_salt(obj.get("cache_salt")),
-        )
-
-
-@dataclass(slots=True)
-class AbortRequest:
-    """``POST /internal/abort`` body, JSON: ``{"request_id": str}``."""
-
-    request_id: str
-
-    def to_json(self) -> bytes:
-        return json.dumps({"request_id": self.request_id}).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes) -> AbortRequest:
-        try:
-            obj = json.loads(data)
-        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-            raise BadRequest(f"body is not valid JSON: {_first_line(exc)}") from None
-        if not isinstance(obj, dict):
-            raise BadRequest(f'body must be a JSON object {{"request_id": str}}, got {_kind(obj)}')
-        return cls(_request_id(obj.get("request_id", _MISSING)))
+    return params
 
 
 def _params_to_wire(params: SamplingParams) -> dict[str, Any]:
@@ -118,100 +82,44 @@ def _params_to_wire(params: SamplingParams) -> dict[str, Any]:
     return raw
 
 
-# -- field checks (each raises BadRequest naming its field) -----------------------------------
+@dataclass(frozen=True, slots=True)
+class GenerateRequest(Message):
+    """``POST /internal/generate`` body. Ids past the vocabulary and prompts past the context
+    are the engine's to refuse (``LLMEngine.check_request``): only it knows the model."""
 
-
-def _unpack_map(data: bytes) -> dict[Any, Any]:
-    try:
-        obj = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types on garbage
-        raise BadRequest(f"body is not valid msgpack: {_first_line(exc)}") from None
-    if not isinstance(obj, dict):
-        raise BadRequest(f"body must be a msgpack map, got {_kind(obj)}")
-    return obj
-
-
-def _request_id(value: Any) -> str:
-    if value is _MISSING:
-        raise BadRequest("request_id is required", "request_id")
-    if not isinstance(value, str) or not value or len(value) > MAX_REQUEST_ID_CHARS:
-        raise BadRequest(
-            f"request_id must be a non-empty string of at most {MAX_REQUEST_ID_CHARS} "
-            f"characters, got {_show(value)}",
-            "request_id",
-        )
-    return value
-
-
-def _token_ids(value: Any) -> list[int]:
-    if value is _MISSING:
-        raise BadRequest("prompt_token_ids is required", "prompt_token_ids")
-    if not isinstance(value, list) or not value:
-        raise BadRequest(
-            f"prompt_token_ids must be a non-empty list of integers, got {_show(value)}",
-            "prompt_token_ids",
-        )
-    if len(value) > MAX_PROMPT_TOKENS:
-        raise BadRequest(
-            f"prompt_token_ids has {len(value)} tokens; at most {MAX_PROMPT_TOKENS} are accepted",
-            "prompt_token_ids",
-        )
-    for i, t in enumerate(value):
-        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-            raise BadRequest(
-                f"prompt_token_ids[{i}] must be an integer >= 0, got {_show(t)}",
-                "prompt_token_ids",
-            )
-    return value
-
-
-def _sampling_params(raw: Any) -> SamplingParams:
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise BadRequest(f"params must be a map, got {_kind(raw)}", "params")
-    unknown = sorted(_show(k) for k in raw if k not in _PARAM_FIELDS)
-    if unknown:
-        raise BadRequest(f"params has unknown fields: {', '.join(unknown[:8])}", "params")
-    try:
-        params = SamplingParams(**raw)
-    except (ValueError, TypeError, OverflowError) as exc:
-        # Every SamplingParams error starts with the field's name.
-        raise BadRequest(_first_line(exc), param_of(exc) or "params") from None
-    if params.n != 1:
-        raise BadRequest(
-            f"n must be 1 on the engine API (the gateway fans out n), got {params.n}", "n"
-        )
-    return params
-
-
-def _cache_salt(value: Any) -> str | None:
-    if value is None or (isinstance(value, str) and len(value) <= MAX_CACHE_SALT_CHARS):
-        return value
-    raise BadRequest(
-        f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} characters or null, "
-        f"got {_show(value)}",
-        "cache_salt",
+    request_id: str = field(metadata=bounds(MAX_REQUEST_ID_CHARS, min_len=1))
+    prompt_token_ids: list[int] = field(metadata=bounds(MAX_PROMPT_TOKENS, min_len=1))
+    params: SamplingParams = field(
+        metadata=codec(_params_from_wire, _params_to_wire), default_factory=SamplingParams
     )
+    cache_salt: str | None = field(metadata=bounds(MAX_CACHE_SALT_CHARS), default=None)
+
+    def _check(self) -> None:
+        if min(self.prompt_token_ids) < 0:
+            i = next(i for i, t in enumerate(self.prompt_token_ids) if t < 0)
+            raise ValueError(
+                f"GenerateRequest.prompt_token_ids[{i}] must be >= 0, "
+                f"got {self.prompt_token_ids[i]}"
+            )
 
 
-def _kind(value: Any) -> str:
-    return "nil" if value is None else type(value).__name__
+@dataclass(frozen=True, slots=True)
+class AbortRequest(Message):
+    """``POST /internal/abort`` body, JSON: ``{"request_id": str}``."""
 
+    request_id: str = field(metadata=bounds(MAX_REQUEST_ID_CHARS, min_len=1))
 
-def _show(value: Any) -> str:
-    """A bad value for an error message: its repr, cut short (the body may be megabytes)."""
-    if isinstance(value, (list, dict)) and len(value) > 8:
-        return f"a {type(value).__name__} of {len(value)} items"
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    text = repr(value)
-    return text if len(text) <= _MAX_SHOWN_CHARS else text[: _MAX_SHOWN_CHARS - 3] + "..."
+    def to_json(self) -> bytes:
+        return json.dumps(self.to_dict()).encode()
 
-
-def _first_line(exc: Exception) -> str:
-    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return text[:300]
+    @classmethod
+    def from_json(cls, data: bytes) -> AbortRequest:
+        try:
+            obj = json.loads(data)
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+            raise BadRequest(f"AbortRequest: body is not valid JSON: {first_line(exc)}") \
+                from None
+        return cls.from_dict(obj)
 
 
 # -- the stream ------------------------------------------------------------------------------

@@ -1,192 +1,34 @@
-"""Msgpack wire messages shared by gateway, router and engine.
+"""Msgpack wire messages of the routing plane: an engine's heartbeat (engine -> Redis -> router)
+and the route request and answer (gateway -> router -> gateway).
 
-Every message is a frozen dataclass whose type hints are its schema. ``from_dict`` checks each
-field against its hint (``str``, ``int``, ``float``, ``bool``, ``bytes``, ``list[X]``,
-``X | None``, a str ``Enum`` or a nested message) and then ``__post_init__`` checks the values
-(ranges, lengths). Anything wrong raises ``MessageError`` (a ValueError) naming the message and
-the field, which its ``field`` also holds; a peer can never crash a service with a bad frame.
-
-Compatibility rules, so that replicas of different versions can talk during a rolling upgrade:
-unknown keys are ignored, and a field added later must have a default.
-
-To add a message: subclass ``Message`` with ``@dataclass(frozen=True, slots=True)``, give the
-fields type hints from the list above, and put value checks in ``__post_init__``.
+They are ``wire.Message`` subclasses, validated when decoded by the one validator the engine's
+messages use too, under the same limits (``services.protocol.wire``, which says how to add one).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import re
-import types
-import typing
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any, Self, Union
 from urllib.parse import urlsplit
 
-import msgpack
-
 from services.protocol.block_hash import BlockHash
-
-BLOCK_HASH_BYTES = 16
-MAX_NAME_CHARS = 512  # model names, engine ids, request ids
-MAX_URL_CHARS = 2048
-MAX_PROMPT_LEN = 2**31 - 1
-MAX_EXCLUDE = 256  # engines a request may rule out (the gateway's retries)
-
-
-class MessageError(ValueError):
-    """A malformed message. ``field`` is the top-level field at fault (None: the whole
-    message); the text names the message and the field, e.g. ``RouteRequest.prompt_len``."""
-
-    def __init__(self, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.field = field
-
-
-class Message:
-    """Base of every wire message: dict and msgpack conversion with validation."""
-
-    __slots__ = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            out[f.name] = _plain(getattr(self, f.name))
-        return out
-
-    @classmethod
-    def from_dict(cls, data: Any) -> Self:
-        name = cls.__name__
-        if not isinstance(data, dict):
-            raise MessageError(f"{name}: expected a map, got {type(data).__name__}")
-        hints = _hints_of(cls)
-        kwargs: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-            if not f.init:
-                continue
-            if f.name not in data:
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                    raise MessageError(f"{name}: missing field {f.name!r}", f.name)
-                continue
-            try:
-                kwargs[f.name] = _coerce(hints[f.name], data[f.name], f"{name}.{f.name}")
-            except ValueError as exc:
-                raise MessageError(str(exc), f.name) from None
-        try:
-            return cls(**kwargs)
-        except ValueError as exc:  # __post_init__: its messages start with "Name.field"
-            raise MessageError(str(exc), _field_named(cls, str(exc))) from None
-        except TypeError as exc:  # defensive: a hint the coercer does not cover
-            raise MessageError(f"{name}: {exc}") from None
-
-    def to_msgpack(self) -> bytes:
-        return msgpack.packb(self.to_dict(), use_bin_type=True)
-
-    @classmethod
-    def from_msgpack(cls, payload: bytes) -> Self:
-        if not isinstance(payload, (bytes, bytearray, memoryview)):
-            raise MessageError(f"{cls.__name__}: expected bytes, got {type(payload).__name__}")
-        try:
-            data = msgpack.unpackb(payload, raw=False, strict_map_key=True)
-        except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types
-            detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-            raise MessageError(f"{cls.__name__}: malformed msgpack ({detail})") from None
-        return cls.from_dict(data)
-
-
-def _field_named(cls: type, message: str) -> str | None:
-    m = re.match(rf"{cls.__name__}\.(\w+)", message)
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    return m.group(1) if m and m.group(1) in names else None
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, Message):
-        return value.to_dict()
-    if isinstance(value, Enum):
-        return value.value
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
-_HINT_CACHE: dict[type, dict[str, Any]] = {}
-
-
-def _hints_of(cls: type) -> dict[str, Any]:
-    hints = _HINT_CACHE.get(cls)
-    if hints is None:
-        hints = typing.get_type_hints(cls)
-        _HINT_CACHE[cls] = hints
-    return hints
-
-
-def _coerce(hint: Any, value: Any, where: str) -> Any:
-    """Checks ``value`` against a type hint; returns it (lists copied, enums and nested
-    messages built). Raises ValueError naming ``where``."""
-    origin = typing.get_origin(hint)
-    if origin in (Union, types.UnionType):
-        args = typing.get_args(hint)
-        if value is None:
-            if type(None) in args:
-                return None
-            raise ValueError(f"{where}: must not be null")
-        inner = [a for a in args if a is not type(None)]
-        if len(inner) != 1:
-            raise ValueError(f"{where}: unsupported union type {hint!r}")
-        return _coerce(inner[0], value, where)
-    if origin is list:
-        (item,) = typing.get_args(hint)
-        if not isinstance(value, (list, tuple)):
-            raise ValueError(f"{where}: expected a list, got {type(value).__name__}")
-        return [_coerce(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
-    if hint is BlockHash:
-        hint = bytes
-    if isinstance(hint, type) and issubclass(hint, Message):
-        return hint.from_dict(value)
-    if isinstance(hint, type) and issubclass(hint, Enum):
-        try:
-            return hint(value)
-        except ValueError:
-            allowed = ", ".join(repr(m.value) for m in hint)
-            raise ValueError(f"{where}: {value!r} is not one of {allowed}") from None
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-    elif hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif hint is str:
-        if isinstance(value, str):
-            return value
-    elif hint is bytes:
-        if isinstance(value, (bytes, bytearray)):
-            return bytes(value)
-    else:
-        raise ValueError(f"{where}: unsupported field type {hint!r}")
-    raise ValueError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
-
-
-def _check_non_empty(where: str, value: str) -> None:
-    if not value:
-        raise ValueError(f"{where} must be a non-empty string")
-
-
-def _check_name(where: str, value: str) -> None:
-    _check_non_empty(where, value)
-    if len(value) > MAX_NAME_CHARS:
-        raise ValueError(f"{where} must be at most {MAX_NAME_CHARS} characters")
+from services.protocol.wire import (
+    BLOCK_HASH_BYTES,
+    MAX_EXCLUDE,
+    MAX_NAME_CHARS,
+    MAX_PROMPT_TOKENS,
+    MAX_REQUEST_ID_CHARS,
+    MAX_URL_CHARS,
+    Message,
+    bounds,
+)
 
 
 def _check_engine_ref(where: str, value: str) -> None:
     """An engine id or URL, as ``exclude`` holds them: non-empty, bounded, and parseable (the
     router normalises URLs with ``urlsplit``, which refuses e.g. ``http://[::1``)."""
-    _check_non_empty(where, value)
+    if not value:
+        raise ValueError(f"{where} must be a non-empty string")
     if len(value) > MAX_URL_CHARS:
         raise ValueError(f"{where} must be at most {MAX_URL_CHARS} characters")
     try:
@@ -204,9 +46,11 @@ def _check_non_negative(where: str, value: float) -> None:
 class EngineHeartbeat(Message):
     """An engine's liveness and load, published to Redis every few seconds with a TTL."""
 
-    engine_id: str  # stable per pod (e.g. the pod name); keys its block index in Redis
-    url: str  # where the gateway reaches the engine, e.g. "http://10.0.3.7:8000"
-    model: str  # served model name; namespaces the block index
+    # stable per pod (e.g. the pod name); keys its block index in Redis
+    engine_id: str = field(metadata=bounds(MAX_NAME_CHARS, min_len=1))
+    # where the gateway reaches the engine, e.g. "http://10.0.3.7:8000"
+    url: str = field(metadata=bounds(MAX_URL_CHARS, min_len=1))
+    model: str = field(metadata=bounds(MAX_NAME_CHARS, min_len=1))  # namespaces the index
     block_size: int  # tokens per KV block (must equal the gateway's hashing block size)
     running: int  # requests decoding or prefilling now
     waiting: int  # requests queued, not yet admitted
@@ -219,12 +63,10 @@ class EngineHeartbeat(Message):
     # Routers use it to see that an engine is slower than its peers, not just busier.
     step_ms: float = 0.0
 
-    def __post_init__(self) -> None:
-        _check_non_empty("EngineHeartbeat.engine_id", self.engine_id)
-        _check_non_empty("EngineHeartbeat.model", self.model)
+    def _check(self) -> None:
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"EngineHeartbeat.url must be an http(s) URL, got {self.url!r}")
-        if not isinstance(self.block_size, int) or self.block_size <= 0:
+        if self.block_size <= 0:
             raise ValueError(f"EngineHeartbeat.block_size must be > 0, got {self.block_size!r}")
         for name in ("running", "waiting", "free_blocks", "total_blocks", "timestamp", "step_ms"):
             _check_non_negative(f"EngineHeartbeat.{name}", getattr(self, name))
@@ -245,21 +87,25 @@ class EngineHeartbeat(Message):
 class RouteRequest(Message):
     """Gateway -> router: which engine should serve a prompt with these block hashes."""
 
-    model: str
-    block_hashes: list[BlockHash]  # the prompt's chain (full blocks only), 16 bytes each
-    prompt_len: int  # tokens in the prompt
-    exclude: list[str] = field(default_factory=list)  # engine ids or URLs that already failed
-    request_id: str | None = None
+    model: str = field(metadata=bounds(MAX_NAME_CHARS, min_len=1))
+    # the prompt's chain (full blocks only), 16 bytes each: at most one per token
+    block_hashes: list[BlockHash] = field(metadata=bounds(MAX_PROMPT_TOKENS))
+    prompt_len: int  # tokens in the prompt: the engine's prompt_token_ids, same bound
+    # engine ids or URLs that already failed
+    exclude: list[str] = field(metadata=bounds(MAX_EXCLUDE), default_factory=list)
+    # the gateway's id of the client request (the engine sees it with a per-choice suffix)
+    request_id: str | None = field(
+        metadata=bounds(MAX_REQUEST_ID_CHARS, min_len=1), default=None
+    )
 
-    def __post_init__(self) -> None:
-        _check_name("RouteRequest.model", self.model)
+    def _check(self) -> None:
         _check_non_negative("RouteRequest.prompt_len", self.prompt_len)
-        if self.prompt_len > MAX_PROMPT_LEN:
+        if self.prompt_len > MAX_PROMPT_TOKENS:
             raise ValueError(
-                f"RouteRequest.prompt_len must be <= {MAX_PROMPT_LEN}, got {self.prompt_len}"
+                f"RouteRequest.prompt_len must be <= {MAX_PROMPT_TOKENS}, got {self.prompt_len}"
             )
         for i, h in enumerate(self.block_hashes):
-            if not isinstance(h, bytes) or len(h) != BLOCK_HASH_BYTES:
+            if len(h) != BLOCK_HASH_BYTES:
                 raise ValueError(
                     f"RouteRequest.block_hashes[{i}] must be {BLOCK_HASH_BYTES} raw bytes"
                 )
@@ -268,28 +114,20 @@ class RouteRequest(Message):
                 f"RouteRequest.block_hashes has {len(self.block_hashes)} blocks, more than "
                 f"prompt_len ({self.prompt_len}) tokens"
             )
-        if len(self.exclude) > MAX_EXCLUDE:
-            raise ValueError(
-                f"RouteRequest.exclude must have at most {MAX_EXCLUDE} entries, "
-                f"got {len(self.exclude)}"
-            )
         for i, entry in enumerate(self.exclude):
             _check_engine_ref(f"RouteRequest.exclude[{i}]", entry)
-        if self.request_id is not None and len(self.request_id) > MAX_NAME_CHARS:
-            raise ValueError(f"RouteRequest.request_id must be at most {MAX_NAME_CHARS} characters")
 
 
 @dataclass(frozen=True, slots=True)
 class RouteResponse(Message):
     """Router -> gateway: the chosen engine and why."""
 
-    engine_id: str
-    url: str
+    engine_id: str = field(metadata=bounds(MAX_NAME_CHARS, min_len=1))
+    url: str = field(metadata=bounds(MAX_URL_CHARS, min_len=1))
     matched_blocks: int  # leading blocks of the prompt the index says the engine holds
-    reason: str  # e.g. "prefix-hit", "least-loaded", "hot-spot", "round-robin", "degraded"
-    policy: str  # the policy that decided
+    # e.g. "prefix-hit", "least-loaded", "hot-spot", "round-robin", "degraded"
+    reason: str = field(metadata=bounds(MAX_NAME_CHARS))
+    policy: str = field(metadata=bounds(MAX_NAME_CHARS))  # the policy that decided
 
-    def __post_init__(self) -> None:
-        _check_non_empty("RouteResponse.engine_id", self.engine_id)
-        _check_non_empty("RouteResponse.url", self.url)
+    def _check(self) -> None:
         _check_non_negative("RouteResponse.matched_blocks", self.matched_blocks)

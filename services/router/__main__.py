@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import logging
 import sys
 from collections.abc import Sequence
 
 from aiohttp import web
 
+from services.common.logs import setup_logging
 from services.router.config import RouterConfig
 from services.router.server import create_app
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = RouterConfig.from_args(argv)
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(config.log_level, "router")
     # run_app handles SIGINT/SIGTERM: stop accepting, finish running handlers, run cleanup_ctx.
     web.run_app(
         create_app(config), host=config.host, port=config.port, print=None, shutdown_timeout=10.0

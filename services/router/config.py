@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 
 from services.common import cli
 from services.common.cli import flag
+from services.common.logs import check_log_level
 from services.common.redis_index import redact_url
 from services.protocol.redis_schema import (
     DEFAULT_MAX_BLOCKS_PER_ENGINE,
@@ -137,8 +138,7 @@ class RouterConfig:
             raise ValueError(f"hot_spot_ratio must be >= 1, got {self.hot_spot_ratio}")
         if self.hot_spot_min_load < 0:
             raise ValueError(f"hot_spot_min_load must be >= 0, got {self.hot_spot_min_load}")
-        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
-            raise ValueError("log_level must be DEBUG, INFO, WARNING, ERROR or CRITICAL")
+        check_log_level(self.log_level)
         if self.max_blocks_per_engine <= 0:
             raise ValueError(f"max_blocks_per_engine must be > 0, got {self.max_blocks_per_engine}")
 

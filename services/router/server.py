@@ -21,10 +21,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.common import tracing
-from services.common.http_errors import json_error, json_errors
+from services.common.http_errors import error_middleware, json_error
 from services.common.redis_index import KVIndexReader, connect, redact_url
-from services.protocol.messages import MessageError, RouteRequest
+from services.protocol.messages import RouteRequest
 from services.protocol.redis_schema import RedisKeys
+from services.protocol.wire import BadRequest
 from services.router.config import RouterConfig
 from services.router.discovery import (
     Discovery,
@@ -51,7 +52,7 @@ ROUTER_KEY = web.AppKey("router", Router)
 def create_app(config: RouterConfig) -> web.Application:
     app = web.Application(
         client_max_size=MAX_BODY_BYTES,
-        middlewares=[json_errors, tracing.server_span_middleware(["/route"])],
+        middlewares=[error_middleware, tracing.server_span_middleware(["/route"])],
     )
     app[CONFIG_KEY] = config
     app[METRICS_KEY] = RouterMetrics()
@@ -125,8 +126,8 @@ async def handle_route(request: web.Request) -> web.Response:
         return json_error(413, f"request body is too large: {exc.text}")
     try:
         route_request = RouteRequest.from_msgpack(body)
-    except MessageError as exc:
-        return json_error(400, str(exc), exc.field)
+    except BadRequest as exc:
+        return json_error(400, str(exc), exc.param)
     try:
         response = await request.app[ROUTER_KEY].route(route_request)
     except NoEngineError as exc:

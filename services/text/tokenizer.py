@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from services.common.model_files import ModelFiles
+
 logger = logging.getLogger(__name__)
 
 
@@ -17,8 +19,8 @@ class Tokenizer:
         from transformers import AutoTokenizer
 
         self.hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-        self.eos_token_id: int | None = self.hf.eos_token_id
-        self.eos_token_ids = frozenset(_eos_ids(model_dir, self.eos_token_id))
+        # The ids that end a request: the engine's set, by the one rule (model_files).
+        self.eos_token_ids = frozenset(ModelFiles.read(model_dir).eos_token_ids)
         # The Rust tokenizer, when its decode is ours unchanged (no clean-up pass in Python).
         backend = getattr(self.hf, "backend_tokenizer", None)
         cleans_up = bool(getattr(self.hf, "clean_up_tokenization_spaces", False))
@@ -73,24 +75,6 @@ class Tokenizer:
     def encode_chat(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> list[int]:
         # The template already holds any BOS the model wants: don't add special tokens twice.
         return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)
-
-
-def _eos_ids(model_dir: str | Path, eos: int | None) -> set[int]:
-    """The ids that end a request, as the engine reads them: generation_config.json's
-    ``eos_token_id``, else config.json's, else the tokenizer's."""
-    import json
-
-    for name in ("generation_config.json", "config.json"):
-        try:
-            raw = json.loads((Path(model_dir) / name).read_text())
-        except (OSError, ValueError):
-            continue
-        value = raw.get("eos_token_id") if isinstance(raw, dict) else None
-        values = value if isinstance(value, list) else [value]
-        ids = {t for t in values if isinstance(t, int) and not isinstance(t, bool)}
-        if ids:
-            return ids
-    return set() if eos is None else {eos}
 
 
 def _is_byte_level(backend: Any) -> bool:

@@ -291,3 +291,89 @@ def test_a_bad_hash_algorithm_is_refused_at_start(capsys: pytest.CaptureFixture[
     assert "--hash-algorithm" in err and "'bogus'" in err and "xxh3_128, sha256" in err
     engine, _ = configs_from_args(["--hash-algorithm=sha256"])
     assert engine.hash_algorithm is HashAlgorithm.SHA256
+
+
+# -- positional arguments and pass-through (the batch job, services.serve) -----------------
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    source: str = flag(help="what to read", positional=True)
+    target: str | None = flag(None, help="where to write", positional=True)
+    count: int = flag(1, help="how many")
+
+
+def test_positional_fields_are_arguments_in_order(capsys: pytest.CaptureFixture[str]) -> None:
+    def job(*argv: str) -> Job:
+        return cli.config_from_args(Job, list(argv), prog="job", description="d")
+
+    assert job("in", "--count", "2") == Job("in", None, 2)
+    assert job("--count=3", "in", "out") == Job("in", "out", 3)
+    with pytest.raises(SystemExit) as exc:
+        job()
+    assert exc.value.code == 2
+    assert "the following arguments are required: source" in capsys.readouterr().err
+
+
+def test_config_and_rest_hands_on_what_it_does_not_know() -> None:
+    config, rest = cli.config_and_rest(
+        Sample, ["--count", "2", "--seed", "1", "--name=z", "--other=x", "--enabled"],
+        prog=PROG, description="d",
+    )  # fmt: skip
+    assert config == Sample(count=2, name="z", enabled=True)
+    assert rest == ["--seed", "1", "--other=x"]
+    config, rest = cli.config_and_rest(Sample, ["--cou", "3"], prog=PROG, description="d")
+    assert (config, rest) == (Sample(), ["--cou", "3"])  # never an abbreviation of --count
+
+
+def test_serve_reads_make_serve_and_passes_engine_flags_on(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from services.router.config import PolicyName
+    from services.serve import ServeConfig, args_from
+
+    # The Makefile's `make serve PORT=8000 ENGINES=2 MODEL=/m`.
+    assert args_from(["--port", "8000", "--engines", "2", "--model", "/m"]) == (
+        ServeConfig(port=8000, engines=2, model="/m"), [],
+    )  # fmt: skip
+    config, engine_flags = args_from([
+        "--max-num-seqs", "8", "--policy", "round-robin", "--enforce-eager", "--api-key", "a",
+        "--num-blocks=64", "--api-key=b", "--dtype", "bfloat16",
+    ])  # fmt: skip
+    assert config == ServeConfig(policy=PolicyName.ROUND_ROBIN, dtype="bfloat16",
+                                 api_keys=("a", "b"))
+    assert engine_flags == ["--max-num-seqs", "8", "--enforce-eager", "--num-blocks=64"]
+    for argv, message in ((["--engine-id=x"], "serve sets --engine-id"),
+                          (["--engines", "0"], "--engines must be >= 1"),
+                          (["--policy", "random"], "invalid choice: 'random'")):
+        with pytest.raises(SystemExit) as exc:
+            args_from(argv)
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_serve_has_one_flag_per_field(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from services.serve import ServeConfig, args_from
+
+    monkeypatch.setenv("COLUMNS", "1000")
+    with pytest.raises(SystemExit):
+        args_from(["--help"])
+    text = capsys.readouterr().out
+    for f in dataclasses.fields(ServeConfig):
+        name = "--api-key" if f.name == "api_keys" else "--" + f.name.replace("_", "-")
+        assert name in text and f.metadata["pagoda.cli"].help in text
+    assert "Any other flag is passed to every engine" in text
+
+
+def test_batch_takes_its_files_and_the_engine_flags() -> None:
+    from pathlib import Path
+
+    from services.engine.batch import BatchFiles, args_from
+    from services.engine.config import EngineConfig
+
+    files, engine = args_from(["in.jsonl", "out.jsonl", "--model", "/m", "--dtype", "float32",
+                               "--block-size", "32", "--max-num-seqs", "4", "--num-blocks=9"])
+    assert files == BatchFiles(Path("in.jsonl"), Path("out.jsonl"))
+    assert engine == EngineConfig(model="/m", dtype="float32", block_size=32, max_num_seqs=4,
+                                  num_blocks=9)

@@ -23,8 +23,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.protocol import engine_api
-from services.protocol.engine_api import GenerateRequest, param_of
+from services.protocol.engine_api import GenerateRequest
 from services.protocol.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from services.protocol.wire import MAX_REQUEST_ID_CHARS, BadRequest
 from tests.support.msgpack_fuzz import (
     FUZZ,
     check_error,
@@ -82,8 +83,8 @@ def local_param(body: bytes) -> tuple[bool, str | None]:
     """Whether the parser itself accepts ``body``, and the param it blames if not."""
     try:
         GenerateRequest.from_msgpack(body)
-    except ValueError as exc:
-        return False, param_of(exc)
+    except BadRequest as exc:
+        return False, exc.param
     return True, None
 
 
@@ -256,6 +257,9 @@ GENERATE_CASES = [
     ("request-id-int", _with({"request_id": 7}), "request_id"),
     ("request-id-empty", _with({"request_id": ""}), "request_id"),
     ("request-id-huge", _with({"request_id": "r" * 10_000}), "request_id"),
+    # the router's limit, to the character (tests/protocol/test_wire_limits.py)
+    ("request-id-past-limit", _with({"request_id": "r" * (MAX_REQUEST_ID_CHARS + 1)}),
+     "request_id"),
     ("no-prompt", _without("prompt_token_ids"), "prompt_token_ids"),
     ("prompt-empty", _with({"prompt_token_ids": []}), "prompt_token_ids"),
     ("prompt-str", _with({"prompt_token_ids": "hello"}), "prompt_token_ids"),
@@ -347,6 +351,16 @@ def test_malformed_abort_is_400(
 ) -> None:
     status, answer = post(http, engine, body, engine_api.ABORT_PATH)
     check_error(status, answer, param)
+
+
+def test_the_longest_request_id_is_served(engine: ServiceProcess) -> None:
+    """The router accepts an id of exactly this length too (tests/protocol/test_wire_limits.py),
+    and an abort may name it."""
+    rid = "r" * MAX_REQUEST_ID_CHARS
+    frames = generate(engine, msgpack.packb(valid(rid)))
+    assert isinstance(frames[-1], engine_api.FinishedFrame), frames
+    body = engine_api.AbortRequest(rid).to_json()
+    assert requests.post(engine.url + engine_api.ABORT_PATH, data=body, timeout=10).ok
 
 
 def test_garbage_during_a_running_request_leaves_it_untouched(engine: ServiceProcess) -> None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -166,3 +169,29 @@ def test_batch_job_writes_one_record_per_line(llm: LLM) -> None:
     assert all(records[i]["error"] is not None for i in (1, 3, 4))
     assert records[3]["response"]["status_code"] == 400
     assert "temperature" in records[3]["error"]["message"]
+
+
+def test_batch_command_line_runs_with_engine_flags(fast_model_dir, tmp_path) -> None:
+    """``python -m services.engine.batch IN OUT`` and the engine server's own flags (the one
+    CLI scheme): a real process, a tiny model, one result line per input line."""
+    source = tmp_path / "in.jsonl"
+    out = tmp_path / "out.jsonl"
+    body = {"model": "m", "prompt": "Hello", "max_tokens": 3, "ignore_eos": True}
+    source.write_text(json.dumps({"custom_id": "a", "url": "/v1/completions", "body": body})
+                      + "\nnot json\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.engine.batch", str(source), str(out),
+         "--model", str(fast_model_dir), "--dtype", "float32", "--num-blocks", "32",
+         "--max-num-seqs", "2", "--block-size=16", "--enable-prefix-caching=false"],
+        check=False, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["custom_id"] for r in records] == ["a", None]
+    assert records[0]["response"]["body"]["usage"]["completion_tokens"] == 3
+    done = [line for line in proc.stderr.splitlines() if "batch done:" in line]
+    assert done and " INFO batch " in done[0] and "lines=2 ok=1 failed=1" in done[0]
+    bad = subprocess.run([sys.executable, "-m", "services.engine.batch", str(source)],
+                         check=False, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "required: output" in bad.stderr

@@ -22,6 +22,7 @@ from services.engine.config import EngineConfig
 from services.engine.serving.server import CORE, ServerConfig, create_app
 from services.protocol import engine_api
 from services.protocol.sampling_params import SamplingParams
+from services.protocol.wire import BadRequest
 from tests.support.redis_server import RedisServer
 from tests.support.services import ServiceProcess
 
@@ -321,7 +322,7 @@ def test_an_engine_failure_is_a_500_never_a_400(tiny_model_dir) -> None:
                 (checks, "check", ValueError("max_tokens slipped"), 500),
                 (checks, "check", RuntimeError("boom"), 500),
                 (engine, "add_request", ValueError("prompt broke an invariant"), 500),
-                (engine, "add_request", engine_api.BadRequest("max_tokens: no", "max_tokens"),
+                (engine, "add_request", BadRequest("max_tokens: no", "max_tokens"),
                  400),
             ]:
                 with pytest.MonkeyPatch.context() as mp:

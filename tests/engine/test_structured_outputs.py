@@ -12,9 +12,9 @@ import jsonschema
 import pytest
 
 from services.engine.llm import LLM
-from services.protocol.engine_api import BadRequest
 from services.protocol.sampling_params import SamplingParams
 from services.protocol.structured_outputs import StructuredOutputsParams as SO
+from services.protocol.wire import BadRequest
 from tests.support.stack import TOKENIZER_FILES
 
 SCHEMA = {

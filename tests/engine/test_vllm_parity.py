@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.engine import LLM, SamplingParams
-from services.protocol.engine_api import BadRequest
+from services.protocol.wire import BadRequest
 
 CONTEXT = 96
 PROMPT = "The quick brown fox jumps over the lazy dog, and then it runs into the woods " * 2

@@ -21,7 +21,7 @@ CORE = "core"
 ALLOWED = {
     "protocol": set(),
     "common": {"protocol"},
-    "text": {"protocol"},
+    "text": {"protocol", "common"},  # common.model_files: the tokenizer's end-of-sequence ids
     "engine": {"protocol", "common", "text"},
     "router": {"protocol", "common"},
     "gateway": {"protocol", "common", "text"},

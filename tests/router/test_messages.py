@@ -46,7 +46,7 @@ def test_ints_accepted_as_floats() -> None:
         ({"model": "m", "block_hashes": [], "prompt_len": -1}, ">= 0"),
         ({"model": "", "block_hashes": [], "prompt_len": 1}, "non-empty"),
         ({"model": "m", "block_hashes": [], "prompt_len": 1, "exclude": [3]}, "exclude[0]"),
-        ({"model": None, "block_hashes": [], "prompt_len": 1}, "expected str, got NoneType"),
+        ({"model": None, "block_hashes": [], "prompt_len": 1}, "expected str, got nil"),
         ({"model": "m", "block_hashes": [], "prompt_len": 1, "request_id": 5}, "request_id"),
     ],
 )

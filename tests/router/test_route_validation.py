@@ -20,12 +20,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.common.redis_index import KVIndexPublisher, connect
-from services.protocol.messages import (
+from services.protocol.messages import RouteRequest, RouteResponse
+from services.protocol.wire import (
     MAX_EXCLUDE,
     MAX_NAME_CHARS,
-    MessageError,
-    RouteRequest,
-    RouteResponse,
+    MAX_PROMPT_TOKENS,
+    MAX_REQUEST_ID_CHARS,
+    BadRequest,
 )
 from services.router.server import MAX_BODY_BYTES
 from tests.router.util import MODEL, chain, heartbeat
@@ -93,8 +94,8 @@ def check_answer(http: requests.Session, router: ServiceProcess, body: bytes,
     seen[status] += 1
     try:
         RouteRequest.from_msgpack(body)
-    except MessageError as exc:
-        check_error(status, answer, exc.field)
+    except BadRequest as exc:
+        check_error(status, answer, exc.param)
         return
     assert status in (200, 409, 503), (status, answer)
     if status == 200:
@@ -225,6 +226,10 @@ ROUTE_CASES = [
     ("exclude-huge-entry", _with(exclude=["x" * 10_000]), "exclude"),
     ("request-id-int", _with(request_id=5), "request_id"),
     ("request-id-huge", _with(request_id="r" * 10_000), "request_id"),
+    # the engine's limit, to the character (tests/protocol/test_wire_limits.py)
+    ("request-id-past-limit", _with(request_id="r" * (MAX_REQUEST_ID_CHARS + 1)), "request_id"),
+    ("request-id-empty", _with(request_id=""), "request_id"),
+    ("prompt-len-past-limit", _with(prompt_len=MAX_PROMPT_TOKENS + 1), "prompt_len"),
     ("ext-type", _with(prompt_len=msgpack.ExtType(1, b"x")), "prompt_len"),
 ]
 
@@ -251,6 +256,8 @@ def test_valid_requests_still_route(router: ServiceProcess, http: requests.Sessi
     assert status == 503 and answer["error"]["type"] == "no_engine"
     status, answer = post(http, router, _with(exclude=["a"]))
     assert status == 409 and answer["error"]["type"] == "no_engine"
+    status, answer = post(http, router, _with(request_id="r" * MAX_REQUEST_ID_CHARS))
+    assert status == 200, answer  # the longest id the engine accepts too
 
 
 def test_unknown_paths_and_methods_get_json_errors(router: ServiceProcess,

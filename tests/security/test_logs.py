@@ -8,6 +8,7 @@ prompt's token ids and every generated text."""
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -129,6 +130,30 @@ def _run_and_check(stack: PagodaStack, key: str) -> None:
 
 def test_default_level_logs_hold_no_key_prompt_or_output(keyed_stack: PagodaStack) -> None:
     _run_and_check(keyed_stack, KEY_A)
+
+
+_STAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ")
+_LINE = re.compile(_STAMP.pattern + r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) (\S+) \S+: ")
+
+
+def test_every_service_logs_in_the_one_format(keyed_stack: PagodaStack) -> None:
+    """services.common.logs: every process of the stack writes the same line format, naming
+    its role (the engine's core process its own)."""
+    expected = {"gateway": {"gateway"}, "router": {"router"}, "engine": {"engine", "engine-core"}}
+    logs = {
+        "gateway": keyed_stack.gateway.log_text(),
+        "router": keyed_stack.routers[0].log_text(),
+        "engine": keyed_stack.engines[0].log_text(),
+    }
+    for service, text in logs.items():
+        stamped = [line for line in text.splitlines() if _STAMP.match(line)]
+        assert stamped, f"{service} logged nothing"
+        roles = set()
+        for line in stamped:
+            m = _LINE.match(line)
+            assert m, f"{service} logged a line in another format: {line!r}"
+            roles.add(m.group(2))
+        assert service in roles and roles <= expected[service], (service, roles)
 
 
 def test_debug_level_logs_hold_no_key_prompt_or_output(debug_stack: PagodaStack) -> None:

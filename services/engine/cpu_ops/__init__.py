@@ -18,6 +18,8 @@ from types import ModuleType
 
 import torch
 
+from services.common.logs import setup_logging
+
 logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "PAGODA_CPU_OPS"  # "0" turns the kernels off (the torch paths run instead)
@@ -69,7 +71,7 @@ def _load(verbose: bool) -> ModuleType:
 
 def main() -> None:
     """Builds (or finds) the kernels and says where they are."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    setup_logging("INFO", "cpu-ops")
     module = _load(verbose=False)
     print(f"{_NAME}: {module.__file__}")
 

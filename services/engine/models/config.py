@@ -1,4 +1,5 @@
-"""Model configuration parsed from a Hugging Face model directory (``config.json``).
+"""Model configuration parsed from a Hugging Face model directory (``config.json``, read by
+``services.common.model_files``, the one reader of those files and of the end-of-sequence rule).
 
 Only the fields the engine needs are kept, under our own names, so that the rest of the engine
 never touches a transformers config object. Architecture-specific quirks (Qwen2's q/k/v bias,
@@ -9,7 +10,6 @@ longrope) are parsed here, each into a field that says what it does.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from services.common.model_files import ModelFiles, context_length, eos_token_ids, generation_field
 from services.engine.models.registry import get_arch_spec, resolve_architecture
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
@@ -166,14 +167,8 @@ class ModelConfig:
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> ModelConfig:
         """Parses ``config.json`` (and ``generation_config.json`` for eos ids) in ``path``."""
-        path = Path(path)
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise FileNotFoundError(f"no config.json in model directory {path}")
-        raw = json.loads(config_file.read_text())
-        gen_file = path / "generation_config.json"
-        generation = json.loads(gen_file.read_text()) if gen_file.is_file() else None
-        return cls.from_hf_dict(raw, generation)
+        files = ModelFiles.read(path)
+        return cls.from_hf_dict(files.config, files.generation)
 
     @classmethod
     def from_hf_dict(
@@ -204,7 +199,7 @@ class ModelConfig:
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
             # head_dim may be absent, null, or differ from hidden // heads (Qwen3, Mistral).
             head_dim=int(raw.get("head_dim") or hidden // heads),
-            max_position_embeddings=_required_int(raw, "max_position_embeddings"),
+            max_position_embeddings=_context_length(raw),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope=parse_rope(raw),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
@@ -219,9 +214,9 @@ class ModelConfig:
             final_logit_softcap=_optional_float(raw.get("final_logit_softcapping")),
             local_rope=parse_local_rope(raw),
             moe=parse_moe(raw, num_layers),
-            eos_token_ids=_token_ids(_generation_field(generation, raw, "eos_token_id")),
-            bos_token_id=_optional_int(_generation_field(generation, raw, "bos_token_id")),
-            pad_token_id=_optional_int(_generation_field(generation, raw, "pad_token_id")),
+            eos_token_ids=eos_token_ids(raw, generation),
+            bos_token_id=_optional_int(generation_field(raw, generation, "bos_token_id")),
+            pad_token_id=_optional_int(generation_field(raw, generation, "pad_token_id")),
             checkpoint_dtype=raw.get("dtype") or raw.get("torch_dtype"),
         )
 
@@ -352,16 +347,17 @@ def _layer_windows(raw: dict[str, Any], num_layers: int, pattern: int) -> tuple[
     return (window,) * num_layers
 
 
-def _generation_field(generation: dict[str, Any], raw: dict[str, Any], key: str) -> Any:
-    """generation_config.json wins over config.json; a null there falls back (id 0 is valid)."""
-    value = generation.get(key)
-    return raw.get(key) if value is None else value
-
-
 def _required_int(raw: dict[str, Any], key: str) -> int:
     if raw.get(key) is None:
         raise ValueError(f"config.json is missing {key!r}")
     return int(raw[key])
+
+
+def _context_length(raw: dict[str, Any]) -> int:
+    value = context_length(raw)
+    if value is None:
+        raise ValueError("config.json is missing 'max_position_embeddings'")
+    return value
 
 
 def _optional_int(value: Any) -> int | None:
@@ -370,12 +366,3 @@ def _optional_int(value: Any) -> int | None:
 
 def _optional_float(value: Any) -> float | None:
     return None if value is None else float(value)
-
-
-def _token_ids(value: Any) -> tuple[int, ...]:
-    """eos_token_id may be absent, one int, or a list of ints."""
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(dict.fromkeys(int(v) for v in value))

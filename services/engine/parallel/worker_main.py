@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from services.common.child_process import die_with_parent
+from services.common.logs import setup_logging
 from services.engine.parallel import group as tp_group
 from services.engine.parallel.group import TPGroup
 from services.engine.parallel.step_broadcast import StepBatch, receive_step
@@ -55,10 +56,7 @@ def run_worker(build: Callable[[WorkerArgs, TPGroup], StepFn]) -> None:
     """A worker process from start to stop; returns only after a clean stop."""
     die_with_parent()
     args = _read_args()
-    logging.basicConfig(
-        level=args.log_level,
-        format=f"%(asctime)s %(levelname)s [tp rank {args.rank}] %(name)s: %(message)s",
-    )
+    setup_logging(args.log_level, f"engine-tp{args.rank}")
     if os.getppid() != args.parent_pid:  # the engine died before the death signal was armed
         os._exit(EXIT_CODE)
     try:

@@ -26,8 +26,8 @@ from services.engine.serving.core_loop import (
 )
 from services.engine.serving.engine_info import EngineInfo, RequestChecks
 from services.engine.serving.kv_event_queue import MAX_QUEUED_KV_EVENTS, KVEventQueue
-from services.protocol.engine_api import BadRequest
 from services.protocol.sampling_params import SamplingParams
+from services.protocol.wire import BadRequest
 
 logger = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 from services.engine.config import EngineConfig
 from services.engine.engine import EngineStats, LLMEngine, RequestUpdate
-from services.protocol.engine_api import BadRequest
 from services.protocol.kv_events import KVEvent
 from services.protocol.sampling_params import SamplingParams
+from services.protocol.wire import BadRequest
 
 logger = logging.getLogger(__name__)
 

@@ -163,8 +163,8 @@ def core_main(args: _CoreArgs, commands: multiprocessing.connection.Connection,
     # the whole process group must not cut the core from under it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=args.log_level,
-                        format="%(asctime)s %(levelname)s %(name)s[core] %(message)s")
+    from services.common.logs import setup_logging
+    setup_logging(args.log_level, "engine-core")
     send_lock = threading.Lock()  # the grammar thread never sends, but be explicit
 
     def emit(out: CoreOutputs) -> None:

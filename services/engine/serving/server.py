@@ -22,7 +22,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.common import tracing
 from services.common.default_model import DEFAULT_MODEL_NAME
-from services.common.http_errors import json_error, json_errors
+from services.common.http_errors import error_middleware, json_error
+from services.common.logs import setup_logging
 from services.engine.config import EngineConfig
 from services.engine.engine import RequestUpdate
 from services.engine.serving.core_client import CoreClient, InternalEngineError
@@ -31,6 +32,7 @@ from services.engine.serving.engine_thread import EngineThread
 from services.engine.serving.metrics import EngineMetrics
 from services.engine.serving.server_config import ServerConfig, configs_from_args
 from services.protocol import engine_api
+from services.protocol.wire import BadRequest
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +64,7 @@ SERVER_CONFIG = web.AppKey("server_config", ServerConfig)
 def create_app(engine_config: EngineConfig, server_config: ServerConfig) -> web.Application:
     app = web.Application(
         client_max_size=64 * 1024 * 1024,
-        middlewares=[json_errors, tracing.server_span_middleware([engine_api.GENERATE_PATH])],
+        middlewares=[error_middleware, tracing.server_span_middleware([engine_api.GENERATE_PATH])],
     )
     app[SERVER_CONFIG] = server_config
     app[LIFECYCLE] = Lifecycle()
@@ -182,7 +184,7 @@ async def handle_abort(request: web.Request) -> web.Response:
         return body
     try:
         rid = engine_api.AbortRequest.from_json(body).request_id
-    except engine_api.BadRequest as exc:
+    except BadRequest as exc:
         return json_error(400, str(exc), exc.param)
     request.app[CORE].abort(request.app[LIFECYCLE].active.get(rid, rid))
     return web.json_response({"aborted": rid})
@@ -198,7 +200,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     try:
         req = engine_api.GenerateRequest.from_msgpack(body)
         await core.checks.check(req.prompt_token_ids, req.params)
-    except engine_api.BadRequest as exc:  # the client's input (body, params, model limits)
+    except BadRequest as exc:  # the client's input (body, params, model limits)
         return json_error(400, str(exc), exc.param)
     except Exception as exc:  # anything else is an engine bug, never the client's 400
         logger.exception("checking a request failed")
@@ -219,7 +221,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     try:
         core.submit(rid, req.prompt_token_ids, req.params, req.cache_salt, updates.put_nowait)
         first = await updates.get()
-        if isinstance(first, engine_api.BadRequest):
+        if isinstance(first, BadRequest):
             finished = True
             return json_error(400, str(first), first.param)
         if isinstance(first, InternalEngineError):  # logged where it was raised
@@ -422,8 +424,7 @@ async def _publish_loop(app: web.Application) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     engine_config, server_config = configs_from_args(argv)  # flags: server_config.py
-    logging.basicConfig(level=server_config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    setup_logging(server_config.log_level, "engine")
     global _EXIT_ON_CORE_DEATH
     _EXIT_ON_CORE_DEATH = True
     app = create_app(engine_config, server_config)

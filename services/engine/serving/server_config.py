@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 from services.common import cli
 from services.common.cli import flag
+from services.common.logs import check_log_level
 from services.engine.config import EngineConfig
 
 PROG = "python -m services.engine.serving.server"
 DESCRIPTION = "Pagoda engine server: the model, its KV cache and the internal streaming API."
 ENGINE_CORES = ("process", "inline")
-_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 @dataclass(slots=True)
@@ -57,8 +57,7 @@ class ServerConfig:
         if self.engine_core not in ENGINE_CORES:
             raise ValueError(f"engine_core must be one of {', '.join(ENGINE_CORES)}, "
                              f"got {self.engine_core!r}")
-        if self.log_level.upper() not in _LOG_LEVELS:
-            raise ValueError(f"log_level must be one of {', '.join(_LOG_LEVELS)}")
+        check_log_level(self.log_level)
 
     def resolved_engine_id(self) -> str:
         return self.engine_id or f"{socket.gethostname()}-{self.port}"

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from services.protocol.engine_api import BadRequest
 from services.protocol.structured_outputs import StructuredOutputsParams
+from services.protocol.wire import BadRequest
 
 logger = logging.getLogger(__name__)
 
