@@ -120,7 +120,7 @@ async def _plan(
         check_length(model, len(p.token_ids), req.params.max_tokens, prompt_param, max_param)
     check_logit_bias(model, req.params.logit_bias)
     salt = cache_salt_for(request.get(TENANT_KEY), req.cache_salt)
-    hasher = BlockHasher(model.name, model.block_size, salt)
+    hasher = BlockHasher(model.name, model.block_size, salt, model.hash_algorithm)
     rid = oa.new_id("chatcmpl" if req.kind == "chat" else "cmpl")
     n = req.params.n
     jobs = []

@@ -19,6 +19,7 @@ from services.common.model_files import ModelFiles
 from services.gateway.config import ModelSpec
 from services.gateway.fingerprint import system_fingerprint
 from services.gateway.router_client import EngineInfo
+from services.protocol.block_hash import HashAlgorithm
 from services.protocol.openai import OpenAIError
 from services.text.tokenizer import Tokenizer
 
@@ -33,6 +34,8 @@ class ServedModel:
     config_context: int | None  # from the model directory; None = unknown
     block_size: int
     engine_context: int | None = None  # smallest max_model_len the engines reported
+    # the engines' block-hash function: prompts are hashed with it, or nothing would match
+    hash_algorithm: HashAlgorithm = HashAlgorithm.XXH3_128
     engine_ids: tuple[str, ...] = ()
     created: int = 0
     fingerprint: str = ""  # set by refresh_fingerprint
@@ -146,6 +149,17 @@ class ModelRegistry:
             if block_size != model.block_size:
                 logger.info("model=%s block_size=%d (from engines)", name, block_size)
             model.block_size = block_size
+            model.hash_algorithm = _agreed(name, "hash_algorithm",
+                                           Counter(e.hash_algorithm for e in mine))
             limits = [e.max_model_len for e in mine if e.max_model_len]
             model.engine_context = min(limits) if limits else None
             model.refresh_fingerprint()
+
+
+def _agreed(model: str, what: str, seen: Counter) -> HashAlgorithm:
+    """The value most engines of a model report (they should all agree: a warning if not)."""
+    value = seen.most_common(1)[0][0]
+    if len(seen) > 1:
+        logger.warning("engines of model=%s disagree on %s=%s; using %s", model, what,
+                       dict(seen), value)
+    return value

@@ -25,6 +25,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from services.common import tracing
+from services.protocol.block_hash import HashAlgorithm
 from services.protocol.messages import RouteRequest, RouteResponse
 from services.protocol.openai import OpenAIError
 
@@ -42,6 +43,7 @@ class EngineInfo:
     model: str
     block_size: int
     max_model_len: int | None = None
+    hash_algorithm: HashAlgorithm = HashAlgorithm.XXH3_128
 
     @classmethod
     def from_dict(cls, d: Any) -> EngineInfo | None:
@@ -55,7 +57,11 @@ class EngineInfo:
         mml = d.get("max_model_len")
         if not isinstance(mml, int) or isinstance(mml, bool) or mml <= 0:
             mml = None
-        return cls(eid, url, model, bs, mml)
+        try:  # routers older than the field say nothing: the default algorithm
+            algorithm = HashAlgorithm(d.get("hash_algorithm", HashAlgorithm.XXH3_128.value))
+        except ValueError:
+            return None
+        return cls(eid, url, model, bs, mml, algorithm)
 
 
 class RouterUnavailable(Exception):

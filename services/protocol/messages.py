@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from services.protocol.block_hash import BlockHash
+from services.protocol.block_hash import BlockHash, HashAlgorithm
 from services.protocol.wire import (
     BLOCK_HASH_BYTES,
     MAX_EXCLUDE,
@@ -22,6 +22,8 @@ from services.protocol.wire import (
     Message,
     bounds,
 )
+
+HASH_ALGORITHMS = tuple(a.value for a in HashAlgorithm)
 
 
 def _check_engine_ref(where: str, value: str) -> None:
@@ -62,12 +64,20 @@ class EngineHeartbeat(Message):
     # Median wall time of the engine's recent steps (milliseconds; 0: not measured yet).
     # Routers use it to see that an engine is slower than its peers, not just busier.
     step_ms: float = 0.0
+    # The engine's block-hash function (a ``HashAlgorithm`` value): the gateway hashes prompts
+    # with the same one, or no prefix would ever match.
+    hash_algorithm: str = HashAlgorithm.XXH3_128.value
 
     def _check(self) -> None:
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"EngineHeartbeat.url must be an http(s) URL, got {self.url!r}")
         if self.block_size <= 0:
             raise ValueError(f"EngineHeartbeat.block_size must be > 0, got {self.block_size!r}")
+        if self.hash_algorithm not in HASH_ALGORITHMS:
+            raise ValueError(
+                f"EngineHeartbeat.hash_algorithm must be one of {', '.join(HASH_ALGORITHMS)}, "
+                f"got {self.hash_algorithm!r}"
+            )
         for name in ("running", "waiting", "free_blocks", "total_blocks", "timestamp", "step_ms"):
             _check_non_negative(f"EngineHeartbeat.{name}", getattr(self, name))
         if self.max_model_len is not None and self.max_model_len <= 0:

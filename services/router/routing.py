@@ -66,6 +66,7 @@ class EngineStatus:
     block_size: int
     max_model_len: int | None
     discovered: bool
+    hash_algorithm: str
 
 
 class Router:
@@ -281,6 +282,7 @@ def _status(model: str, view: EngineView, discovered: bool) -> EngineStatus:
         block_size=hb.block_size,
         max_model_len=hb.max_model_len,
         discovered=discovered,
+        hash_algorithm=hb.hash_algorithm,
     )
 
 

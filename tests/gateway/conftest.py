@@ -75,6 +75,7 @@ async def make_stack(tokenizer: Tokenizer, default_model_path: Path) -> AsyncIte
         models: Sequence[str] = (MODEL,),
         block_size: int = 16,
         max_model_len: int | None = None,
+        hash_algorithm: str = "xxh3_128",
         **config: Any,
     ) -> Stack:
         router = FakeRouter()
@@ -87,7 +88,8 @@ async def make_stack(tokenizer: Tokenizer, default_model_path: Path) -> AsyncIte
             else:
                 fakes[eid] = FakeEngine(eid)
                 url = await fakes[eid].start()
-            router.engines.append(EngineEntry(eid, url, model, block_size, max_model_len))
+            router.engines.append(EngineEntry(eid, url, model, block_size, max_model_len,
+                                              hash_algorithm))
         cfg = GatewayConfig(
             host="127.0.0.1",
             port=0,

@@ -163,6 +163,7 @@ class EngineEntry:
     model: str
     block_size: int = 16
     max_model_len: int | None = None
+    hash_algorithm: str = "xxh3_128"
 
     def heartbeat(self) -> dict[str, Any]:
         d = {
@@ -170,6 +171,7 @@ class EngineEntry:
             "url": self.url,
             "model": self.model,
             "block_size": self.block_size,
+            "hash_algorithm": self.hash_algorithm,
             "running": 0,
             "waiting": 0,
             "kv_usage": 0.0,

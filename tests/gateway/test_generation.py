@@ -12,7 +12,7 @@ import pytest
 from services.gateway.config import ModelSpec
 from services.gateway.models import ModelRegistry
 from services.gateway.router_client import EngineInfo
-from services.protocol.block_hash import BlockHasher
+from services.protocol.block_hash import BlockHasher, HashAlgorithm
 from tests.gateway.conftest import MODEL, Stack, StackFactory
 
 pytestmark = pytest.mark.asyncio
@@ -274,6 +274,21 @@ async def test_block_hashes_salt_and_engine_block_size(make_stack: StackFactory)
     assert salted.block_hashes == BlockHasher(MODEL, 8, "s1").chain(ids)
     assert (plain.prompt_len, plain.model, plain.exclude) == (len(ids), MODEL, [])
     assert [r.cache_salt for r in stack.engines["e1"].requests] == [None, "s1"]
+
+
+async def test_prompts_are_hashed_with_the_engines_hash_algorithm(
+    make_stack: StackFactory,
+) -> None:
+    """Engines started with --hash-algorithm sha256 say so in their heartbeats: the gateway
+    hashes with it too, or no prefix would ever match theirs."""
+    stack = await make_stack(block_size=8, hash_algorithm="sha256")
+    script(stack, "ok")
+    prompt = "word " * 40
+    await stack.client().completions.create(model=MODEL, prompt=prompt)
+    ids = stack.tokenizer.encode(prompt)
+    (sent,) = stack.router.requests
+    assert sent.block_hashes == BlockHasher(MODEL, 8, None, HashAlgorithm.SHA256).chain(ids)
+    assert sent.block_hashes != BlockHasher(MODEL, 8).chain(ids)
 
 
 async def test_requests_only_reach_engines_of_their_model(make_stack: StackFactory) -> None:

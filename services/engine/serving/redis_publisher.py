@@ -45,6 +45,7 @@ class EnginePublisher:
             url=self.url,
             model=info.model_name,
             block_size=info.block_size,
+            hash_algorithm=info.hash_algorithm,
             running=s.num_running,
             # Requests that arrived since the last step are waiting too: a heartbeat sent at
             # once on their arrival must count them, or routers would see a stale, lower load.
