@@ -86,7 +86,7 @@ def test_the_layout_is_sized_for_the_worst_routing() -> None:
 def test_block_rows_grow_with_the_rows_per_expert() -> None:
     assert block_rows(num_pairs=2, num_experts=8) == 16  # decode
     assert block_rows(num_pairs=256 * 8, num_experts=128) == 16
-    assert block_rows(num_pairs=40 * 8, num_experts=8) == 32
+    assert block_rows(num_pairs=40 * 8, num_experts=8) == 64
     assert block_rows(num_pairs=8192 * 8, num_experts=128) == 64
 
 

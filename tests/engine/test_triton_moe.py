@@ -51,7 +51,8 @@ ROUTINGS = {  # (tokens, top_k, experts, seed): all busy, some idle, one token (
     torch.cuda.is_available(), reason="CUDA is available: the kernel tests ran compiled here"
 )
 def test_moe_kernels_under_the_interpreter() -> None:
-    run_under_interpreter(__file__, _CHILD_ENV, "test_moe_kernels_under_the_interpreter")
+    # The CUDA-only test would only skip there.
+    run_under_interpreter(__file__, _CHILD_ENV, "test_moe_kernels_under_the_interpreter or on_cuda")
 
 
 def _routing(num_tokens: int, top_k: int, num_experts: int, seed: int) -> torch.Tensor:
@@ -143,3 +144,46 @@ def test_moe_model_on_the_triton_kernels_matches_transformers(tiny_model_dir, na
         assert [s for s in seen if not s.startswith("tensor.device")] == []
         assert (logits.cpu() - ref[done : done + n]).abs().max().item() < ATOL
         done += n
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and sync checks need CUDA")
+@pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe-shared"])
+def test_a_moe_block_on_cuda_syncs_nothing_and_replays_in_a_graph(tiny_model_dir, name) -> None:
+    """On CUDA the whole block (router, device routing, experts, shared expert) runs with
+    synchronising calls turned into errors, and one captured graph replays any routing exactly
+    as eager execution computes it."""
+    from services.engine.models.moe import SparseMoeBlock
+
+    _, architecture, overrides = FAMILIES[IDS.index(name)]
+    path = tiny_model_dir(architecture, **overrides)
+    model = load_model(path, dtype=torch.bfloat16, device="cuda",
+                       attn_backend=TorchAttentionBackend())  # fmt: skip
+    block = next(m for m in model.modules() if isinstance(m, SparseMoeBlock))
+    assert block.experts.kernels.name == "triton"
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden = model.config.hidden_size
+
+    def fresh() -> torch.Tensor:
+        return torch.randn(8, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+
+    static = fresh()
+    with torch.inference_mode():
+        block(static)  # compiles the kernels
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            block(static)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            block(static)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = block(static)
+        for _ in range(3):
+            static.copy_(fresh())
+            graph.replay()
+            assert torch.equal(captured, block(static))

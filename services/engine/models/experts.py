@@ -101,10 +101,10 @@ class ExpertBlocks:
 
 
 def block_rows(num_pairs: int, num_experts: int) -> int:
-    """Rows per block for a step: small blocks when experts get few rows each (decode), so
-    padding stays small; larger ones, which reuse each weight tile more, for prefills."""
-    per_expert = num_pairs / num_experts
-    return 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
+    """Rows per block for a step: 16 when experts get few rows each (decode), so padding stays
+    small; 64 for prefills, which then reuse each weight tile over more rows. Two sizes only:
+    the engine's warm-up (a full prefill and the decode graphs) compiles both kernel variants."""
+    return 16 if num_pairs <= 32 * num_experts else 64
 
 
 def expert_blocks(experts: Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
