@@ -43,7 +43,8 @@ test: install
 # On a CUDA machine, with its own torch and Triton (not the CPU venv): the GPU-only tests and the
 # kernels' tests compiled (no TRITON_INTERPRET), then the GPU benchmark. E.g. `make test-gpu PY=python3`.
 test-gpu:
-	PYTHONPATH=. $(PY) -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py tests/engine/test_triton_kernels.py tests/engine/test_triton_fused_kernels.py
+	PYTHONPATH=. $(PY) -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py tests/engine/test_triton_kernels.py tests/engine/test_triton_fused_kernels.py \
+		tests/engine/test_triton_moe.py
 	PYTHONPATH=. $(PY) benchmarks/gpu_throughput.py
 
 serve: install

@@ -22,7 +22,8 @@ from services.engine.attention.metadata import build_attention_metadata
 from services.engine.attention.torch_backend import TorchAttentionBackend
 from services.engine.cpu_ops import ops
 from services.engine.models import onednn
-from services.engine.models.layers import Linear, RopeStep, apply_rotary, rms_norm_torch
+from services.engine.models.layer_kernels import rms_norm_torch
+from services.engine.models.layers import Linear, RopeStep, apply_rotary
 from tests.engine.test_attention_torch import make_batch, naive_attention
 from tests.support.attention import attend
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -20,8 +22,10 @@ import torch
 from services.engine.attention.torch_backend import TorchAttentionBackend
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
+from services.engine.models import experts as experts_module
 from services.engine.models import moe
 from services.engine.models.config import ModelConfig
+from services.engine.models.layer_kernels import silu_and_mul_torch, torch_kernels
 from services.engine.models.loader import load_model
 from services.protocol.sampling_params import SamplingParams
 from tests.engine.test_models import (
@@ -273,19 +277,27 @@ def _naive_experts(x, gate_up, down, weights, experts) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize(
-    "assignment",
-    [
-        # Every expert gets tokens (and some token pairs share both experts).
-        [[0, 1], [2, 3], [4, 5], [5, 4], [1, 0], [3, 2], [0, 5]],
-        # Experts 1, 3 and 4 get no token; expert 2 gets every token.
-        [[2, 0], [2, 5], [0, 2], [2, 0], [5, 2], [2, 0], [0, 2]],
-        # A single token (a decode step): four of six experts idle.
-        [[3, 1]],
-    ],
-    ids=["all-experts", "idle-experts", "one-token"],
-)
-def test_grouped_experts_match_a_per_token_loop(assignment: list[list[int]]) -> None:
+ASSIGNMENTS = [
+    # Every expert gets tokens (and some token pairs share both experts).
+    [[0, 1], [2, 3], [4, 5], [5, 4], [1, 0], [3, 2], [0, 5]],
+    # Experts 1, 3 and 4 get no token; expert 2 gets every token.
+    [[2, 0], [2, 5], [0, 2], [2, 0], [5, 2], [2, 0], [0, 2]],
+    # A single token (a decode step): four of six experts idle.
+    [[3, 1]],
+]
+ASSIGNMENT_IDS = ["all-experts", "idle-experts", "one-token"]
+# The host path (CPU) and the device path (GPU), its grouped matmul by the torch reference.
+EXPERT_PATHS = {
+    "host": partial(experts_module.grouped_experts, act=silu_and_mul_torch),
+    "device": partial(
+        experts_module.routed_experts, gemm=experts_module.grouped_gemm_torch, act=silu_and_mul_torch
+    ),
+}
+
+
+@pytest.mark.parametrize("path", list(EXPERT_PATHS))
+@pytest.mark.parametrize("assignment", ASSIGNMENTS, ids=ASSIGNMENT_IDS)
+def test_experts_match_a_per_token_loop(assignment: list[list[int]], path: str) -> None:
     gen = torch.Generator().manual_seed(0)
     num_experts, hidden, inter = 6, 16, 8
     gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen) * 0.3
@@ -293,29 +305,45 @@ def test_grouped_experts_match_a_per_token_loop(assignment: list[list[int]]) -> 
     experts = torch.tensor(assignment)
     x = torch.randn(len(assignment), hidden, generator=gen)
     weights = torch.rand(experts.shape, generator=gen)
-    out = moe.grouped_experts(x, gate_up, down, weights, experts)
+    out = EXPERT_PATHS[path](x, gate_up, down, weights, experts)
     expected = _naive_experts(x, gate_up, down, weights, experts).float()
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    dense = moe._dense_experts(x, gate_up, down, weights, experts)  # the CUDA-graph path
-    torch.testing.assert_close(dense, out, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["mixtral-window", "qwen3-moe", "qwen2-moe-shared"])
+def test_moe_routed_on_the_device_matches_transformers(tiny_model_dir, name: str) -> None:
+    """The GPU's expert path (device routing; the grouped matmul by its torch reference here)
+    in a whole model: a prefill chunk that reaches every expert, a second chunk, then decodes
+    that leave most experts idle, each step's logits as transformers'."""
+    _, architecture, overrides = FAMILIES[IDS.index(name)]
+    path = tiny_model_dir(architecture, **overrides)
+    model = load_model(path, attn_backend=TorchAttentionBackend())
+    model.use_kernels(replace(torch_kernels(torch.float32), experts=EXPERT_PATHS["device"]))
+    ids = _random_ids(256, 31, seed=5)
+    ref = _hf_logits(path, ids)
+    kv, done = _kv_caches(model), 0
+    for n in (17, 10, 1, 1, 1, 1):
+        (logits,) = _step(model, kv, [ids], [done], [n], [[5, 1, 11]])
+        assert (logits - ref[done : done + n]).abs().max().item() < ATOL
+        done += n
 
 
 def test_tiny_moe_prefill_reaches_every_expert_and_decode_leaves_experts_idle(
-    tiny_model_dir, monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir,
 ) -> None:
     """The parity tests above cover both regimes: the 37-token prefill routes tokens to all
     eight experts of Qwen3-MoE, a decode step (one token, top 2) leaves six idle."""
     _, architecture, overrides = FAMILIES[IDS.index("qwen3-moe")]
     path = tiny_model_dir(architecture, **overrides)
-    model = _our_model(str(path))
+    model = load_model(path, attn_backend=TorchAttentionBackend())
     used: list[set[int]] = []
-    original = moe.grouped_experts
+    bound = next(m for m in model.modules() if isinstance(m, moe.FusedExperts)).kernels
 
     def spy(x, gate_up, down, weights, experts):
         used.append(set(experts.reshape(-1).tolist()))
-        return original(x, gate_up, down, weights, experts)
+        return bound.experts(x, gate_up, down, weights, experts)
 
-    monkeypatch.setattr(moe, "grouped_experts", spy)
+    model.use_kernels(replace(bound, experts=spy))
     ids = _random_ids(256, 38, seed=1)
     kv = _kv_caches(model)
     _step(model, kv, [ids], [0], [37], [[5, 1, 11]])

@@ -194,10 +194,13 @@ def test_rotary_reads_strided_heads(pos_dtype: torch.dtype) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the dispatch picks Triton on CUDA")
 def test_layers_use_the_triton_kernels_on_cuda() -> None:
     from services.engine.models.config import RopeConfig
-    from services.engine.models.layers import RotaryEmbedding, silu_and_mul
+    from services.engine.models.layer_kernels import select_kernels
+    from services.engine.models.layers import RotaryEmbedding
 
+    kernels = select_kernels("cuda", torch.bfloat16)
     rope = RotaryEmbedding(64, 128, RopeConfig(), torch.bfloat16).cuda()
     rope.reset_cache()
+    rope.use_kernels(kernels)
     positions = torch.tensor([0, 5, 127], device="cuda")
     step = rope(positions)
     assert step.cos is None  # no gather: the kernel reads the table in place
@@ -206,7 +209,7 @@ def test_layers_use_the_triton_kernels_on_cuda() -> None:
     assert apply_rotary(x, step) is x
     assert torch.equal(x, expected)
     gate_up = torch.randn(4, 256, device="cuda").to(torch.bfloat16)
-    assert ulps_apart(silu_and_mul(gate_up), silu_and_mul_reference(gate_up)) <= 1
+    assert ulps_apart(kernels.silu_and_mul(gate_up), silu_and_mul_reference(gate_up)) <= 1
 
 
 # ---------------------------------------------------------------------- no kernel launched
@@ -228,20 +231,23 @@ def test_the_emulated_references_round_where_torch_does(dtype: torch.dtype) -> N
     )
 
 
-def test_rotary_guards_the_memory_it_indexes() -> None:
+def test_rotary_args_are_checked_by_their_helper() -> None:
+    """The wrapper checks nothing per call; ``check_rotary_args`` states what it indexes."""
     x = torch.zeros(3, 4, 16)
     table = torch.zeros(8, 2, 16)
     positions = torch.zeros(3, dtype=torch.int64)
-    with pytest.raises(AssertionError):  # head_dim not of unit stride
-        rotary.apply_rotary_(torch.zeros(3, 16, 4).transpose(1, 2), table, positions)
-    with pytest.raises(AssertionError):  # a table of another dtype
-        rotary.apply_rotary_(x, table.double(), positions)
-    with pytest.raises(AssertionError):  # a table of another head_dim
-        rotary.apply_rotary_(x, torch.zeros(8, 2, 8), positions)
-    with pytest.raises(AssertionError):  # positions of another length
-        rotary.apply_rotary_(x, table, positions[:2])
-    with pytest.raises(AssertionError):  # float positions
-        rotary.apply_rotary_(x, table, positions.float())
+    rotary.check_rotary_args(x, table, positions)
+    bad = {
+        "head_dim not of unit stride": (torch.zeros(3, 16, 4).transpose(1, 2), table, positions),
+        "a table of another dtype": (x, table.double(), positions),
+        "a table of another head_dim": (x, torch.zeros(8, 2, 8), positions),
+        "positions of another length": (x, table, positions[:2]),
+        "float positions": (x, table, positions.float()),
+    }
+    for name, args in bad.items():
+        with pytest.raises(AssertionError):
+            rotary.check_rotary_args(*args)
+            pytest.fail(f"no AssertionError for {name}")
 
 
 def test_empty_steps_launch_nothing() -> None:

@@ -529,31 +529,36 @@ def test_what_the_kernels_cannot_take_is_rejected_once_not_per_call() -> None:
             pytest.fail(f"no AttentionContractError for step: {name}")
 
 
-def test_kernel_wrappers_keep_only_memory_guards() -> None:
-    """What remains per call: asserts on the strides the kernels index, and the split knob."""
+def test_what_the_wrappers_index_is_stated_by_check_helpers() -> None:
+    """The wrappers check nothing per call (they run in every layer); what they index beyond
+    the attention contract is stated by ``check_*`` helpers, which refuse the rest."""
     q = torch.zeros(3, 6, 16)
-    kc = torch.zeros(4, 8, 2, 16)
     tables = torch.zeros(3, 2, dtype=torch.int32)
-    lens = torch.ones(3, dtype=torch.int32)
-    decode = paged_attention.paged_decode_attention
+    paged_attention.check_decode_args(q, tables, num_splits=2, out=torch.zeros_like(q))
+    bad_decode = {
+        "one query per sequence": ((q[:2], tables), {}),
+        "head_dim stride": ((torch.zeros(3, 16, 6).transpose(1, 2), tables), {}),
+        "no split": ((q, tables), {"num_splits": 0}),
+        "out shape": ((q, tables), {"out": torch.zeros(3, 6, 8)}),
+    }
+    for name, (args, kwargs) in bad_decode.items():
+        with pytest.raises(AssertionError):
+            paged_attention.check_decode_args(*args, **kwargs)
+            pytest.fail(f"no AssertionError for decode: {name}")
     with pytest.raises(AssertionError):
-        decode(q[:2], kc, kc, tables, lens, 1.0)
+        paged_attention.check_prefill_args(q, out=q.double())
+    kv_store.check_store_args(torch.zeros(3, 2, 16), torch.zeros(3, 2, 16))
     with pytest.raises(AssertionError):
-        decode(torch.zeros(3, 16, 6).transpose(1, 2), kc, kc, tables, lens, 1.0)
-    with pytest.raises(ValueError, match="num_splits"):
-        decode(q, kc, kc, tables, lens, 1.0, num_splits=0)
+        kv_store.check_store_args(torch.zeros(3, 16, 2).transpose(1, 2), torch.zeros(3, 2, 16))
+    rmsnorm.check_norm_args(torch.zeros(2, 8), torch.zeros(8), torch.zeros(2, 8))
     with pytest.raises(AssertionError):
-        kv_store.store_kv(
-            torch.zeros(3, 16, 2).transpose(1, 2),
-            torch.zeros(3, 2, 16),
-            kc,
-            kc,
-            torch.zeros(3).long(),
+        rmsnorm.check_norm_args(torch.zeros(2, 8), torch.zeros(7))
+    with pytest.raises(AssertionError):
+        rmsnorm.check_norm_args(torch.zeros(2, 8), torch.zeros(8), torch.zeros(3, 8))
+    with pytest.raises(AssertionError):  # a residual that cannot be updated through a view
+        rmsnorm.check_norm_args(
+            torch.zeros(2, 3, 8), torch.zeros(8), torch.zeros(3, 2, 8).transpose(0, 1)
         )
-    with pytest.raises(AssertionError):
-        rmsnorm.rms_norm(torch.zeros(2, 8), torch.zeros(7), 1e-6)
-    with pytest.raises(AssertionError):
-        rmsnorm.fused_add_rms_norm(torch.zeros(2, 8), torch.zeros(3, 8), torch.zeros(8), 1e-6)
 
 
 def test_selector_picks_torch_or_the_cpu_kernels_off_cuda() -> None:

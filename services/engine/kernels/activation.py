@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.kernels import require_triton
+from services.engine.kernels import triton_only
 
 try:
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
     from triton.runtime.interpreter import InterpretedFunction
-except ImportError:  # CPU-only install: layers.silu_and_mul's CPU/torch paths still work
+except ImportError:  # CPU-only install: the CPU/torch paths (models.layer_kernels) still work
     triton = None
 
 
@@ -67,13 +67,13 @@ if triton is not None:
     _INTERPRETED = isinstance(_silu_and_mul_kernel, InterpretedFunction)
 
 
+@triton_only
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate_up[..., :I]) * gate_up[..., I:]`` as a new ``[..., I]`` tensor.
 
     No host synchronisation and nothing that depends on tensor values: safe to capture in a
     CUDA graph (the grid depends only on the shape).
     """
-    require_triton()
     n_cols = gate_up.shape[-1] // 2
     rows = gate_up.reshape(-1, gate_up.shape[-1])
     if rows.stride(-1) != 1:

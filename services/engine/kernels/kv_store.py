@@ -4,13 +4,17 @@ One program per new token copies its ``[num_kv_heads, head_dim]`` key and value 
 cache slot ``slot_mapping[t]`` (a slot is one row of the flattened
 ``[num_blocks * block_size, num_kv_heads, head_dim]`` cache). Tokens whose slot is negative
 (padding) are skipped. The torch reference is ``TorchAttentionBackend.store_kv``.
+
+The wrapper runs once per layer and checks nothing: the caches are checked when allocated, the
+slot mapping once per step (``attention.contract``), and key/value are views of the model's
+fused projection, unit-strided over head_dim by construction (``check_store_args``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from services.engine.kernels import require_triton
+from services.engine.kernels import triton_only
 
 try:
     import triton
@@ -52,6 +56,7 @@ if triton is not None:
             tl.store(v_cache_ptr + dst, tl.load(v_src, mask=mask), mask=mask)
 
 
+@triton_only
 def store_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -65,10 +70,8 @@ def store_kv(
     token/head strides (the model passes views of its fused qkv projection) but a unit stride
     over head_dim. ``k_cache``/``v_cache``: contiguous ``[num_blocks, block_size, num_kv_heads,
     head_dim]``. Not validated here: the caches are checked once when allocated and the slot
-    mapping once per step (``attention.contract``).
+    mapping once per step (``attention.contract``), key and value by ``check_store_args``.
     """
-    require_triton()
-    assert key.stride(2) == 1 and value.stride(2) == 1, "key/value need a unit head_dim stride"
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
@@ -87,3 +90,10 @@ def store_kv(
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
     )
+
+
+def check_store_args(key: torch.Tensor, value: torch.Tensor) -> None:
+    """What ``store_kv`` indexes beyond the attention contract: key and value of one shape,
+    each unit-strided over head_dim."""
+    assert key.dim() == 3 and key.shape == value.shape, "key/value must be [T, kv_heads, d]"
+    assert key.stride(2) == 1 and value.stride(2) == 1, "key/value need a unit head_dim stride"

@@ -35,7 +35,9 @@ starts each row tile's key loop at its first row's window and masks per row. Sof
 
 The torch reference is ``TorchAttentionBackend.forward``. The wrappers validate nothing per
 call: the caches are checked once when allocated and each step's metadata once before the model
-runs (``attention.contract``); only the asserts that guard memory the kernels index remain.
+runs (``attention.contract``); the query is a view of the model's fused projection, unit-strided
+over head_dim by construction. ``check_decode_args`` / ``check_prefill_args`` state what the
+kernels index beyond that (the tests call them).
 """
 
 from __future__ import annotations
@@ -45,11 +47,12 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.kernels import interpreter_enabled, require_triton
+from services.engine.kernels import dot_modes, triton_only
 
 try:
     import triton
     import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
 except ImportError:  # CPU-only install: the torch backend does not need this module
     triton = None
 
@@ -394,10 +397,14 @@ if triton is not None:
             o_offs = tok[:, None] * o_stride_t + head * o_stride_h + d[None, :]
             tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=md_mask)
 
+    # (tl.dot precision, bf16 upcast) per dtype, fixed by how the kernels were defined.
+    _DOT_MODES = dot_modes(isinstance(_decode_kernel, InterpretedFunction))
+
 
 # ---------------------------------------------------------------------- wrappers
 
 
+@triton_only
 def paged_decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -422,12 +429,10 @@ def paged_decode_attention(
     context split (a CUDA graph must: see ``decode_num_splits``); without it the split is
     planned from ``max_context_len`` (a host int, e.g. ``meta.max_seqlen_k``; default: the
     block table's width). ``config`` overrides ``decode_config`` (benchmarks sweep it). The
-    caches and the metadata tensors must satisfy ``attention.contract`` (checked once, not here).
+    caches and the metadata tensors must satisfy ``attention.contract`` (checked once, not here),
+    the other arguments ``check_decode_args``.
     """
-    require_triton()
     num_seqs = block_tables.shape[0]
-    assert query.shape[0] == num_seqs, "decode takes one query per sequence"
-    assert query.stride(2) == 1, "query needs a unit stride over head_dim"
     out = _output(query, out)
     if num_seqs == 0:
         return out
@@ -440,8 +445,6 @@ def paged_decode_attention(
         if window is not None:  # the keys a sequence reads, its first tile aligned down
             max_context_len = min(max_context_len, window + cfg.block_n)
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_context_len, config=cfg)
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     extras = (window, softcap)
     if num_splits == 1:
         _launch_decode(
@@ -493,7 +496,7 @@ def _launch_decode(
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    precision, upcast = _dot_mode(query.dtype)
+    precision, upcast = _DOT_MODES[query.dtype]
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         dest,
         max_buf,
@@ -531,6 +534,7 @@ def _launch_decode(
     )
 
 
+@triton_only
 def paged_prefill_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -552,11 +556,10 @@ def paged_prefill_attention(
     ``query``: ``[num_tokens, num_heads, head_dim]`` flattened over sequences, split by
     ``cu_seqlens_q`` (``[num_seqs + 1]``); ``max_seqlen_q`` (host int) sizes the grid. Handles
     any mix of prefills, chunks over a cached prefix and single-token decodes. The caches and
-    the metadata tensors must satisfy ``attention.contract`` (checked once, not here).
+    the metadata tensors must satisfy ``attention.contract`` (checked once, not here), the
+    other arguments ``check_prefill_args``.
     """
-    require_triton()
     num_seqs = block_tables.shape[0]
-    assert query.stride(2) == 1, "query needs a unit stride over head_dim"
     out = _output(query, out)
     if num_seqs == 0 or max_seqlen_q == 0:
         return out
@@ -566,7 +569,7 @@ def paged_prefill_attention(
     block_m = min(64, max(16, triton.next_power_of_2(max_seqlen_q)))
     block_n = 64 if block_d <= 64 else 32
     grid = (num_seqs, num_heads, triton.cdiv(max_seqlen_q, block_m))
-    precision, upcast = _dot_mode(query.dtype)
+    precision, upcast = _DOT_MODES[query.dtype]
     _prefill_kernel[grid](
         out,
         query,
@@ -599,21 +602,28 @@ def paged_prefill_attention(
     return out
 
 
-def _dot_mode(dtype: torch.dtype) -> tuple[str, bool]:
-    """(tl.dot input_precision, whether to upcast bf16 operands to fp32) for an input dtype.
+def check_decode_args(
+    query: torch.Tensor,
+    block_tables: torch.Tensor,
+    *,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> None:
+    """What ``paged_decode_attention`` indexes beyond the attention contract: one query per
+    sequence, unit-strided over head_dim, at least one split, an ``out`` like the query."""
+    assert query.shape[0] == block_tables.shape[0], "decode takes one query per sequence"
+    check_prefill_args(query, out=out)
+    assert num_splits is None or num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
 
-    Triton's CPU interpreter multiplies bf16 tl.dot operands as raw uint16 bits; there the dots
-    run in fp32 instead (on a GPU bf16 stays on the tensor cores). fp32 inputs would otherwise
-    be truncated to TF32 on the tensor cores; the precision is ignored for fp16 and bf16.
-    """
-    upcast = dtype == torch.bfloat16 and interpreter_enabled()
-    return ("ieee" if dtype == torch.float32 or upcast else "tf32"), upcast
+
+def check_prefill_args(query: torch.Tensor, *, out: torch.Tensor | None = None) -> None:
+    """What ``paged_prefill_attention`` indexes beyond the attention contract: a query
+    unit-strided over head_dim, and an ``out`` of its shape and dtype, unit-strided too."""
+    assert query.dim() == 3 and query.stride(2) == 1, "query needs a unit stride over head_dim"
+    assert out is None or (
+        out.shape == query.shape and out.dtype == query.dtype and out.stride(2) == 1
+    ), "out must match query's shape and dtype, with a unit stride over head_dim"
 
 
 def _output(query: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    if out is None:
-        return torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    assert out.shape == query.shape and out.dtype == query.dtype and out.stride(2) == 1, (
-        "out must match query's shape and dtype, with a unit stride over head_dim"
-    )
-    return out
+    return torch.empty(query.shape, dtype=query.dtype, device=query.device) if out is None else out

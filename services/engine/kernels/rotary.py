@@ -20,13 +20,17 @@ logits). The result equals the torch path exactly on a GPU.
 CUDA graphs: the launch depends only on tensor shapes and strides (no host synchronisation,
 no values read back). Positions are not bounds-checked on the device: they come from the
 scheduler, which keeps them below ``max_position_embeddings`` (the table's length).
+
+The wrapper runs once per layer and checks nothing: x is a view of the model's fused projection
+and the table ``RotaryEmbedding``'s own buffer, both laid out as the kernel needs by
+construction; ``check_rotary_args`` states what that is (the tests call it).
 """
 
 from __future__ import annotations
 
 import torch
 
-from services.engine.kernels import require_triton
+from services.engine.kernels import triton_only
 
 try:
     import triton
@@ -80,17 +84,11 @@ if triton is not None:
         tl.store(ptrs2, out2.to(dtype), mask=mask)
 
 
+@triton_only
 def apply_rotary_(x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Rotates ``x`` ``[T, heads, head_dim]`` in place at ``positions`` and returns it."""
-    require_triton()
-    # Guards on the memory the kernel indexes (shapes and strides only: no device sync).
+    """Rotates ``x`` ``[T, heads, head_dim]`` in place at ``positions`` and returns it (the
+    arguments as ``check_rotary_args`` describes)."""
     num_tokens, num_heads, head_dim = x.shape
-    assert x.stride(2) == 1 and head_dim % 2 == 0, "x needs an even head_dim of unit stride"
-    assert cos_sin.is_contiguous() and cos_sin.shape[1:] == (2, head_dim), (
-        "cos_sin must be a contiguous [max_positions, 2, head_dim] table"
-    )
-    assert cos_sin.dtype == x.dtype, "cos_sin must be in x's dtype (the torch path rounds so)"
-    assert positions.shape == (num_tokens,) and positions.dtype in (torch.int64, torch.int32)
     if num_tokens == 0 or num_heads == 0:
         return x
     half = head_dim // 2
@@ -111,3 +109,16 @@ def apply_rotary_(x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tenso
         enable_fp_fusion=False,  # float32: keep a*b + c*d as two rounded products and a sum
     )
     return x
+
+
+def check_rotary_args(x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor) -> None:
+    """What ``apply_rotary_`` indexes: x ``[T, heads, head_dim]`` with an even head_dim of unit
+    stride, a contiguous ``[max_positions, 2, head_dim]`` table in x's dtype (the torch path
+    rounds so) and ``[T]`` integer positions."""
+    num_tokens, _, head_dim = x.shape
+    assert x.stride(2) == 1 and head_dim % 2 == 0, "x needs an even head_dim of unit stride"
+    assert cos_sin.is_contiguous() and cos_sin.shape[1:] == (2, head_dim), (
+        "cos_sin must be a contiguous [max_positions, 2, head_dim] table"
+    )
+    assert cos_sin.dtype == x.dtype, "cos_sin must be in x's dtype (the torch path rounds so)"
+    assert positions.shape == (num_tokens,) and positions.dtype in (torch.int64, torch.int32)

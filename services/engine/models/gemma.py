@@ -52,11 +52,12 @@ class GemmaRMSNorm(RMSNorm):
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__(size, eps, dtype)
         self.register_buffer("weight_f32", torch.empty(size), persistent=False)
+        self.scaled = dtype != torch.float32  # see the module docstring
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if x.dtype == torch.float32:
+        if not self.scaled:
             return super().forward(x, residual)
         if residual is not None:
             residual.add_(x)
@@ -75,9 +76,9 @@ class GemmaHeadRMSNorm(HeadRMSNorm):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return super().forward(x)
-        return _scaled_rms(x, self.weight_f32, self.eps)
+        if self.upcast:
+            return _scaled_rms(x, self.weight_f32, self.eps)
+        return super().forward(x)
 
 
 def _scaled_rms(x: torch.Tensor, weight_f32: torch.Tensor, eps: float) -> torch.Tensor:

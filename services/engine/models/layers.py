@@ -2,11 +2,16 @@
 
 Parameters are created with ``requires_grad=False``: this is an inference engine, and autograd
 bookkeeping would only slow the CPU hot path down if a caller forgot ``inference_mode``.
+
+Layers that have a kernel (norms, the activation, RoPE, the experts) call ``self.kernels``, one
+``LayerKernels`` for the model's device and dtype that the loader binds once
+(``CausalLM.use_kernels``); their forward checks nothing about the device per call.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -15,8 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.engine.attention.base import AttentionMetadata
-from services.engine.cpu_ops import kernels_for
-from services.engine.kernels import triton_available
+from services.engine.models.layer_kernels import LayerKernels, torch_kernels
 from services.engine.models.onednn import PackedWeight, can_pack, pack, packed_linear
 
 if TYPE_CHECKING:
@@ -75,53 +79,48 @@ class CausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.pack()
 
+    def use_kernels(self, kernels: LayerKernels) -> None:
+        """Binds every layer to ``kernels`` (``layer_kernels.select_kernels`` for the model's
+        device and dtype); the loader calls it once, with the weights on their device."""
+        for module in self.modules():
+            if isinstance(module, UsesKernels):
+                module.use_kernels(kernels)
+
+
+class UsesKernels(nn.Module):
+    """A layer whose forward calls ``self.kernels``: torch's for its dtype (any device) until
+    ``CausalLM.use_kernels`` binds the ones chosen for the model."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.kernels = torch_kernels(dtype)
+
+    def use_kernels(self, kernels: LayerKernels) -> None:
+        self.kernels = kernels
+
 
 # --------------------------------------------------------------------------- RMSNorm
 
 
-def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim; statistics in float32, like the HF reference."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
-    # HF rounds to the model dtype before the weight multiply; keep its rounding order.
-    return weight * normed.to(x.dtype)
-
-
-class RMSNorm(nn.Module):
+class RMSNorm(UsesKernels):
     """RMSNorm with an optional fused residual add.
 
     ``norm(x)`` returns the normalised x; ``norm(x, residual)`` adds x into ``residual`` IN
     PLACE and returns ``(normalised(residual), residual)``, so decoder layers carry the
-    residual stream without an extra pass or allocation. CUDA tensors use the Triton kernel
-    when Triton is installed (the selector makes the same choice for attention), CPU tensors
-    the C++ kernel (``services.engine.cpu_ops``) when it is built; everything else runs the
-    torch implementation.
+    residual stream without an extra pass or allocation. x is ``[T, hidden]``.
     """
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
+        super().__init__(dtype)
         self.eps = eps
         self.weight = empty_param(size, dtype=dtype)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if x.is_cuda and triton_available():
-            # Imported lazily: the kernel module is only needed on the GPU path.
-            from services.engine.kernels.rmsnorm import fused_add_rms_norm, rms_norm
-
-            if residual is None:
-                return rms_norm(x, self.weight, self.eps)
-            return fused_add_rms_norm(x, residual, self.weight, self.eps)
-        kernels = kernels_for(x)
-        if kernels is not None and x.dim() == 2:
-            out = kernels.rms_norm(x, residual, self.weight, self.eps)  # residual += x inside
-            return out if residual is None else (out, residual)
         if residual is None:
-            return rms_norm_torch(x, self.weight, self.eps)
-        residual.add_(x)
-        return rms_norm_torch(residual, self.weight, self.eps), residual
+            return self.kernels.rms_norm(x, self.weight, self.eps)
+        return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class HeadRMSNorm(nn.Module):
@@ -138,11 +137,12 @@ class HeadRMSNorm(nn.Module):
         self.eps = eps
         self.weight = empty_param(num_q_heads + num_kv_heads, head_dim, dtype=dtype)
         self.shard_sizes = (num_q_heads, num_kv_heads)
+        self.upcast = dtype != torch.float32  # statistics in float32, as HF
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, q_heads + kv_heads, head_dim]
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), None, self.eps) * self.weight
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+        if self.upcast:
+            return self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), None, self.eps) * self.weight
 
 
 # --------------------------------------------------------------------------- Linear
@@ -190,21 +190,6 @@ class Embedding(nn.Module):
         return F.embedding(input_ids, self.weight)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU on a fused ``[gate | up]`` projection: the Triton kernel on CUDA, the C++ kernel
-    on the CPU, torch otherwise (all round like ``F.silu(gate) * up``)."""
-    if gate_up.is_cuda and triton_available():
-        # Imported lazily: the kernel module is only needed on the GPU path.
-        from services.engine.kernels import activation
-
-        return activation.silu_and_mul(gate_up)
-    kernels = kernels_for(gate_up)
-    if kernels is not None and gate_up.dim() == 2:
-        return kernels.silu_and_mul(gate_up)
-    half = gate_up.shape[-1] // 2
-    return F.silu(gate_up[..., :half]) * gate_up[..., half:]
-
-
 # --------------------------------------------------------------------------- RoPE
 
 
@@ -237,19 +222,19 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(UsesKernels):
     """A cos/sin table for every position up to ``max_positions``, computed once.
 
     ``cos_sin[p, 0]`` is ``cos(p * f)`` over the full head_dim (the half-frequencies repeated);
     ``cos_sin[p, 1]`` is ``sin(p * f)`` with its first half negated, so that rotating is
     ``x * cos + roll(x, d/2) * signed_sin`` (see ``apply_rotary``): four torch ops per call, or
-    one in-place pass of the CPU kernel or, on CUDA, of the Triton kernel.
+    one in-place pass of the bound kernel (the CPU kernel, or on CUDA the Triton kernel).
     """
 
     def __init__(
         self, head_dim: int, max_positions: int, rope: RopeConfig, dtype: torch.dtype
     ) -> None:
-        super().__init__()
+        super().__init__(dtype)
         self.head_dim = head_dim
         self.max_positions = max_positions
         self.rope = rope
@@ -266,12 +251,11 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor) -> RopeStep:
         """The rotation of one step's tokens (shared by every layer of the step)."""
-        if positions.is_cuda and triton_available():
-            # The Triton kernel reads the table in place: no gather, nothing step-dependent
-            # on the host (CUDA-graph safe).
-            return RopeStep(positions, self.cos_sin)
-        if kernels_for(positions) is not None:
-            return RopeStep(positions, self.cos_sin)  # the kernel reads the table in place
+        rotate = self.kernels.rotary
+        if rotate is not None:
+            # The kernel reads the table in place: no gather, nothing step-dependent on the
+            # host (CUDA-graph safe).
+            return RopeStep(positions, self.cos_sin, kernel=rotate)
         cs = self.cos_sin.index_select(0, positions)
         return RopeStep(positions, self.cos_sin, cs[:, 0:1], cs[:, 1:2])
 
@@ -293,24 +277,19 @@ class RopeStep:
     table: torch.Tensor  # RotaryEmbedding.cos_sin
     cos: torch.Tensor | None = None  # [T, 1, head_dim], gathered for the torch path
     signed_sin: torch.Tensor | None = None
+    # The bound in-place kernel (LayerKernels.rotary); None: the torch path over cos/signed_sin.
+    kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 def apply_rotary(x: torch.Tensor, rope: RopeStep) -> torch.Tensor:
-    """Rotate-half RoPE on ``x`` ``[T, heads, head_dim]``: in place by the Triton kernel (CUDA)
-    or the CPU kernel, else a new tensor. Either way the rotated tensor is returned.
+    """Rotate-half RoPE on ``x`` ``[T, heads, head_dim]``: in place by the step's kernel when it
+    has one, else a new tensor. Either way the rotated tensor is returned.
 
     ``roll`` by d/2 gives ``[x2, x1]``; times ``[-sin, sin]`` that is HF's ``rotate_half(x) * sin``.
     Multiply and add stay separate ops (not ``addcmul``): a fused multiply-add rounds once
     instead of twice, and that alone moved SmolLM2's logits by ~7e-5 away from the reference.
     """
-    if rope.cos is None:
-        if x.is_cuda and triton_available():
-            from services.engine.kernels import rotary
-
-            return rotary.apply_rotary_(x, rope.table, rope.positions)
-        kernels = kernels_for(x)
-        assert kernels is not None  # RotaryEmbedding chose the kernel for this step
-        kernels.rotary_(x, rope.table, rope.positions)
-        return x
+    if rope.kernel is not None:
+        return rope.kernel(x, rope.table, rope.positions)
     rolled = torch.roll(x, x.shape[-1] // 2, dims=-1).mul_(rope.signed_sin)
     return (x * rope.cos).add_(rolled)

@@ -24,8 +24,8 @@ from services.engine.models.layers import (
     RMSNorm,
     RopeStep,
     RotaryEmbedding,
+    UsesKernels,
     apply_rotary,
-    silu_and_mul,
 )
 from services.engine.models.onednn import PackedWeight, can_pack, pack, packed_linear
 from services.engine.models.parallel_layers import (
@@ -98,9 +98,9 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(UsesKernels):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
-        super().__init__()
+        super().__init__(dtype)
         inter = config.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(
             config.hidden_size, (inter, inter), bias=config.mlp_bias, dtype=dtype
@@ -108,7 +108,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, config.hidden_size, config.mlp_bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -22,6 +22,7 @@ from torch import nn
 
 from services.engine.attention.base import AttentionBackend
 from services.engine.models.config import ModelConfig
+from services.engine.models.layer_kernels import select_kernels
 from services.engine.models.layers import CausalLM
 from services.engine.models.parallel_layers import ShardRange
 from services.engine.models.registry import get_model_class
@@ -64,6 +65,7 @@ def load_model(
         model = get_model_class(config.architecture)(config, attn_backend, dtype)
     model = model.to_empty(device=torch.device(device))
     model.reset_buffers()
+    model.use_kernels(select_kernels(device, dtype))  # once: layers never check the device
     num_tensors = load_weights(model, path)
     model.after_load()
     model.eval()

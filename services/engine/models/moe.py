@@ -6,16 +6,9 @@ the weighted sum of theirs (plus, in Qwen2-MoE, a sigmoid-gated shared expert).
 
 Experts are fused at load time: the loader stacks every expert's gate and up projections into
 one ``[E * 2I, H]`` tensor and the down projections into ``[E * H, I]`` (each HF tensor is a
-stacked shard, as q/k/v are in ``qkv_proj``). The computation is grouped, never a loop over
-tokens::
-
-    (token, choice) pairs      t0:e2 t0:e5 t1:e2 t2:e0 ...
-    sorted by expert           e0:[t2]  e2:[t0 t1]  e5:[t0]      (experts with no token: skipped)
-    per active expert          one [n_e, H] x [H, 2I] matmul, SwiGLU, one [n_e, I] x [I, H]
-    back to tokens             one index_add over all rows, weighted by the router
-
-Under CUDA graph capture the expert counts cannot be read on the host, so every expert runs
-over every token with the router weights as a dense mask (same result, more work).
+stacked shard, as q/k/v are in ``qkv_proj``). How tokens reach them is the bound kernels'
+``experts`` path (``models.experts``): grouped on the host on the CPU, routed on the device on
+a GPU (no host sync, CUDA-graph safe, work proportional to the routed tokens).
 """
 
 from __future__ import annotations
@@ -24,11 +17,10 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from services.engine.attention.base import AttentionBackend
-from services.engine.models.layers import Linear, empty_param, silu_and_mul
+from services.engine.models.layers import Linear, UsesKernels, empty_param
 from services.engine.models.llama import LlamaForCausalLM, LlamaMLP
 
 if TYPE_CHECKING:
@@ -50,18 +42,16 @@ class ExpertWeights(nn.Module):
         return self.weight.view(self.num_experts, -1, self.weight.shape[1])
 
 
-class FusedExperts(nn.Module):
+class FusedExperts(UsesKernels):
     def __init__(self, moe: MoeConfig, hidden_size: int, dtype: torch.dtype) -> None:
-        super().__init__()
+        super().__init__(dtype)
         inter = moe.intermediate_size
         self.gate_up = ExpertWeights(moe.num_experts, (inter, inter), hidden_size, dtype)
         self.down = ExpertWeights(moe.num_experts, (hidden_size,), inter, dtype)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         gate_up, down = self.gate_up.per_expert(), self.down.per_expert()
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            return _dense_experts(x, gate_up, down, weights, experts)
-        return grouped_experts(x, gate_up, down, weights, experts)
+        return self.kernels.experts(x, gate_up, down, weights, experts)
 
 
 def route(
@@ -74,52 +64,6 @@ def route(
     if moe.normalize_top_k:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return (weights if moe.float32_weights else weights.to(dtype)), experts
-
-
-def grouped_experts(
-    x: torch.Tensor,  # [T, H]
-    gate_up: torch.Tensor,  # [E, 2I, H]
-    down: torch.Tensor,  # [E, H, I]
-    weights: torch.Tensor,  # [T, K]
-    experts: torch.Tensor,  # [T, K]
-) -> torch.Tensor:
-    """Tokens sorted by expert, one pair of matmuls per expert that got any."""
-    top_k = experts.shape[1]
-    flat = experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # stable: each expert's tokens stay in order
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
-    tokens = order // top_k
-    rows = x.index_select(0, tokens)
-    row_weights = weights.reshape(-1).index_select(0, order)[:, None]
-    out_rows = torch.empty_like(rows)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        end = start + count
-        h = silu_and_mul(F.linear(rows[start:end], gate_up[expert]))
-        out_rows[start:end] = F.linear(h, down[expert]) * row_weights[start:end]
-        start = end
-    # Rows are expert-major: each token's contributions are added in expert order, as
-    # transformers adds them.
-    return torch.zeros_like(x).index_add_(0, tokens, out_rows)
-
-
-def _dense_experts(
-    x: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    weights: torch.Tensor,
-    experts: torch.Tensor,
-) -> torch.Tensor:
-    """Graph-capturable: every expert over every token, weighted 0 where it was not chosen."""
-    dense = torch.zeros(x.shape[0], gate_up.shape[0], dtype=weights.dtype, device=x.device)
-    dense.scatter_(1, experts, weights)
-    out = torch.zeros_like(x)
-    for expert in range(gate_up.shape[0]):
-        h = silu_and_mul(F.linear(x, gate_up[expert]))
-        out += (F.linear(h, down[expert]) * dense[:, expert : expert + 1]).to(x.dtype)
-    return out
 
 
 class SparseMoeBlock(nn.Module):
