@@ -136,7 +136,8 @@ class InputBatch:
         self.requests: list[Request | None] = [None] * max_rows
         self.block_table = np.zeros((max_rows, max_blocks_per_seq), dtype=np.int32)
         self.num_blocks = np.zeros(max_rows, dtype=np.int64)
-        self._blocks_written = [0] * max_rows  # num_blocks as Python ints: read every step
+        # num_blocks as Python ints: the runner compares them every step
+        self.blocks_written = [0] * max_rows
         self.temperature = np.ones(max_rows, dtype=np.float32)
         self.greedy = np.ones(max_rows, dtype=bool)
         self.top_k = np.zeros(max_rows, dtype=np.int64)
@@ -163,7 +164,7 @@ class InputBatch:
         req.batch_row = row
         n = len(block_ids)
         self.block_table[row, :n] = block_ids
-        self.num_blocks[row] = self._blocks_written[row] = n
+        self.num_blocks[row] = self.blocks_written[row] = n
         p = req.params
         self.greedy[row] = p.greedy
         self.temperature[row] = 1.0 if p.greedy else p.temperature
@@ -202,9 +203,9 @@ class InputBatch:
         moved = self.requests[src]
         self.requests[dst] = moved
         moved.batch_row = dst
-        n = self._blocks_written[src]
+        n = self.blocks_written[src]
         self.block_table[dst, :n] = self.block_table[src, :n]
-        self.num_blocks[dst] = self._blocks_written[dst] = n
+        self.num_blocks[dst] = self.blocks_written[dst] = n
         for arr in (self.temperature, self.greedy, self.top_k, self.top_p, self.min_p,
                     self.logprobs, self.penalty_slot):
             arr[dst] = arr[src]
@@ -217,11 +218,11 @@ class InputBatch:
         """Appends the blocks allocated since the last step to the request's table row (and
         counts a penalised row's new output tokens)."""
         row = req.batch_row
-        written = self._blocks_written[row]
+        written = self.blocks_written[row]
         n = len(block_ids)
         if n > written:
             self.block_table[row, written:n] = block_ids[written:]
-            self.num_blocks[row] = self._blocks_written[row] = n
+            self.num_blocks[row] = self.blocks_written[row] = n
         if self.features.penalties:
             slot = int(self.penalty_slot[row])
             if slot >= 0:

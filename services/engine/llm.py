@@ -176,10 +176,16 @@ class LLM:
 
     def _drive(self, by_child_id, num_requests: int, use_tqdm: bool) -> None:
         bar = tqdm(total=num_requests, desc="Generating", disable=not use_tqdm, unit="req")
+        # Samples with stop strings follow their text token by token; the others need a
+        # token only for its logprobs, or when it ends them.
+        streamed = {cid for cid, (_, child) in by_child_id.items() if child.stream is not None}
         with bar:
             while self.engine.has_unfinished_requests():
                 finished = []
                 for req, lp in self.engine.step_requests():
+                    if lp is None and not req.status.is_finished and (
+                            not streamed or req.request_id not in streamed):
+                        continue  # nothing to fold in until it finishes
                     parent, child = by_child_id[req.request_id]
                     if self._apply(child, req, lp):
                         finished.append((parent, child, req))

@@ -316,12 +316,14 @@ class ModelRunner:
         samples: list[bool] = []
         fill_at: list[int] = []
         fill_from: list[int] = []
-        add, refresh = ib.add, ib.refresh
+        add, refresh, written = ib.add, ib.refresh, ib.blocks_written
+        every_row = ib.features.penalties > 0  # their counts catch up with the new tokens
         for s in sched.scheduled:
             req, start, num = s.request, s.start, s.num_new_tokens
-            if req.batch_row < 0:
+            row = req.batch_row
+            if row < 0:
                 add(req, s.block_ids)
-            else:
+            elif every_row or len(s.block_ids) > written[row]:
                 refresh(req, s.block_ids)
             toks = req.token_ids
             if num == 1 and start < len(toks):  # a decode: its last known token
@@ -446,7 +448,7 @@ class ModelRunner:
         step = plan_step(batch.block_tables, batch.num_blocks, batch.seq_lens, batch.query_lens,
                          self.block_size)
         meta, positions = to_metadata(step, self.block_size, self.device)
-        self._plan(meta, len(batch.input_ids))
+        check_step(meta, len(batch.input_ids), self.kv_caches[0][0])  # the plan: in the forward
         ids = torch.from_numpy(batch.input_ids)
         last = None
         if len(batch.rows):
@@ -461,9 +463,13 @@ class ModelRunner:
         self.model.plan_attention(meta)
 
     def _forward_cpu(self, inputs: CpuInputs, fill):
-        """Returns the hidden states and the rows of them that get logits."""
+        """Returns the hidden states and the rows of them that get logits. The attention plan
+        is built here, on the thread that runs the model: its torch ops may go parallel, and
+        a second OpenMP team (the engine thread's, under async scheduling) would throttle the
+        model's."""
         if fill is not None:
             inputs.input_ids.index_copy_(0, *fill)
+        self.model.plan_attention(inputs.meta)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         return hidden, inputs.logits_rows
 

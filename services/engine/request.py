@@ -70,12 +70,17 @@ class Request:
     # Its row in the runner's persistent input batch while it has one (-1: none); written by
     # ``InputBatch`` only.
     batch_row: int = -1
+    # Tokens that may end it (EOS unless ignore_eos, and stop_token_ids): the scheduler's
+    # one-lookup test of every new token before the exact rules (min_tokens, which kind).
+    stop_token_set: frozenset[int] = field(init=False)
     # Timestamps (monotonic seconds) for metrics and traces.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        eos = () if self.params.ignore_eos else self.eos_token_ids
+        self.stop_token_set = frozenset((*eos, *self.params.stop_token_ids))
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]  # nothing predicts the first prompt token
         self.hasher.extend(self.block_hashes, self.token_ids)

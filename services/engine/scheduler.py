@@ -137,7 +137,7 @@ class Scheduler:
         # path (a decode whose last block has room).
         running, scheduled = self.running, out.scheduled
         bm = self.block_manager
-        allocate, block_ids = bm.allocate_slots, bm.block_ids
+        allocate, block_ids, bs = bm.allocate_slots, bm.block_ids, bm.block_size
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -148,15 +148,16 @@ class Scheduler:
             start = req.num_computed_tokens + req.num_scheduled_tokens
             end = len(req.token_ids) + placeholders
             num_new = min(end - start, budget)
-            # allocate_slots first: it succeeds at once while the last block has room.
             total = start + num_new
-            if not allocate(req.request_id, total) and not self._preempt_for(req, total, out):
+            ids = block_ids(req.request_id)  # grows in place when blocks are allocated
+            # While its last block has room (most decodes) nothing needs allocating.
+            if total > len(ids) * bs and not allocate(req.request_id, total) and not (
+                    self._preempt_for(req, total, out)):
                 break  # req itself was preempted: everything after it is gone too
             samples = total == end
             req.num_scheduled_tokens += num_new
             req.num_placeholders = placeholders + samples
-            scheduled.append(ScheduledRequest(req, num_new, block_ids(req.request_id), samples,
-                                              start))
+            scheduled.append(ScheduledRequest(req, num_new, ids, samples, start))
             budget -= num_new
             i += 1
         return budget
@@ -240,20 +241,23 @@ class Scheduler:
         now = time.monotonic()
         finished = False
         kept = []
-        running = RequestStatus.RUNNING
+        running, preempted = RequestStatus.RUNNING, RequestStatus.PREEMPTED
+        max_len, bs = self.max_model_len, self.block_manager.block_size
         tokens = iter(token_ids)
         for s in sched.scheduled:
             req = s.request
-            if req.status is running:  # else preempted, finished or aborted since: no blocks
+            status = req.status
+            if status is running:  # else preempted, finished or aborted since: no blocks
                 req.num_scheduled_tokens -= s.num_new_tokens
-                after = req.num_computed_tokens + s.num_new_tokens
-                self._cache_blocks(req, after)
+                done, after = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
+                if after // bs != done // bs:  # the step filled a block: cache it
+                    self._cache_blocks(req, after)
                 req.num_computed_tokens = after
             if not s.completes_sequence:
                 continue
             tok = next(tokens)
-            if req.status.is_finished:
-                continue  # the extra token of a step scheduled before it finished
+            if status is not running and status is not preempted:
+                continue  # finished or aborted: the extra token of a step scheduled before
             req.num_placeholders -= 1
             kept.append(req)
             req.append_output_token(tok)
@@ -261,11 +265,13 @@ class Scheduler:
                 req.grammar.accept(tok)
             if req.first_token_time is None:
                 req.first_token_time = now
-            preempted = req.status is RequestStatus.PREEMPTED  # by a step scheduled since
+            if (tok not in req.stop_token_set and len(req.output_token_ids) < req.max_tokens
+                    and len(req.token_ids) < max_len):
+                continue  # surely not the last token: the exact rules below need not run
             if self._stopped(req, tok):
                 finished = True
                 self.block_manager.free(req.request_id)
-                if preempted:
+                if status is preempted:  # by a step scheduled since
                     self.waiting.remove(req)
         if finished:  # one pass, not a list.remove per finished request
             self.running[:] = [r for r in self.running if not r.status.is_finished]

@@ -18,6 +18,7 @@ bad request (a 400).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import le
 
 import torch
 
@@ -103,7 +104,7 @@ def check_step(meta: AttentionMetadata, num_tokens: int, k_cache: torch.Tensor) 
         raise AttentionContractError(
             f"the step has {num_tokens} tokens but the metadata schedules {sum(query_lens)}"
         )
-    if not all(0 < q <= k for q, k in zip(query_lens, seq_lens)):
+    if num_seqs and (min(query_lens) <= 0 or not all(map(le, query_lens, seq_lens))):
         raise AttentionContractError(
             "every request needs 0 < query_len <= seq_len, got "
             f"query_lens={query_lens[:8]} seq_lens={seq_lens[:8]}"

@@ -54,7 +54,8 @@ def token_rows(meta: AttentionMetadata) -> TokenRows:
     starts = np.cumsum(query_lens) - query_lens
     # Token j of request i sits at position seq_len - q_len + j and sees slots 0..that.
     lens = seq_lens[owner] - query_lens[owner] + (np.arange(len(owner)) - starts[owner]) + 1
-    tables = meta.block_tables.index_select(0, torch.from_numpy(owner))
+    # numpy's gather, not index_select: nothing here starts an OpenMP team
+    tables = torch.from_numpy(meta.block_tables.numpy()[owner])
     return TokenRows(tables, torch.from_numpy(lens.astype(np.int32)))
 
 

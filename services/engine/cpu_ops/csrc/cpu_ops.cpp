@@ -213,6 +213,12 @@ PAGODA_INLINE void decode_task(const float* __restrict__ q, const C* __restrict_
                         int64_t rt_group, float scale, float* __restrict__ scores,
                         float* __restrict__ out) {
   constexpr int kMaxGroup = 16;
+  // Independent accumulators: with a short head or a small group a single running sum per
+  // row is one long chain of dependent FMAs (each waits ~4 cycles for the last), so short
+  // heads split the key dimension (scores) and the keys (values) over several sums, added at
+  // the end. The generic loops keep one.
+  constexpr int PS = (G && G < 4 && DIM) ? 4 / G : 1;
+  constexpr int PV = (DIM && DIM < 64) ? 64 / DIM : 1;
   const int64_t bs = BS ? BS : rt_bs, dim = DIM ? DIM : rt_dim, group = G ? G : rt_group;
   const int64_t block = kv_heads * dim * bs;  // elements per cache block, keys or values
   float qs[kMaxGroup][DIM ? DIM : 512];
@@ -223,20 +229,27 @@ PAGODA_INLINE void decode_task(const float* __restrict__ q, const C* __restrict_
     const C* kb = kc + static_cast<int64_t>(table[blk]) * block + head * dim * bs;
     if (start + 2 * bs < len)
       prefetch_chunk(kc + static_cast<int64_t>(table[blk + 2]) * block + head * dim * bs, dim * bs);
-    float acc[G ? G : kMaxGroup][BS ? BS : 256];
-    for (int64_t g = 0; g < group; ++g)
+    float acc[PS][G ? G : kMaxGroup][BS ? BS : 256];
+    for (int p = 0; p < PS; ++p)
+      for (int64_t g = 0; g < group; ++g)
 #pragma omp simd
-      for (int64_t i = 0; i < bs; ++i) acc[g][i] = 0.f;
-    for (int64_t d = 0; d < dim; ++d) {
-      const C* kd = kb + d * bs;
-      for (int64_t g = 0; g < group; ++g) {
-        const float qd = qs[g][d];
+        for (int64_t i = 0; i < bs; ++i) acc[p][g][i] = 0.f;
+    for (int64_t d = 0; d < dim; d += PS) {  // PS divides every head_dim it is set for
+      for (int p = 0; p < PS; ++p) {
+        const C* kd = kb + (d + p) * bs;
+        for (int64_t g = 0; g < group; ++g) {
+          const float qd = qs[g][d + p];
 #pragma omp simd
-        for (int64_t i = 0; i < bs; ++i) acc[g][i] += qd * load(kd, i);
+          for (int64_t i = 0; i < bs; ++i) acc[p][g][i] += qd * load(kd, i);
+        }
       }
     }
     for (int64_t g = 0; g < group; ++g)
-      for (int64_t i = 0; i < n; ++i) scores[g * len + start + i] = acc[g][i];
+      for (int64_t i = 0; i < n; ++i) {
+        float sum = acc[0][g][i];
+        for (int p = 1; p < PS; ++p) sum += acc[p][g][i];
+        scores[g * len + start + i] = sum;
+      }
   }
   float inv[kMaxGroup];
   for (int64_t g = 0; g < group; ++g) {
@@ -252,26 +265,43 @@ PAGODA_INLINE void decode_task(const float* __restrict__ q, const C* __restrict_
     }
     inv[g] = 1.f / sum;
   }
-  float acc[G ? G : kMaxGroup][DIM ? DIM : 512];
-  for (int64_t g = 0; g < group; ++g)
+  float acc[PV][G ? G : kMaxGroup][DIM ? DIM : 512];
+  for (int p = 0; p < PV; ++p)
+    for (int64_t g = 0; g < group; ++g)
 #pragma omp simd
-    for (int64_t d = 0; d < dim; ++d) acc[g][d] = 0.f;
+      for (int64_t d = 0; d < dim; ++d) acc[p][g][d] = 0.f;
   for (int64_t start = 0, blk = 0; start < len; start += bs, ++blk) {
     const int64_t n = std::min(bs, len - start);
     const C* v = vc + static_cast<int64_t>(table[blk]) * block + head * bs * dim;
     if (start + 2 * bs < len)
       prefetch_chunk(vc + static_cast<int64_t>(table[blk + 2]) * block + head * bs * dim, dim * bs);
-    for (int64_t i = 0; i < n; ++i, v += dim) {
+    int64_t i = 0;
+    for (; i + PV <= n; i += PV) {  // PV keys in flight, each into its own accumulators
+      for (int p = 0; p < PV; ++p) {
+        const C* vp = v + (i + p) * dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const float w = scores[g * len + start + i + p];
+#pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) acc[p][g][d] += w * load(vp, d);
+        }
+      }
+    }
+    for (; i < n; ++i) {
+      const C* vp = v + i * dim;
       for (int64_t g = 0; g < group; ++g) {
         const float w = scores[g * len + start + i];
 #pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) acc[g][d] += w * load(v, d);
+        for (int64_t d = 0; d < dim; ++d) acc[0][g][d] += w * load(vp, d);
       }
     }
   }
   for (int64_t g = 0; g < group; ++g)
 #pragma omp simd
-    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = acc[g][d] * inv[g];
+    for (int64_t d = 0; d < dim; ++d) {
+      float sum = acc[0][g][d];
+      for (int p = 1; p < PV; ++p) sum += acc[p][g][d];
+      out[g * dim + d] = sum * inv[g];
+    }
 }
 
 template <typename C>
