@@ -444,7 +444,8 @@ def print_decode(rows: list[dict], layout: Layout) -> None:
             (
                 f"{best['us']:.1f}",
                 f"{best['tbps']:.2f}",
-                f"n{best['block_n']} w{best['num_warps']} s{best['num_stages']} x{best['num_splits']}",
+                f"n{best['block_n']} w{best['num_warps']} s{best['num_stages']} "
+                f"x{best['num_splits']}",
             )
             if best
             else ("-", "-", "-")

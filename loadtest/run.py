@@ -200,7 +200,7 @@ def plot_report(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     ax2.legend(loc="upper right")
 
     ax = axes[1]
-    for (q, ys), style in zip(ttft.items(), ("o-", "s-", "^-")):
+    for (q, ys), style in zip(ttft.items(), ("o-", "s-", "^-"), strict=False):
         ax.plot(times, ys, style, label=f"p{round(q * 100)}")
     ax.set_ylabel("time to first token (ms)")
     ax.set_ylim(bottom=0)

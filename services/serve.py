@@ -151,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return p
 
     def stop_all(*_: object) -> None:
-        for name, p in reversed(procs):  # gateway first, engines (drained), redis last
+        for _name, p in reversed(procs):  # gateway first, engines (drained), redis last
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
         for name, p in reversed(procs):
@@ -172,7 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             engine_urls.append(url)
-            p = start(f"engine-{i}", [_PY, "-m", "services.engine.serving.server", "--port", str(port),
+            p = start(f"engine-{i}", [_PY, "-m", "services.engine.serving.server",
+                                      "--port", str(port),
                                       "--model", str(model_dir), "--engine-id", f"engine-{i}",
                                       "--redis-url", redis_url, "--cpu-threads", str(len(cpus)),
                                       "--dtype", args.dtype, *engine_flags],

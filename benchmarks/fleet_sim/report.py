@@ -113,7 +113,7 @@ def plot(results: Sequence[RunResult], path: Path, title: str) -> Path:
     ax.set_title("TTFT: mean (solid) and p99 (hatched)")
 
     ax = axes[1][0]
-    for r, c in zip(results, colors):
+    for r, c in zip(results, colors, strict=False):
         n = len(r.ttfts)
         ax.plot(
             [t * 1000 for t in r.ttfts], [(i + 1) / n for i in range(n)], color=c, label=r.policy
@@ -126,7 +126,7 @@ def plot(results: Sequence[RunResult], path: Path, title: str) -> Path:
     ax.legend()
 
     ax = axes[1][1]
-    for r, c in zip(results, colors):
+    for r, c in zip(results, colors, strict=False):
         loads = sorted(r.loads, reverse=True)
         mean = sum(loads) / len(loads) if loads else 0.0
         if mean > 0:

@@ -177,11 +177,11 @@ def make_trace(cfg: TraceConfig, engines: int) -> Trace:
     # Session arrival rate per kind, so that kind's requests make up its share of the load.
     rates = [
         cfg.requests_per_engine_s * engines * share / total / _MEAN_TURNS[kind]
-        for kind, share in zip(KINDS, cfg.mix)
+        for kind, share in zip(KINDS, cfg.mix, strict=True)
     ]
     trace = Trace(cfg, engines)
     sid = 0
-    for kind, rate in zip(KINDS, rates):
+    for kind, rate in zip(KINDS, rates, strict=True):
         if rate <= 0:
             continue
         t = gen.rng.expovariate(rate)

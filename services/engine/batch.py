@@ -103,7 +103,7 @@ def run_batch(llm: LLM, lines: list[str], use_tqdm: bool = True) -> list[dict[st
         None,
     ) if flat else []
     per_job: dict[int, list[RequestOutput]] = {}
-    for (job, _, _), out in zip(flat, outputs):
+    for (job, _, _), out in zip(flat, outputs, strict=True):
         per_job.setdefault(job.line_no, []).append(out)
     return [_record(llm, job, per_job.get(job.line_no, [])) for job in jobs]
 

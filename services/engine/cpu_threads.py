@@ -18,7 +18,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CGROUP_V2 = Path("/sys/fs/cgroup/cpu.max")
-_CGROUP_V1 = (Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"), Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us"))
+_CGROUP_V1 = (Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"),
+              Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us"))
 
 
 def usable_cpus() -> int:

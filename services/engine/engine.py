@@ -162,7 +162,8 @@ class LLMEngine:
             hasher=self.hasher(cache_salt),
             max_tokens=max_tokens,
             eos_token_ids=self.eos_token_ids,
-            generator=None if params.seed is None else make_generator(params.seed, self.runner.device),
+            generator=None if params.seed is None else make_generator(params.seed,
+                                                                      self.runner.device),
             logit_bias=LogitBias.build(params.logit_bias, self.runner.device),
             grammar=grammar,
         )

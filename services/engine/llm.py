@@ -133,7 +133,7 @@ class LLM:
         parents: list[_Parent] = []
         by_child_id: dict[str, tuple[_Parent, _Child]] = {}
         try:
-            for (text, ids), params in zip(encoded, params_list):
+            for (text, ids), params in zip(encoded, params_list, strict=True):
                 parent = self._add(text, ids, params, cache_salt, by_child_id)
                 parents.append(parent)
             self._drive(by_child_id, len(parents), use_tqdm)

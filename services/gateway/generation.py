@@ -153,7 +153,7 @@ class Generation:
         Raises GenerationFailed when an engine fails mid-stream, or the abort error."""
         self._readers = [
             asyncio.create_task(self._read(stream, decoder))
-            for stream, decoder in zip(self._streams, self._decoders)
+            for stream, decoder in zip(self._streams, self._decoders, strict=True)
         ]
         remaining = len(self._readers)
         while remaining:

@@ -1,7 +1,8 @@
 """The gateway's side of the router: ``POST /route`` (msgpack) and ``GET /engines``.
 
-``/route`` takes a ``RouteRequest`` and answers a ``RouteResponse`` (``services.protocol.messages``);
-a 503 (no live engine of the model) or 409 (all of them excluded) means no engine is left.
+``/route`` takes a ``RouteRequest`` and answers a ``RouteResponse``
+(``services.protocol.messages``); a 503 (no live engine of the model) or 409 (all of them
+excluded) means no engine is left.
 
 Several replicas may be given; see ``RouterClient``.
 

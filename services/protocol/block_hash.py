@@ -17,7 +17,7 @@ import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import NewType
 
 import xxhash
@@ -28,7 +28,7 @@ BlockHash = NewType("BlockHash", bytes)
 _SEED_DOMAIN = b"pagoda/block-hash/v1"
 
 
-class HashAlgorithm(str, Enum):
+class HashAlgorithm(StrEnum):
     XXH3_128 = "xxh3_128"
     SHA256 = "sha256"  # truncated to 128 bits; for deployments that want a cryptographic hash
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 from services.protocol.block_hash import BlockHash
 
 
-class KVEventKind(str, Enum):
+class KVEventKind(StrEnum):
     STORED = "stored"  # blocks entered the prefix cache
     REMOVED = "removed"  # blocks left it (evicted, or the cache was reset)
     CLEARED = "cleared"  # a re-announcement starts: forget everything published before

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -24,7 +24,7 @@ from services.protocol.redis_schema import (
 )
 
 
-class PolicyName(str, Enum):
+class PolicyName(StrEnum):
     PREFIX = "prefix"
     LEAST_LOADED = "least-loaded"
     ROUND_ROBIN = "round-robin"

@@ -74,7 +74,8 @@ def detokenize_batch(
     """
     contexts = [list(p[-_PROMPT_CONTEXT:]) for p in prompts]
     if not tokenizer.decodes_bytewise:
-        return [_replay(tokenizer, c, o, skip_special_tokens) for c, o in zip(contexts, outputs)]
+        return [_replay(tokenizer, c, o, skip_special_tokens)
+                for c, o in zip(contexts, outputs, strict=True)]
     heads = tokenizer.decode_batch(contexts, skip_special_tokens)
     fulls = tokenizer.decode_batch(
         [c + list(o) for c, o in zip(contexts, outputs, strict=True)], skip_special_tokens

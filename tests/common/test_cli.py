@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 import pytest
 
@@ -14,7 +14,7 @@ from services.common import cli
 from services.common.cli import flag
 
 
-class Color(str, Enum):
+class Color(StrEnum):
     RED = "red"
     DARK_BLUE = "dark-blue"
 

@@ -80,20 +80,22 @@ def test_errors_have_openai_shape(ready: Stack) -> None:
 def prefix_workload(seed: int, prefixes: int, follow_ups: int) -> list[tuple[int, str]]:
     """Distinct long prefixes (about 200 tokens), each followed by requests that extend it."""
     rng = random.Random(seed)
-    words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "uniform", "victor", "whiskey"]
+    words = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
+             "november oscar papa quebec romeo sierra tango uniform victor whiskey").split()
     out = []
     for p in range(prefixes):
         base = " ".join(rng.choice(words) for _ in range(180))
         out.append((p, base))
         for f in range(follow_ups):
-            out.append((p, f"{base} question {f}: " + " ".join(rng.choice(words) for _ in range(8))))
+            tail = " ".join(rng.choice(words) for _ in range(8))
+            out.append((p, f"{base} question {f}: {tail}"))
     return out
 
 
 def cached_fraction(stack: Stack, seed: int) -> float:
     c = client(stack)
     hits = total = 0
-    for p, prompt in prefix_workload(seed, prefixes=4, follow_ups=4):
+    for _, prompt in prefix_workload(seed, prefixes=4, follow_ups=4):
         r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
         if prompt.count("question"):
             shared_blocks = token_count(prompt.split(" question ")[0]) // BLOCK

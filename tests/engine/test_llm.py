@@ -52,7 +52,7 @@ def test_generate_matches_transformers_greedy(llm: LLM, default_model_path) -> N
     hf = AutoModelForCausalLM.from_pretrained(str(default_model_path), dtype=torch.float32)
     prompts = ["Hello", "The capital of France is"]
     outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
-    for prompt, out in zip(prompts, outs):
+    for out in outs:
         ids = torch.tensor([out.prompt_token_ids])
         ref = hf.generate(ids, max_new_tokens=16, do_sample=False, min_new_tokens=16)
         assert out.outputs[0].token_ids == ref[0, ids.shape[1] :].tolist()
@@ -115,7 +115,8 @@ def test_stop_strings_stop_tokens_and_lengths(llm: LLM) -> None:
     out = llm.generate(["Count: 1, 2, 3,"],
                        SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[tok]),
                        use_tqdm=False)[0].outputs[0]
-    assert out.stop_reason == tok and out.token_ids == base.token_ids[: base.token_ids.index(tok) + 1]
+    assert out.stop_reason == tok
+    assert out.token_ids == base.token_ids[: base.token_ids.index(tok) + 1]
     assert llm.engine.stats().num_free_blocks == llm.engine.stats().num_total_blocks
 
 
@@ -126,10 +127,10 @@ def test_token_id_prompts_n_and_logprobs(llm: LLM) -> None:
     assert len(outs[0].outputs) == 3
     for c in outs[0].outputs:
         assert len(c.token_ids) == 5 and len(c.logprobs) == 5
-        for tok, lp in zip(c.token_ids, c.logprobs):
+        for tok, lp in zip(c.token_ids, c.logprobs, strict=True):
             assert tok in lp and lp[tok].logprob <= 0
         assert c.cumulative_logprob == pytest.approx(
-            sum(lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)), abs=1e-4
+            sum(lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)), abs=1e-4
         )
 
 

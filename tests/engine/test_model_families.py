@@ -290,7 +290,8 @@ ASSIGNMENT_IDS = ["all-experts", "idle-experts", "one-token"]
 EXPERT_PATHS = {
     "host": partial(experts_module.grouped_experts, act=silu_and_mul_torch),
     "device": partial(
-        experts_module.routed_experts, gemm=experts_module.grouped_gemm_torch, act=silu_and_mul_torch
+        experts_module.routed_experts, gemm=experts_module.grouped_gemm_torch,
+        act=silu_and_mul_torch,
     ),
 }
 

@@ -454,7 +454,8 @@ def test_sliding_windows_per_layer_and_the_full_context() -> None:
     )
     assert ModelConfig.from_hf_dict(qwen_on).layer_windows == (None, 128, 128)
     gemma2 = _raw_config(
-        architectures=["Gemma2ForCausalLM"], sliding_window=64, hidden_activation="gelu_pytorch_tanh"
+        architectures=["Gemma2ForCausalLM"], sliding_window=64,
+        hidden_activation="gelu_pytorch_tanh",
     )
     assert ModelConfig.from_hf_dict(gemma2).layer_windows == (64, None, 64)
     typed = _raw_config(

@@ -113,7 +113,8 @@ def test_device_routing_on_the_kernels_matches_a_per_token_loop(routing: str) ->
     down = torch.randn(num_experts, hidden, inter, generator=gen) * 0.3
     weights = torch.rand(num_tokens, top_k, generator=gen)
     expected = _naive_experts(x, gate_up, down, weights, experts).float()
-    on_kernels = partial(routed_experts, gemm=grouped_gemm.grouped_gemm, act=activation.silu_and_mul)
+    on_kernels = partial(routed_experts, gemm=grouped_gemm.grouped_gemm,
+                         act=activation.silu_and_mul)
     args = (x, gate_up, down, weights, experts)
     out = on_kernels(*(t.to(DEVICE) for t in args))
     torch.testing.assert_close(out.cpu(), expected, atol=2e-5, rtol=2e-5)

@@ -23,7 +23,7 @@ def run(parser, text: str, pieces: int | None = None, seed: int = 0):
     content, calls = "", {}
     count = max(0, min(pieces or 0, len(text) - 1))
     cuts = sorted(random.Random(seed).sample(range(1, len(text)), count))
-    chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
     deltas = [parser.feed(c) for c in chunks] + [parser.finish()]
     for d in deltas:
         content += d.content
@@ -39,7 +39,8 @@ def run(parser, text: str, pieces: int | None = None, seed: int = 0):
 @pytest.mark.parametrize("pieces", [None, 5, 40, 1000])
 def test_hermes_content_then_two_calls(pieces) -> None:
     args2 = {"q": "x"}
-    text = (f"Let me check.\n<tool_call>\n{json.dumps({'name': 'get_weather', 'arguments': WEATHER})}"
+    first = json.dumps({"name": "get_weather", "arguments": WEATHER})
+    text = (f"Let me check.\n<tool_call>\n{first}"
             f"\n</tool_call>\n<tool_call>\n{json.dumps({'arguments': args2, 'name': 'search'})}"
             "\n</tool_call>")
     content, calls = run(PARSERS["hermes"](), text, pieces)

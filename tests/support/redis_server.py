@@ -228,4 +228,5 @@ def _make_certificates(directory: Path) -> None:
     run("req", *key, "-keyout", "server.key", "-out", "server.csr",
         "-subj", "/CN=localhost")  # fmt: skip
     run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-        "-CAcreateserial", "-out", "server.crt", "-days", "2", "-extfile", "server.ext")  # fmt: skip
+        "-CAcreateserial", "-out", "server.crt", "-days", "2",
+        "-extfile", "server.ext")  # fmt: skip

@@ -28,7 +28,8 @@ def token_pools(tok: Tokenizer) -> tuple[list[int], list[int], list[int]]:
     """Byte fragments (decode alone to U+FFFD), added/special tokens, and ordinary tokens."""
     fragments = [i for i in range(len(tok.hf)) if "\ufffd" in tok.decode([i])]
     added = sorted(tok.hf.added_tokens_decoder)
-    ordinary = [i for i in range(1000, 1200)] + tok.encode(" 中文 € naïve", add_special_tokens=False)
+    ordinary = list(range(1000, 1200))
+    ordinary += tok.encode(" 中文 € naïve", add_special_tokens=False)
     return fragments, added, ordinary
 
 
@@ -45,7 +46,7 @@ def test_equals_incremental_on_random_sequences(tok: Tokenizer, skip: bool) -> N
     pools = token_pools(tok)
     prompts = [random_seq(rng, pools, rng.randint(1, 8)) for _ in range(400)]
     outputs = [random_seq(rng, pools, rng.randint(0, 24)) for _ in range(400)]
-    expected = [incremental(tok, p, o, skip) for p, o in zip(prompts, outputs)]
+    expected = [incremental(tok, p, o, skip) for p, o in zip(prompts, outputs, strict=True)]
     assert detokenize_batch(tok, prompts, outputs, skip) == expected
 
 
@@ -66,7 +67,7 @@ def test_split_characters_and_special_tokens(tok: Tokenizer) -> None:
     ]
     for skip in (True, False):
         expected = [incremental(tok, p, o, skip) for p, o in cases]
-        assert detokenize_batch(tok, *zip(*cases), skip) == expected
+        assert detokenize_batch(tok, *zip(*cases, strict=True), skip) == expected
     assert detokenize_batch(tok, [prompt], [emoji], True) == ["😀"]
 
 

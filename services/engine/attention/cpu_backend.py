@@ -2,9 +2,9 @@
 
 Every new token of a step, decode or prefill, runs through one call of the paged attention
 kernel per layer, which reads keys and values straight from the cache through the block
-tables, with no gather into a padded copy; new K/V are written by the store kernel first. A prompt's tokens
-are causal rows of their own: token j of a request whose ``q_len`` new tokens end its
-``seq_len``-token context attends to the first ``seq_len - q_len + j + 1`` cache slots, so a
+tables, with no gather into a padded copy; new K/V are written by the store kernel first. A
+prompt's tokens are causal rows of their own: token j of a request whose ``q_len`` new tokens
+end its ``seq_len``-token context attends to the first ``seq_len - q_len + j + 1`` cache slots, so a
 prefill (with or without a cached prefix) is a batch of "decode" rows that share one block
 table. That is one kernel call per layer for the whole step, spread over the cores by (token,
 KV head), instead of one SDPA call per prompt: torch's CPU SDPA reaches ~30 GFLOP/s per core

@@ -18,8 +18,9 @@ first one its window reaches, padded to the longest and masked); each multi-toke
 attended to on its own. GQA is one batched matmul of ``[B, H_kv, group * q_len, D]`` queries
 against ``[B, H_kv, L, D]`` keys. The layout of a step (blocks and masks) depends only on the
 metadata and the window, so it is built once per (step, window) and shared by every layer with
-that window (the backend's ``plan``). A step whose contexts all fit in the window, without a soft-cap, never comes here:
-that is plain causal attention, and the torch backend's own paths (or the C++ kernel) run it.
+that window (the backend's ``plan``). A step whose contexts all fit in the window, without a
+soft-cap, never comes here: that is plain causal attention, and the torch backend's own paths
+(or the C++ kernel) run it.
 """
 
 from __future__ import annotations

@@ -7,11 +7,12 @@ start loads in about a second:
     <cache>/SmolLM2-135M-Instruct/
         config.json  generation_config.json  model.safetensors  tokenizer files  .complete
 
-``<cache>`` is ``$PAGODA_MODEL_CACHE`` or ``~/.cache/pagoda/models`` (``services.common.default_model``,
-which the gateway reads without importing the engine). The directory is written
-under a temporary name and renamed into place, with a marker file written last, so a crash
-never leaves a half-written model that looks complete; a file lock lets concurrent processes
-(test workers, several engines) wait for one conversion instead of racing.
+``<cache>`` is ``$PAGODA_MODEL_CACHE`` or ``~/.cache/pagoda/models``
+(``services.common.default_model``, which the gateway reads without importing the engine).
+The directory is written under a temporary name and renamed into place, with a marker file
+written last, so a crash never leaves a half-written model that looks complete; a file lock
+lets concurrent processes (test workers, several engines) wait for one conversion instead of
+racing.
 
 Run ``python -m services.engine.models.default`` to convert (if needed) and print the path.
 """

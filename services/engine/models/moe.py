@@ -49,7 +49,9 @@ class FusedExperts(UsesKernels):
         self.gate_up = ExpertWeights(moe.num_experts, (inter, inter), hidden_size, dtype)
         self.down = ExpertWeights(moe.num_experts, (hidden_size,), inter, dtype)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
         gate_up, down = self.gate_up.per_expert(), self.down.per_expert()
         return self.kernels.experts(x, gate_up, down, weights, experts)
 

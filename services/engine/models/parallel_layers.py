@@ -134,7 +134,8 @@ class _VocabShard:
     def _set_vocab(self, vocab_size: int) -> int:
         self.tp = current()
         self.vocab_size = vocab_size
-        rows, self.vocab_start, self.vocab_real = vocab_shard(vocab_size, self.tp.rank, self.tp.size)
+        rows, self.vocab_start, self.vocab_real = vocab_shard(vocab_size, self.tp.rank,
+                                                              self.tp.size)
         return rows
 
     def checkpoint_range(self, leaf: str, index: int) -> ShardRange | None:

@@ -3,8 +3,9 @@
 A step travels as one int64 array (sizes, token ids, lengths, logits rows, block tables) behind
 a two-number header (kind, length), in one gloo broadcast of a fixed ``_INLINE`` slots on the
 step group; only a step bigger than that (long block tables of many requests, a long prefill)
-needs a second broadcast for the rest. The workers rebuild positions, KV slots and the attention metadata from it exactly as rank 0
-does, so every rank runs the same shapes and meets the same collectives.
+needs a second broadcast for the rest. The workers rebuild positions, KV slots and the
+attention metadata from it exactly as rank 0 does, so every rank runs the same shapes and
+meets the same collectives.
 """
 
 from __future__ import annotations

@@ -29,7 +29,8 @@ class ServerConfig:
     redis_url: str | None = flag(
         None, help="Redis for heartbeats and KV events (default: none, no routing index)"
     )
-    heartbeat_interval_s: float = flag(1.0, help="seconds between heartbeats (sooner when requests arrive or finish)")
+    heartbeat_interval_s: float = flag(
+        1.0, help="seconds between heartbeats (sooner when requests arrive or finish)")
     heartbeat_ttl_s: float = flag(5.0, help="seconds a heartbeat stays live in Redis")
     drain_timeout_s: float = flag(
         30.0, help="on SIGTERM, seconds the requests in flight get to finish"
