@@ -138,6 +138,7 @@ def test_moe_model_on_the_triton_kernels_matches_transformers(tiny_model_dir, na
         meta, positions = build_attention_metadata(
             [[5, 1, 11]], [done + n], [n], BLOCK_SIZE, DEVICE
         )
+        model.plan_attention(meta)  # once per step, as the runner does
         new_ids = torch.tensor(ids[done : done + n], device=DEVICE)
         with per_layer_work() as seen, torch.inference_mode():
             logits = model.compute_logits(model(new_ids, positions, kv, meta))
