@@ -291,6 +291,10 @@ class LLMEngine:
             max_tokens=req.params.max_tokens or 0,
         )
 
+    @property
+    def closed(self) -> bool:
+        return not self._release.alive
+
     def close(self) -> None:
         """Releases what outlives the object: the step thread of async scheduling, a
         tensor-parallel engine's worker processes and its process group (so that another

@@ -130,6 +130,8 @@ class LLM:
         use_tqdm: bool,
         cache_salt: str | None,
     ) -> list[RequestOutput]:
+        if self.engine.closed:
+            raise RuntimeError("this LLM was shut down: build a new one to generate again")
         parents: list[_Parent] = []
         by_child_id: dict[str, tuple[_Parent, _Child]] = {}
         try:

@@ -9,6 +9,7 @@ import gc
 import threading
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 
 from services.engine import LLM, SamplingParams
@@ -60,6 +61,8 @@ def test_async_scheduling_step_thread_is_released(fast_model_dir) -> None:
     llm.shutdown()
     assert _step_threads() == before
     llm.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        _generate(llm)  # said plainly, not a failure deep in the step loop
 
     llm = LLM(str(fast_model_dir), num_blocks=16, async_scheduling=True)
     assert _generate(llm) == tokens
