@@ -13,7 +13,9 @@ How a field's type reads from the command line:
     X | None                 as X; not given = None
     an Enum                  one of its values (``--policy round-robin``)
     tuple[X, ...], list[X]   one comma-separated value (``--engines URL,URL``), or with
-                             ``repeat=True`` the flag repeats, one item each (``--model M``)
+                             ``repeat=True`` the flag repeats, one item each (``--model M``),
+                             and with ``many=True`` also takes several (``--lora-modules a=x
+                             b=y``, as vLLM's nargs="+" flags)
     anything else            needs ``parse=``: a function from the text to the value
 
 A launcher that hands the flags it does not know to its children (``services.serve`` passes
@@ -47,6 +49,7 @@ class FlagSpec:
     parse: Callable[[str], Any] | None = None  # text -> value (an item, for a tuple or list)
     repeat: bool = False  # a tuple or list: the flag repeats instead of taking commas
     positional: bool = False  # an argument without "--", required unless the field has a default
+    many: bool = False  # with repeat: one flag may also take several items
 
 
 def flag(
@@ -59,12 +62,13 @@ def flag(
     parse: Callable[[str], Any] | None = None,
     repeat: bool = False,
     positional: bool = False,
+    many: bool = False,
 ) -> Any:
     """A dataclass field that is also a flag: ``port: int = flag(8100, help="port to listen on")``.
 
     ``name`` spells the flag differently from the field (``--model`` for ``models``), where a
     repeatable flag names one item; the mapping stays one field, one flag."""
-    spec = FlagSpec(help, name, metavar, parse, repeat, positional)
+    spec = FlagSpec(help, name, metavar, parse, repeat, positional, many)
     return dataclasses.field(
         default=default, default_factory=default_factory, metadata={_METADATA_KEY: spec}
     )
@@ -176,7 +180,9 @@ def _reader(hint: Any, spec: FlagSpec, where: str) -> dict[str, Any]:
         parse = _item_parser(item, spec, where)
         metavar = spec.metavar or _metavar(item)
         if spec.repeat:
-            return {"action": _Append, "type": parse, "metavar": metavar, "collection": container}
+            many = {"nargs": "+"} if spec.many else {}
+            return {"action": _Append, "type": parse, "metavar": metavar, "collection": container,
+                    **many}
         return {"type": _comma_separated(parse, container), "metavar": metavar + ",..."}
     if spec.repeat:
         raise TypeError(f"{where}: repeat=True needs a tuple or list field")
@@ -270,7 +276,8 @@ class _Append(argparse.Action):
         option_string: str | None = None,
     ) -> None:
         items = getattr(namespace, self.dest, None) or ()
-        setattr(namespace, self.dest, self.collection([*items, values]))
+        new = values if isinstance(values, list) else [values]  # a list: nargs="+"
+        setattr(namespace, self.dest, self.collection([*items, *new]))
 
 
 def _metavar(item: Any) -> str:

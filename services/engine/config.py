@@ -9,6 +9,7 @@ from typing import TypeVar
 import torch
 
 from services.common.cli import flag
+from services.engine.lora.request import LoRAModule
 from services.protocol.block_hash import HashAlgorithm
 
 E = TypeVar("E", bound=Enum)
@@ -75,6 +76,24 @@ class EngineConfig:
         "over NCCL on GPUs (gloo on the CPU)",
     )
 
+    enable_lora: bool = flag(
+        False, help="serve LoRA adapters of the model (vLLM's flag); off, the engine has none"
+    )
+    max_loras: int = flag(1, help="distinct LoRA adapters in one step (their device slots)")
+    max_lora_rank: int = flag(16, help="the highest LoRA rank an adapter may have")
+    max_cpu_loras: int | None = flag(
+        None, help="LoRA adapters kept in host memory, LRU (default: max_loras)"
+    )
+    lora_modules: tuple[LoRAModule, ...] = flag(
+        (),
+        repeat=True,
+        many=True,
+        parse=LoRAModule.parse,
+        metavar="NAME=PATH",
+        help="adapters loaded at start: name=path, or JSON {\"name\", \"path\", "
+        "\"base_model_name\"} (several after one flag, or the flag repeated)",
+    )
+
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(
@@ -92,6 +111,21 @@ class EngineConfig:
                 _require_positive(name, getattr(self, name))
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = self._default_step_tokens()
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            _require_positive(name, getattr(self, name))
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        elif self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras})")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
+        names = [m.name for m in self.lora_modules]
+        if len(names) != len(set(names)):
+            raise ValueError(f"lora_modules names must be unique, got {names}")
 
     def _default_step_tokens(self) -> int:
         if self.torch_device().type == "cuda":

@@ -14,13 +14,16 @@ from services.engine.async_scheduling import StepPipeline
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
 from services.engine.logit_bias import LogitBias, check_logit_bias
+from services.engine.lora import manager as lora_manager
+from services.engine.lora.manager import LoRAStats
+from services.engine.lora.request import LoRARequest
 from services.engine.model_runner import ModelRunner, StepResult
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import make_generator
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.structured.compiler import GrammarCompiler
 from services.engine.structured.masks import GrammarState
-from services.protocol.block_hash import BlockHasher, HashAlgorithm
+from services.protocol.block_hash import AdapterKey, BlockHasher, HashAlgorithm
 from services.protocol.engine_api import TokenLogprobs
 from services.protocol.kv_events import KVEvent
 from services.protocol.sampling_params import SamplingParams
@@ -62,6 +65,7 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    lora: LoRAStats | None = None  # an engine with LoRA enabled: its adapters
 
 
 _MAX_HASHERS = 4096  # one per cache salt seen; rebuilt on demand, so clearing is safe
@@ -98,11 +102,23 @@ class LLMEngine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.max_model_len,
+            config.max_loras if config.enable_lora else 0,
         )
         self.requests: dict[str, Request] = {}
         self.last_step_tokens = 0
         self.grammars = GrammarCompiler(str(model_path), mc.vocab_size, self.eos_token_ids)
-        self._hashers: dict[str | None, BlockHasher] = {}
+        self._hashers: dict[tuple[str | None, AdapterKey | None], BlockHasher] = {}
+        for module in config.lora_modules:  # --lora-modules: a bad one stops the start
+            if module.base_model_name not in (None, self.model_name):
+                raise ValueError(f"lora_modules: {module.name} is for base model "
+                                 f"{module.base_model_name!r}, this engine serves "
+                                 f"{self.model_name!r}")
+            self.lora.load(module.name, module.path, lora_manager.STATIC)
+
+    @property
+    def lora(self) -> lora_manager.LoRAManager | None:
+        """The engine's adapters (None unless ``enable_lora``)."""
+        return self.runner.lora_manager
 
     def _async_scheduling(self) -> bool:
         wanted = self.config.async_scheduling
@@ -125,8 +141,9 @@ class LLMEngine:
             )
         return wanted
 
-    def hasher(self, cache_salt: str | None = None) -> BlockHasher:
-        h = self._hashers.get(cache_salt)
+    def hasher(self, cache_salt: str | None = None, adapter: AdapterKey | None = None
+               ) -> BlockHasher:
+        h = self._hashers.get((cache_salt, adapter))
         if h is None:
             if len(self._hashers) >= _MAX_HASHERS:  # salts come from clients: stay bounded
                 self._hashers.clear()
@@ -135,8 +152,9 @@ class LLMEngine:
                 self.config.block_size,
                 cache_salt,
                 HashAlgorithm(self.config.hash_algorithm),
+                adapter,
             )
-            self._hashers[cache_salt] = h
+            self._hashers[(cache_salt, adapter)] = h
         return h
 
     # -- requests ---------------------------------------------------------------------------
@@ -147,10 +165,19 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | str | None = None,
     ) -> Request:
+        """``lora_request``: the adapter to run under, a ``LoRARequest`` (the offline API: read
+        on first use) or the name of a loaded adapter (the server); None: the base model."""
         if request_id in self.requests:
             raise BadRequest(f"request_id {request_id!r} is already in the engine", "request_id")
         max_tokens = self.check_request(prompt_token_ids, params)
+        adapter = None
+        if lora_request is not None:
+            if self.lora is None:
+                raise BadRequest("this engine serves no LoRA adapters (start it with "
+                                 "--enable-lora)", "lora_name")
+            adapter = self.lora.resolve(lora_request)
         grammar = None
         if params.structured_outputs is not None:  # a cache hit when the server compiled it
             compiled = self.grammars.compile(params.structured_outputs)
@@ -159,13 +186,14 @@ class LLMEngine:
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             params=params,
-            hasher=self.hasher(cache_salt),
+            hasher=self.hasher(cache_salt, None if adapter is None else adapter.key),
             max_tokens=max_tokens,
             eos_token_ids=self.eos_token_ids,
             generator=None if params.seed is None else make_generator(params.seed,
                                                                       self.runner.device),
             logit_bias=LogitBias.build(params.logit_bias, self.runner.device),
             grammar=grammar,
+            lora=adapter,
         )
         self.requests[request_id] = req
         self.scheduler.add(req)
@@ -176,6 +204,29 @@ class LLMEngine:
         the server) naming the field at fault: the limits only the loaded model knows."""
         return check_request(prompt_token_ids, params, self.runner.model_config.vocab_size,
                              self.max_model_len, self.runner.num_blocks, self.config.block_size)
+
+    # -- adapters (vLLM's add_lora / remove_lora / list_loras) --------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Reads and registers an adapter (``BadRequest`` naming the field or module)."""
+        if self.lora is None:
+            raise BadRequest("this engine serves no LoRA adapters (start it with "
+                             "--enable-lora)", "lora_name")
+        self.lora.load(lora_request.lora_name, lora_request.lora_path, lora_manager.OFFLINE,
+                       lora_request.lora_int_id)
+        return True
+
+    def remove_lora(self, lora: int | str) -> bool:
+        """Forgets an adapter, by name or by its ``LoRARequest`` id."""
+        if self.lora is None:
+            return False
+        if isinstance(lora, int):
+            names = [n for n, r in self.lora.registered.items() if r.int_id == lora]
+            return bool(names) and self.lora.unload(names[0])
+        return self.lora.unload(lora)
+
+    def list_loras(self) -> set[str]:
+        return set() if self.lora is None else set(self.lora.registered)
 
     def abort_request(self, request_id: str) -> RequestUpdate | None:
         req = self.requests.pop(request_id, None)
@@ -317,6 +368,8 @@ class LLMEngine:
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            lora=None if self.lora is None else self.lora.stats(self.scheduler.running,
+                                                                self.scheduler.waiting),
         )
 
 

@@ -13,6 +13,7 @@ Rows::
     block_table:   [5 9 ..] [1 ..]   [3 4 8]  [2]       int32 [max_rows, max_blocks]
     num_blocks:    2        1        3        1         written entries of each table row
     temperature, top_k, top_p, min_p, greedy, logprobs ... one entry per row
+    lora_slot:     -1       3        -1       0     the adapter's device slot (-1: base model)
 
 A request that leaves (finished, aborted, preempted) gives its row back at once: the last row
 moves into the hole (compaction), so rows ``0 .. num_rows - 1`` are always the live ones. A
@@ -27,6 +28,7 @@ views of these rows or a request's live lists.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -41,6 +43,9 @@ from services.engine.sampling_batch import (
     stop_ids,
 )
 from services.engine.structured.masks import GrammarState
+
+if TYPE_CHECKING:
+    from services.engine.lora.slots import DeviceSlots
 
 
 @dataclass(slots=True)
@@ -57,6 +62,7 @@ class RowFeatures:
     penalties: int = 0
     grammar: int = 0
     prompt_logprobs: int = 0
+    lora: int = 0  # under an adapter
 
     def count(self, req: Request, delta: int) -> None:
         p = req.params
@@ -70,6 +76,7 @@ class RowFeatures:
         self.penalties += delta * has_penalty(p)
         self.grammar += delta * (req.grammar is not None)
         self.prompt_logprobs += delta * (p.prompt_logprobs is not None)
+        self.lora += delta * (req.lora is not None)
 
 
 class PenaltyCounts:
@@ -129,7 +136,9 @@ class InputBatch:
     """Rows of the running requests (see the module docstring). Engine thread only."""
 
     def __init__(self, max_rows: int, max_blocks_per_seq: int, vocab_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, lora_slots: DeviceSlots | None = None) -> None:
+        """``lora_slots``: the adapters' device slots (an engine with LoRA enabled); a joining
+        row of an adapter takes one, a leaving row gives it back."""
         self.max_rows = max_rows
         self.vocab_size = vocab_size
         self.num_rows = 0
@@ -149,6 +158,8 @@ class InputBatch:
         self.grammar: list[GrammarState | None] = [None] * max_rows
         self.stop_ids: list[list[int]] = [[] for _ in range(max_rows)]  # min_tokens bans
         self.penalty_slot = np.full(max_rows, -1, dtype=np.int64)
+        self.lora_slots = lora_slots
+        self.lora_slot = np.full(max_rows, -1, dtype=np.int64)
         self.features = RowFeatures()
         self.penalties = PenaltyCounts(vocab_size, device)
 
@@ -178,6 +189,7 @@ class InputBatch:
         self.stop_ids[row] = (stop_ids(p, req.eos_token_ids, self.vocab_size)
                               if p.min_tokens > 0 else [])
         self.penalty_slot[row] = self.penalties.take(req) if has_penalty(p) else -1
+        self.lora_slot[row] = -1 if req.lora is None else self.lora_slots.acquire(req.lora)
         self.features.count(req, +1)
         return row
 
@@ -192,6 +204,8 @@ class InputBatch:
         slot = int(self.penalty_slot[row])
         if slot >= 0:
             self.penalties.give_back(slot)
+        if self.lora_slot[row] >= 0:
+            self.lora_slots.release(int(self.lora_slot[row]))
         last = self.num_rows - 1
         self.num_rows = last
         if row != last:
@@ -207,7 +221,7 @@ class InputBatch:
         self.block_table[dst, :n] = self.block_table[src, :n]
         self.num_blocks[dst] = self.blocks_written[dst] = n
         for arr in (self.temperature, self.greedy, self.top_k, self.top_p, self.min_p,
-                    self.logprobs, self.penalty_slot):
+                    self.logprobs, self.penalty_slot, self.lora_slot):
             arr[dst] = arr[src]
         for lst in (self.generator, self.logit_bias, self.grammar, self.stop_ids):
             lst[dst] = lst[src]
@@ -259,6 +273,11 @@ class InputBatch:
             banned=self._banned(rows) if f.min_tokens else None,
             penalties=self._penalties(rows) if f.penalties else None,
         )
+
+    def lora_slots_of(self, rows: np.ndarray) -> np.ndarray | None:
+        """The adapter slot of each of ``rows`` (a gathered copy); None when no live row has
+        an adapter (the step then does no LoRA work at all)."""
+        return self.lora_slot[rows] if self.features.lora else None
 
     def grammars(self, rows: np.ndarray) -> list[GrammarState | None] | None:
         if not self.features.grammar:

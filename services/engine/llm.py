@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
+from services.engine.lora.request import LoRARequest
 from services.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from services.engine.request import Request
 from services.protocol.engine_api import TokenLogprobs
@@ -25,6 +26,8 @@ logger = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int]
 Conversation = Sequence[dict[str, Any]]
+# One adapter for every prompt, or one per prompt (None: the base model).
+LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None
 
 
 @dataclass(slots=True)
@@ -86,11 +89,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         cache_salt: str | None = None,
+        lora_request: LoRAArg = None,
     ) -> list[RequestOutput]:
+        """``lora_request``: a ``LoRARequest`` for every prompt, or a list with one per prompt
+        (``None`` for the base model); the engine needs ``enable_lora=True``."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _broadcast_params(sampling_params, len(prompt_list))
         encoded = [self._encode(p) for p in prompt_list]
-        return self.run_encoded(encoded, params_list, use_tqdm, cache_salt)
+        return self.run_encoded(encoded, params_list, use_tqdm, cache_salt,
+                                _broadcast_lora(lora_request, len(prompt_list)))
 
     def chat(
         self,
@@ -100,6 +107,7 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        lora_request: LoRAArg = None,
     ) -> list[RequestOutput]:
         """Applies the model's chat template to each conversation, then generates."""
         if add_generation_prompt and continue_final_message:
@@ -114,7 +122,8 @@ class LLM:
             )
             encoded.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
         params_list = _broadcast_params(sampling_params, len(encoded))
-        return self.run_encoded(encoded, params_list, use_tqdm, None)
+        return self.run_encoded(encoded, params_list, use_tqdm, None,
+                                _broadcast_lora(lora_request, len(encoded)))
 
     # -- internals --------------------------------------------------------------------------
 
@@ -129,14 +138,16 @@ class LLM:
         params_list: list[SamplingParams],
         use_tqdm: bool,
         cache_salt: str | None,
+        loras: Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         if self.engine.closed:
             raise RuntimeError("this LLM was shut down: build a new one to generate again")
         parents: list[_Parent] = []
         by_child_id: dict[str, tuple[_Parent, _Child]] = {}
+        loras = loras or [None] * len(encoded)
         try:
-            for (text, ids), params in zip(encoded, params_list, strict=True):
-                parent = self._add(text, ids, params, cache_salt, by_child_id)
+            for (text, ids), params, lora in zip(encoded, params_list, loras, strict=True):
+                parent = self._add(text, ids, params, cache_salt, by_child_id, lora)
                 parents.append(parent)
             self._drive(by_child_id, len(parents), use_tqdm)
         except BaseException:
@@ -145,7 +156,7 @@ class LLM:
             raise
         return [p.output for p in parents]
 
-    def _add(self, text, ids, params, cache_salt, by_child_id) -> _Parent:
+    def _add(self, text, ids, params, cache_salt, by_child_id, lora=None) -> _Parent:
         rid = str(next(self._ids))
         parent = _Parent(RequestOutput(request_id=rid, prompt=text, prompt_token_ids=ids))
         for i in range(params.n):
@@ -153,7 +164,7 @@ class LLM:
             # prompt's KV between them. Seeded samples get distinct, reproducible seeds.
             child_params = params if params.seed is None else replace(params, seed=params.seed + i)
             child_id = f"{rid}-{i}"
-            self.engine.add_request(child_id, ids, child_params, cache_salt)
+            self.engine.add_request(child_id, ids, child_params, cache_salt, lora)
             child = _Child(
                 output=CompletionOutput(index=i, text="", token_ids=[]),
                 params=params,
@@ -300,6 +311,17 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids
     return list(prompts)
+
+
+def _broadcast_lora(lora: LoRAArg, n: int) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    lora = list(lora)
+    if len(lora) != n:
+        raise ValueError(f"got {len(lora)} LoRA requests for {n} prompts")
+    if not all(r is None or isinstance(r, LoRARequest) for r in lora):
+        raise ValueError("lora_request must hold LoRARequest or None entries")
+    return lora
 
 
 def _broadcast_params(

@@ -30,6 +30,9 @@ from services.engine.attention.selector import get_attention_backend
 from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from services.engine.input_batch import InputBatch
+from services.engine.lora.layers import ModelLoRA, segment_kernels_wanted
+from services.engine.lora.manager import LoRAManager
+from services.engine.lora.step import LoRAStep
 from services.engine.models.config import ModelConfig
 from services.engine.models.loader import load_model
 from services.engine.models.onednn import ROW_BUCKETS
@@ -61,6 +64,7 @@ class CpuInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_rows: torch.Tensor | None  # hidden rows that get logits; None: every row
+    lora: LoRAStep | None = None  # the step's adapter layout (None: no adapter token)
 
 
 @dataclass(slots=True)
@@ -122,6 +126,10 @@ class ModelRunner:
             self.model = load_model(model_path, self.dtype, self.device, self.attn_backend)
         if config.max_model_len is not None:
             self.model.limit_context(config.max_model_len)
+        self.lora: ModelLoRA | None = None  # before packing: it reads the weights' shapes
+        if config.enable_lora:
+            self.lora = ModelLoRA(self.model, config.max_loras, config.max_lora_rank,
+                                  self.device, segment_kernels_wanted(self.device))
         if self.device.type == "cpu":
             self.model.pack_weights()  # oneDNN's layout, once (see models.onednn)
         self.model_config = self.model.config
@@ -133,10 +141,16 @@ class ModelRunner:
         # Rank 0 prepares the steps (the other ranks receive them whole).
         max_len = config.max_model_len or mc.max_position_embeddings
         self.input_batch: InputBatch | None = None
+        self.lora_manager: LoRAManager | None = None  # rank 0's adapters (engine thread)
         if self.tp.rank == 0:
-            self.input_batch = InputBatch(config.max_num_seqs,
-                                          min(-(-max_len // self.block_size), self.num_blocks),
-                                          mc.vocab_size, self.device)
+            if self.lora is not None:
+                self.lora_manager = LoRAManager(self.lora.targets, config.max_loras,
+                                                config.max_lora_rank, config.max_cpu_loras,
+                                                self.dtype)
+            self.input_batch = InputBatch(
+                config.max_num_seqs, min(-(-max_len // self.block_size), self.num_blocks),
+                mc.vocab_size, self.device,
+                None if self.lora_manager is None else self.lora_manager.slots)
         self.sampler = Sampler()
         self.masker: TokenMasker | None = None
         self.buffers: StepBuffers | None = None
@@ -358,6 +372,10 @@ class ModelRunner:
             query_lens=q,
             rows=sampled,
         )
+        if self.lora_manager is not None:
+            batch.lora_slots = ib.lora_slots_of(row_idx)
+            batch.lora_installs = [(slot, w.path, w.version, w)
+                                   for slot, w in self.lora_manager.slots.take_installs()]
         scorer = None
         if ib.features.prompt_logprobs:
             scorer = prompt_logprobs.PromptScorer(sched.scheduled, q_lens)
@@ -426,6 +444,8 @@ class ModelRunner:
         cpu_inputs: CpuInputs | None = None,
         fill: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
+        if batch.lora_installs:  # on the step thread, after the steps that read those slots
+            self._install_adapters(batch.lora_installs)
         if self.buffers is None:
             hidden, last = self._forward_cpu(cpu_inputs or self._cpu_inputs(batch), fill)
         else:
@@ -438,6 +458,13 @@ class ModelRunner:
         if not len(batch.rows):
             return None
         return self.model.compute_logits(hidden if last is None else hidden.index_select(0, last))
+
+    def _install_adapters(self, installs: list) -> None:
+        for slot, path, version, weights in installs:
+            if weights is not None:  # rank 0: from its host memory
+                self.lora.install(slot, weights)
+            else:  # another rank: from the files rank 0 validated
+                self.lora.install_from(slot, path, version)
 
     def _token_masker(self) -> TokenMasker:
         if self.masker is None:  # only engines that meet a constrained request pay for it
@@ -454,7 +481,9 @@ class ModelRunner:
         if len(batch.rows):
             ends = np.cumsum(batch.query_lens) - 1
             last = torch.from_numpy(ends[batch.rows])
-        return CpuInputs(ids, positions, meta, last)
+        lora = None if batch.lora_slots is None else self.lora.layout(batch.lora_slots,
+                                                                      batch.query_lens)
+        return CpuInputs(ids, positions, meta, last, lora)
 
     def _plan(self, meta: AttentionMetadata, num_tokens: int) -> None:
         """The step's contract checked and its attention plan built: once per step, for every
@@ -470,6 +499,8 @@ class ModelRunner:
         if fill is not None:
             inputs.input_ids.index_copy_(0, *fill)
         self.model.plan_attention(inputs.meta)
+        if self.lora is not None:  # read by every LoRA projection of this step
+            self.lora.state.step = inputs.lora
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         return hidden, inputs.logits_rows
 
@@ -481,7 +512,13 @@ class ModelRunner:
         input_ids, query_lens, rows = batch.input_ids, batch.query_lens, batch.rows
         num_seqs = len(batch.seq_lens)
         decode = len(input_ids) == num_seqs
-        bucket = self.graphs.bucket(num_seqs) if self.graphs is not None and decode else None
+        lora = None if batch.lora_slots is None else self.lora.layout(batch.lora_slots,
+                                                                      query_lens)
+        if self.lora is not None:
+            self.lora.state.step = lora
+        # Graphs hold base-model steps only: a step with adapters runs eager.
+        bucket = (self.graphs.bucket(num_seqs)
+                  if self.graphs is not None and decode and lora is None else None)
         ends = np.cumsum(query_lens) - 1
         staged = self.buffers.stage(
             input_ids, batch.block_tables, batch.num_blocks, batch.seq_lens, query_lens,

@@ -7,6 +7,11 @@ the remaining budget is prefilled in chunks over several steps. When KV blocks r
 most recently admitted running request is preempted by recompute: its blocks are freed and it
 goes back to the front of the queue, to be recomputed (mostly from the prefix cache) later.
 
+With LoRA (``max_loras`` > 0) at most that many distinct adapters run at a time: a waiting
+request whose adapter would exceed it is deferred (it keeps its place; later requests that fit
+go ahead) and, deferred long enough, reserves the next free adapter slot
+(``lora.admission``).
+
 One step is ``schedule()`` -> the model runs -> ``update()``: the scheduler decides who samples
 and applies the result (tokens computed and cached, sampled tokens appended, stop checks,
 finished requests freed), as vLLM's ``update_from_output`` and nano-vllm's ``postprocess``.
@@ -28,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from services.engine.block_manager import BlockManager
+from services.engine.lora.admission import AdapterAdmission
 from services.engine.prompt_logprobs import reads_prefix_cache
 from services.engine.request import Request, RequestStatus
 
@@ -65,8 +71,11 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        max_loras: int = 0,
     ) -> None:
         self.block_manager = block_manager
+        self.max_loras = max_loras  # distinct adapters running at a time (0: LoRA is off)
+        self.num_lora_deferrals = 0  # admissions an adapter limit deferred (tests, metrics)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len  # prompt + output never grows past it
@@ -184,8 +193,12 @@ class Scheduler:
         logger.debug("preempted request_id=%s", req.request_id)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        loras = AdapterAdmission(self.running, self.max_loras) if self.max_loras else None
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if loras is not None and not loras.admits(req):
+                self.waiting.popleft()  # keeps its place: put back in front below
+                continue
             # A request preempted by this schedule may await a token, but no admission follows
             # a preemption; every other waiting request has all its tokens.
             assert not req.num_placeholders, req.request_id
@@ -207,6 +220,11 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
+            if loras is not None:
+                loras.admitted(req)
+        if loras is not None and loras.deferred:
+            self.num_lora_deferrals += len(loras.deferred)
+            self.waiting.extendleft(reversed(loras.deferred))
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         start = req.num_computed_tokens + req.num_scheduled_tokens

@@ -2,12 +2,17 @@
 
 For a prompt cut into blocks of ``block_size`` tokens (full blocks only)::
 
-    h_0 = H(seed(model, block_size, cache_salt))
+    h_0 = H(seed(model, block_size, cache_salt, adapter))
     h_i = H(h_{i-1} || token_ids of block i)
 
-Because each hash covers its parent, equal hashes mean equal whole prefixes. The engine's
-prefix cache keys blocks by these hashes, the router indexes them in Redis, and the gateway
-computes them from the templated prompt, so all three must call this module and nothing else.
+Because each hash covers its parent, equal hashes mean equal whole prefixes. ``adapter`` is
+the LoRA adapter a request runs under (``AdapterKey``: its name and the version of its
+weights), as vLLM's extra keys: the same prompt under two adapters, or under one name whose
+weights were replaced, never shares a block; without one the seed is the base model's.
+
+The engine's prefix cache keys blocks by these hashes, the router indexes them in Redis, and
+the gateway computes them from the templated prompt (with the adapter the request names), so
+all three must call this module and nothing else.
 """
 
 from __future__ import annotations
@@ -51,13 +56,29 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
 
 
 @dataclass(frozen=True, slots=True)
+class AdapterKey:
+    """A LoRA adapter as the chain sees it: its name and the version of its weights (the
+    engine's digest of the adapter's files, so every replica that loads the same files agrees,
+    and new weights under an old name start a new namespace)."""
+
+    name: str
+    version: str
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.version:
+            raise ValueError("an adapter key needs a non-empty name and version")
+
+
+@dataclass(frozen=True, slots=True)
 class BlockHasher:
-    """Hashes token blocks for one (model, block_size, cache_salt, algorithm) namespace."""
+    """Hashes token blocks for one (model, block_size, cache_salt, adapter, algorithm)
+    namespace."""
 
     model: str
     block_size: int
     cache_salt: str | None = None
     algorithm: HashAlgorithm = HashAlgorithm.XXH3_128
+    adapter: AdapterKey | None = None
     seed: BlockHash = field(init=False)
 
     def __post_init__(self) -> None:
@@ -72,9 +93,10 @@ class BlockHasher:
         algorithm = HashAlgorithm(self.algorithm)
         object.__setattr__(self, "algorithm", algorithm)
         salt = b"" if self.cache_salt is None else b"\x01" + self.cache_salt.encode()
-        material = b"\x00".join(
-            [_SEED_DOMAIN, self.model.encode(), str(self.block_size).encode(), salt]
-        )
+        parts = [_SEED_DOMAIN, self.model.encode(), str(self.block_size).encode(), salt]
+        if self.adapter is not None:  # absent: the base model's seed, unchanged
+            parts += [b"\x02" + self.adapter.name.encode(), self.adapter.version.encode()]
+        material = b"\x00".join(parts)
         object.__setattr__(self, "seed", _digest(algorithm, material))
 
     def hash_block(self, parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
@@ -106,6 +128,7 @@ def block_hash_chain(
     model: str,
     cache_salt: str | None = None,
     algorithm: HashAlgorithm = HashAlgorithm.XXH3_128,
+    adapter: AdapterKey | None = None,
 ) -> list[BlockHash]:
     """Convenience wrapper: the chain of ``token_ids`` in one call."""
-    return BlockHasher(model, block_size, cache_salt, algorithm).chain(token_ids)
+    return BlockHasher(model, block_size, cache_salt, algorithm, adapter).chain(token_ids)

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.protocol.block_hash import (
+    AdapterKey,
     BlockHash,
     BlockHasher,
     HashAlgorithm,
@@ -107,8 +108,9 @@ def test_extend_token_by_token_equals_chain() -> None:
         BlockHasher("m", 4, cache_salt="tenant-a"),
         BlockHasher("m", 4, cache_salt=""),  # an empty salt is still a salt, not "no salt"
         BlockHasher("m", 4, algorithm=HashAlgorithm.SHA256),
+        BlockHasher("m", 4, adapter=AdapterKey("sql", "0123456789abcdef")),
     ],
-    ids=["model", "block_size", "cache_salt", "empty_salt", "sha256"],
+    ids=["model", "block_size", "cache_salt", "empty_salt", "sha256", "adapter"],
 )
 def test_namespace_changes_seed_and_chain(other: BlockHasher) -> None:
     base = BlockHasher("m", 4)
@@ -120,6 +122,20 @@ def test_namespace_changes_seed_and_chain(other: BlockHasher) -> None:
 def test_salts_isolate_tenants() -> None:
     tokens = list(range(8))
     assert BlockHasher("m", 4, "a").chain(tokens) != BlockHasher("m", 4, "b").chain(tokens)
+
+
+def test_adapters_and_their_weights_isolate_blocks() -> None:
+    """The adapter's name and weights' version key the chain (as vLLM's extra keys): two
+    adapters, or new weights under one name, never share a block; the salt still applies."""
+    tokens = list(range(8))
+    v1, v2 = AdapterKey("sql", "aaaa"), AdapterKey("sql", "bbbb")
+    chains = [BlockHasher("m", 4, adapter=k).chain(tokens)
+              for k in (v1, v2, AdapterKey("chat", "aaaa"), None)]
+    assert len({tuple(c) for c in chains}) == 4
+    assert BlockHasher("m", 4, "t", adapter=v1).chain(tokens) != chains[0]
+    assert block_hash_chain(tokens, 4, "m", adapter=v1) == chains[0]
+    with pytest.raises(ValueError):
+        AdapterKey("sql", "")
 
 
 def test_sha256_option() -> None:

@@ -153,7 +153,13 @@ class Linear(nn.Module):
 
     On the CPU the runner calls ``pack()`` once the weights are loaded: the weight moves into
     oneDNN's blocked layout (``onednn``) and the plain copy is dropped.
+
+    ``lora``: in an engine with LoRA enabled, a target projection's adapter slots
+    (``services.engine.lora.layers.LoRAProjection``): ``lora(x, y)`` adds the step's adapter
+    products to the output ``y`` (in place) and returns it. None everywhere else.
     """
+
+    lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def __init__(
         self,
@@ -169,9 +175,9 @@ class Linear(nn.Module):
         self.packed: PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return packed_linear(x, self.packed)
-        return F.linear(x, self.weight, self.bias)
+        y = packed_linear(x, self.packed) if self.packed is not None else F.linear(
+            x, self.weight, self.bias)
+        return y if self.lora is None else self.lora(x, y)
 
     def pack(self) -> None:
         if self.packed is None and can_pack(self.weight):

@@ -117,6 +117,8 @@ class RowParallelLinear(Linear):
             y = packed_linear(x, self.packed)
         else:
             y = F.linear(x, self.weight, self.bias if self.tp.is_first else None)
+        if self.lora is not None:  # this rank's partial product too: one all-reduce for both
+            y = self.lora(x, y)
         return self.tp.all_reduce(y)
 
     def pack(self) -> None:

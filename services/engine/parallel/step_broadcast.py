@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,6 +42,11 @@ class StepBatch:
     query_lens: np.ndarray  # [S] int64
     rows: np.ndarray  # [R] int64
     scored: list[int] = field(default_factory=list)
+    # LoRA: each request's adapter slot (-1: base model), None when no request has one; and
+    # the copies into slots to do before this step: (slot, adapter path, version, weights),
+    # the weights on rank 0 only (the other ranks read the path and check the version).
+    lora_slots: np.ndarray | None = None
+    lora_installs: list[tuple[int, str, str, Any]] = field(default_factory=list)
 
     @classmethod
     def of(
@@ -75,6 +81,7 @@ def encode(batch: StepBatch) -> np.ndarray:
             np.asarray(batch.scored, dtype=np.int64),
             batch.num_blocks.astype(np.int64, copy=False),
             batch.block_tables.reshape(-1).astype(np.int64),
+            *_encode_lora(batch),
         ]
     )
 
@@ -91,7 +98,7 @@ def decode(data: np.ndarray) -> StepBatch:
     input_ids, seq_lens, query_lens = take(num_tokens), take(num_seqs), take(num_seqs)
     rows, scored, num_blocks = take(num_rows), take(num_scored), take(num_seqs)
     tables = take(num_seqs * width).reshape(num_seqs, width).astype(np.int32)
-    return StepBatch(
+    batch = StepBatch(
         input_ids=input_ids.copy(),
         block_tables=tables,
         num_blocks=num_blocks.copy(),
@@ -100,6 +107,54 @@ def decode(data: np.ndarray) -> StepBatch:
         rows=rows.copy(),
         scored=scored.tolist(),
     )
+    if at < len(data):
+        _decode_lora(batch, data[at:])
+    return batch
+
+
+def _encode_lora(batch: StepBatch) -> list[np.ndarray]:
+    """The LoRA section, after everything else (absent when the step has no adapter):
+    [num slots, slots..., num installs, then per install: slot, then the path and the version
+    each as (bytes, words) of UTF-8 packed 8 bytes to a word]."""
+    if batch.lora_slots is None and not batch.lora_installs:
+        return []
+    slots = batch.lora_slots if batch.lora_slots is not None else np.zeros(0, np.int64)
+    parts = [np.asarray([len(slots)], np.int64), slots.astype(np.int64, copy=False),
+             np.asarray([len(batch.lora_installs)], np.int64)]
+    for slot, path, version, _ in batch.lora_installs:
+        parts += [np.asarray([slot], np.int64), *_text(path), *_text(version)]
+    return parts
+
+
+def _text(text: str) -> list[np.ndarray]:
+    raw = text.encode()
+    padded = raw + b"\x00" * (-len(raw) % 8)
+    return [np.asarray([len(raw)], np.int64), np.frombuffer(padded, dtype=np.int64)]
+
+
+def _decode_lora(batch: StepBatch, data: np.ndarray) -> None:
+    at = 0
+
+    def word() -> int:
+        nonlocal at
+        at += 1
+        return int(data[at - 1])
+
+    def text() -> str:
+        nonlocal at
+        n = word()
+        words = -(-n // 8)
+        at += words
+        return data[at - words : at].tobytes()[:n].decode()
+
+    n = word()
+    slots = data[at : at + n].copy()
+    at += n
+    batch.lora_slots = slots if n else None
+    for _ in range(word()):
+        slot = word()
+        path = text()
+        batch.lora_installs.append((slot, path, text(), None))
 
 
 def send_step(tp: TPGroup, batch: StepBatch) -> None:

@@ -1,0 +1,148 @@
+"""LoRA on the model's projections: per projection, every slot's stacked A and B, and the
+batched apply.
+
+``ModelLoRA`` attaches one ``LoRAProjection`` to each target projection (``Linear.lora``,
+called by the projection on its output: before the all-reduce of a row-parallel one, so one
+collective covers both). A projection with K slices (q/k/v stacked: 3) keeps, per slot::
+
+    a[slot]: [in, K * R]    A^T of each slice side by side (R = max_lora_rank, zero-padded)
+    b[slot]: [K * R, out]   B^T (scaled) of slice k in rows k*R.., at that slice's columns
+
+so ``y += (x @ a[slot]) @ b[slot]`` applies every slice at once (zeros elsewhere). On a
+tensor-parallel rank ``in``/``out`` are the rank's, A's columns (row-parallel) or B's rows
+(column-parallel) cut as the base weight is.
+
+Per step a projection reads ``state.step`` (``step.LoRAStep``): None does nothing; one adapter
+for every token is two matmuls; otherwise the rows under adapters are gathered once, two
+matmuls per adapter, one ``index_add_`` back. With ``segments`` (the Triton kernels), shrink
+and expand kernels over per-request segments instead.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from services.engine.lora import step as lora_step
+from services.engine.lora.peft import AdapterWeights, read_adapter
+from services.engine.lora.step import LoRAState, LoRAStep
+from services.engine.lora.targets import LoRATargets
+from services.engine.models.layers import CausalLM, Linear
+
+# The Triton shrink/expand kernels have run only under TRITON_INTERPRET=1, never compiled on a
+# GPU: CUDA engines use the batched torch path unless this is set to 1.
+SEGMENT_KERNELS_ENV = "PAGODA_LORA_TRITON"
+
+
+def segment_kernels_wanted(device: torch.device) -> bool:
+    return device.type == "cuda" and os.environ.get(SEGMENT_KERNELS_ENV) == "1"
+
+
+class LoRAProjection:
+    """One projection's slots (see the module docstring); called as ``lora(x, y)``."""
+
+    def __init__(self, module: Linear, num_slices: int, state: LoRAState, num_slots: int,
+                 max_rank: int, device: torch.device, segments: bool) -> None:
+        assert module.weight is not None, "LoRA is attached before the weights are packed"
+        out_local, in_local = module.weight.shape
+        dtype = module.weight.dtype
+        self.state = state
+        self.max_rank = max_rank
+        self.segments = segments
+        width = num_slices * max_rank
+        self.a = torch.zeros(num_slots, in_local, width, dtype=dtype, device=device)
+        self.b = torch.zeros(num_slots, width, out_local, dtype=dtype, device=device)
+        self.a_slot = list(self.a.unbind(0))  # views, made once: no indexing per call
+        self.b_slot = list(self.b.unbind(0))
+        sizes = module.shard_sizes
+        if num_slices == 1:  # the whole (checkpoint-fused) projection is one slice
+            self.spans = [(0, sum(sizes))]
+        else:
+            offsets = np.cumsum((0, *sizes))
+            self.spans = [(int(offsets[i]), sizes[i]) for i in range(num_slices)]
+        # This rank's cut of each slice, as of the base weight (None: all of it).
+        ranged = getattr(module, "checkpoint_range", None)
+        self.shards = [None if ranged is None else ranged("weight", i)
+                       for i in range(num_slices)]
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        step = self.state.step
+        if step is None:
+            return y
+        if self.segments:
+            return self._segments(x, y, step)
+        if step.dense_slot >= 0:
+            s = step.dense_slot
+            return y.addmm_(torch.mm(x, self.a_slot[s]), self.b_slot[s])
+        perm = step.perm
+        xs = x.index_select(0, perm)
+        delta = torch.empty(len(perm), y.shape[1], dtype=y.dtype, device=y.device)
+        a, b = self.a_slot, self.b_slot
+        for s, lo, hi in step.groups:
+            torch.mm(torch.mm(xs[lo:hi], a[s]), b[s], out=delta[lo:hi])
+        return y.index_add_(0, perm, delta)
+
+    def _segments(self, x: torch.Tensor, y: torch.Tensor, step: LoRAStep) -> torch.Tensor:
+        from services.engine.kernels import lora as kernels
+
+        h = torch.zeros(x.shape[0], self.a.shape[2], dtype=torch.float32, device=x.device)
+        kernels.lora_shrink(x, self.a, step.segments, step.max_segment, h)
+        kernels.lora_expand(h, self.b, step.segments, step.max_segment, y)
+        return y
+
+    @torch.no_grad()
+    def install(self, slot: int, tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] | None
+                ) -> None:
+        """Writes an adapter's slices into ``slot`` (zeros where it has none)."""
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        for i, (a, b) in (tensors or {}).items():
+            shard = self.shards[i]
+            if shard is not None and shard.dim == 0:  # column-parallel: this rank's B rows
+                b = b.narrow(0, shard.start, shard.length)
+            elif shard is not None and shard.dim == 1:  # row-parallel: this rank's A columns
+                a = a.narrow(1, shard.start, shard.length)
+            r, col = a.shape[0], i * self.max_rank
+            start, rows = self.spans[i]
+            self.a[slot, :, col : col + r].copy_(a.t())
+            self.b[slot, col : col + r, start : start + rows].copy_(b.t())
+
+
+class ModelLoRA:
+    """Every LoRA projection of one model (one rank's shard), their shared step field, and
+    the copies into slots."""
+
+    def __init__(self, model: CausalLM, max_loras: int, max_rank: int, device: torch.device,
+                 segments: bool = False) -> None:
+        self.targets = LoRATargets(model)
+        self.state = LoRAState()
+        self.device = device
+        self.max_rank = max_rank
+        self.segments = segments
+        self.dtype = next(iter(self.targets.modules.values())).weight.dtype
+        self.projections: dict[str, LoRAProjection] = {}
+        for path, module in self.targets.modules.items():
+            proj = LoRAProjection(module, self.targets.num_slices[path], self.state, max_loras,
+                                  max_rank, device, segments)
+            module.lora = proj
+            self.projections[path] = proj
+
+    def layout(self, seq_slots: np.ndarray, query_lens: np.ndarray) -> LoRAStep | None:
+        """A step's ``LoRAStep`` (None without adapter tokens); built with the step's inputs."""
+        return lora_step.build(seq_slots, query_lens, self.device, self.segments)
+
+    def install(self, slot: int, weights: AdapterWeights) -> None:
+        for path, proj in self.projections.items():
+            proj.install(slot, weights.tensors.get(path))
+
+    def install_from(self, slot: int, path: str, version: str) -> None:
+        """A tensor-parallel worker's install: reads the adapter rank 0 validated and checks
+        it is the same version (the files must not change under a running engine)."""
+        weights = read_adapter("", Path(path), self.targets, self.max_rank, self.dtype)
+        if weights.version != version:
+            raise RuntimeError(f"adapter files at {path} changed under the engine (version "
+                               f"{weights.version}, rank 0 read {version})")
+        self.install(slot, weights)
