@@ -280,7 +280,7 @@ def test_small_float32_weights_stay_plain_and_bf16_ones_are_packed() -> None:
 
 def test_bf16_without_native_support_computes_in_float32(monkeypatch) -> None:
     """On CPUs without bf16 dot products (AVX2) a bf16 weight is packed as float32."""
-    monkeypatch.setattr(onednn, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(onednn, "has_native_bf16", lambda: False)
     w = torch.randn(32, 16).bfloat16()
     packed = onednn.pack(w)
     assert packed.compute_dtype == torch.float32
