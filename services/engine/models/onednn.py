@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from services.engine.cpu_isa import has_native_bf16
+from services.engine.cpu_ops.isa import has_native_bf16
 
 # A packed product costs ~13 us on top of its math, a float32 ``F.linear`` ~2 us: below this many
 # weight elements that is more than the whole product (64 x 512 at 256 rows: 49 against 65 us;
