@@ -84,7 +84,7 @@ class RouterIndex:
             try:
                 result = await self._reader.lookup(model, block_hashes)
             except REDIS_ERRORS as exc:
-                self._redis_failed("lookup", exc)
+                self.redis_failed("lookup", exc)
             else:
                 self._metrics.lookup_seconds.observe(time.perf_counter() - start)
                 if not result.engines and not result.dead and self._recently_seen(model):
@@ -119,7 +119,7 @@ class RouterIndex:
                 )
                 return
             except REDIS_ERRORS as exc:
-                self._redis_failed("mark", exc)
+                self.redis_failed("mark", exc)
         pending = self._local_pending.setdefault(model, {})
         pending[engine_id] = pending.get(engine_id, 0) + 1
 
@@ -128,7 +128,7 @@ class RouterIndex:
             try:
                 return await self._reader.next_counter(model)
             except REDIS_ERRORS as exc:
-                self._redis_failed("counter", exc)
+                self.redis_failed("counter", exc)
         self._local_counter[model] = self._local_counter.get(model, 0) + 1
         return self._local_counter[model]
 
@@ -138,14 +138,14 @@ class RouterIndex:
             try:
                 return await self._reader.models()
             except REDIS_ERRORS as exc:
-                self._redis_failed("models", exc)
+                self.redis_failed("models", exc)
         return None
 
     async def ping(self) -> bool:
         try:
             ok = await self._reader.ping()
         except REDIS_ERRORS as exc:
-            self._redis_failed("ping", exc)
+            self.redis_failed("ping", exc)
             return False
         self._down_until = 0.0
         return ok
@@ -167,7 +167,9 @@ class RouterIndex:
                     out.add(normalize_url(hb.url))
         return out
 
-    def _redis_failed(self, op: str, exc: BaseException) -> None:
+    def redis_failed(self, op: str, exc: BaseException) -> None:
+        """Counts the error and routes without Redis for ``retry_s`` (the other router parts
+        that use Redis report their errors here too, so all of them back off together)."""
         self._metrics.redis_errors.labels(op=op).inc()
         if self.redis_available:
             logger.warning("redis unavailable op=%s error=%s: %s; routing by last known load",

@@ -29,7 +29,7 @@ def test_engine_sigterm_drains_under_load(fast_model_dir: Path) -> None:
     # Both engines decode at under 20 steps/s: the victim's requests are still streaming when
     # the gateway notices it left the routing set, and the load spreads over both engines.
     slow = ["--debug-step-delay-s", "0.05"]
-    drain_args = ["--drain-timeout-s", str(DRAIN_S), *slow]
+    drain_args = ["--shutdown-timeout", str(DRAIN_S), *slow]
     with PagodaStack(fast_model_dir, engines=2, engine_args=[drain_args, slow]) as stack:
         router = stack.routers[0].url
         victim = stack.engine_id(0)

@@ -134,11 +134,11 @@ async def _stop_publishing(app: web.Application) -> None:
 
 async def _drain(app: web.Application) -> None:
     """SIGTERM: stop being routable (health 503, heartbeat removed), then let the requests in
-    flight finish, bounded by ``drain_timeout_s``; aiohttp then closes what remains."""
+    flight finish, bounded by ``shutdown_timeout``; aiohttp then closes what remains."""
     app[LIFECYCLE].draining = True
     await _stop_publishing(app)
     core = app[CORE]
-    deadline = time.monotonic() + app[SERVER_CONFIG].drain_timeout_s
+    deadline = time.monotonic() + app[SERVER_CONFIG].shutdown_timeout
     logger.info("draining: in_flight=%d", core.num_in_flight)
     while core.num_in_flight and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
@@ -431,7 +431,7 @@ def main(argv: list[str] | None = None) -> None:
     # handler_cancellation: a client that goes away cancels its handler at once (even during
     # prefill), and the handler's finally-block aborts the request and frees its KV blocks.
     # The grace period is spent in _drain (on_shutdown); whatever still runs after it is cut
-    # at once, so SIGTERM-to-exit stays within drain_timeout_s plus about a second.
+    # at once, so SIGTERM-to-exit stays within shutdown_timeout plus about a second.
     web.run_app(app, host=server_config.host, port=server_config.port, print=None,
                 shutdown_timeout=_CUT_AFTER_DRAIN_S, handler_cancellation=True)
     if app[LIFECYCLE].core_died:
