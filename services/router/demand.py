@@ -151,7 +151,7 @@ class Demand:
             self._known(model)
         now = self._clock()
         for model in sorted(self._models):
-            snapshot = await self._index.lookup(model, ())
+            snapshot = await self._index.lookup(model, (), timed=False)
             running = sum(v.heartbeat.running for v in snapshot.engines)
             queued = sum(v.heartbeat.waiting + v.pending for v in snapshot.engines)
             held = await self._held_count(model, now)

@@ -78,7 +78,10 @@ class RouterIndex:
         """False while in the back-off window after a Redis error."""
         return self._clock() >= self._down_until
 
-    async def lookup(self, model: str, block_hashes: Sequence[bytes]) -> IndexSnapshot:
+    async def lookup(self, model: str, block_hashes: Sequence[bytes], *,
+                     timed: bool = True) -> IndexSnapshot:
+        """The model's live engines and what each holds of the prompt; ``timed``: observed in
+        the lookup-time histogram (routing lookups, not the metrics scrape's)."""
         if self.redis_available:
             start = time.perf_counter()
             try:
@@ -86,7 +89,8 @@ class RouterIndex:
             except REDIS_ERRORS as exc:
                 self.redis_failed("lookup", exc)
             else:
-                self._metrics.lookup_seconds.observe(time.perf_counter() - start)
+                if timed:
+                    self._metrics.lookup_seconds.observe(time.perf_counter() - start)
                 if not result.engines and not result.dead and self._recently_seen(model):
                     # Redis answers but knows no engine of the model, not even a dead one:
                     # it restarted (or was flushed) and the engines have not heartbeated yet.
