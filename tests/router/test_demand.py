@@ -94,3 +94,17 @@ async def test_arrival_rate_window() -> None:
     assert rate.per_second(105.0) == pytest.approx(0.4)
     assert rate.per_second(110.9) == pytest.approx(0.2)  # the second 100 has left the window
     assert rate.per_second(120.0) == 0.0
+
+
+async def test_a_model_whose_last_engine_left_has_no_engine_at_once(
+    redis_url: str, publisher: KVIndexPublisher
+) -> None:
+    """Scaled to zero: the last engine leaves gracefully, and the next request is told there is
+    no engine (so the gateway holds it), not routed to the engine that left as if Redis had
+    lost its data."""
+    async with router_client(redis_url=redis_url) as client:
+        await publisher.publish_heartbeat(heartbeat("last"))
+        assert await ask(client, "r1") == 200
+        await publisher.remove_engine("last", MODEL)
+        assert await ask(client, "r2") == 503
+        assert (await metrics(client))["requests_held"] == 1

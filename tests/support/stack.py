@@ -115,6 +115,13 @@ class PagodaStack:
     def engine_id(self, index: int) -> str:
         return f"engine-{index}"
 
+    def add_engine(self) -> ServiceProcess:
+        """Starts one more engine (the next index; a scale-up, or the first from zero) and
+        returns it once it is healthy."""
+        engine = self._engine(len(self.engines)).start()
+        self.engines.append(engine)
+        return engine
+
     def restart_engine(self, index: int) -> ServiceProcess:
         """Starts engine ``index`` again on its old port (after ``kill()`` or ``stop()``)."""
         old = self.engines[index]
