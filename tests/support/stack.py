@@ -79,7 +79,10 @@ class PagodaStack:
     def start(self) -> Self:
         try:
             self.redis.start()
-            self.engines = [self._engine(i).start() for i in range(self.options.engines)]
+            # Engines load side by side (their start is most of a stack's).
+            self.engines = [self._engine(i).launch() for i in range(self.options.engines)]
+            for engine in self.engines:
+                engine.wait_healthy()
             self.routers = [self._router().start() for _ in range(self.options.routers)]
             self.gateway = ServiceProcess(
                 "services.gateway",
