@@ -59,6 +59,27 @@ def test_scale_to_zero_renders_two_triggers_and_the_hold(rendered) -> None:
     assert pre_stop + 120 + 5 <= pod["terminationGracePeriodSeconds"]
 
 
+def test_the_behavior_is_a_valid_hpa_behavior(rendered) -> None:
+    """KEDA hands ``advanced.horizontalPodAutoscalerConfig.behavior`` to the HPA it creates:
+    it must be a valid autoscaling/v2 behavior (the ScaledObject's own CRD is not in
+    kubernetes-validate's schemas, the HPA is)."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    so = rendered("scale-to-zero").get("ScaledObject", ENGINE)
+    hpa = {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": {"name": "keda-hpa-" + ENGINE, "namespace": NAMESPACE},
+        "spec": {
+            "scaleTargetRef": so["spec"]["scaleTargetRef"],
+            "minReplicas": 1,
+            "maxReplicas": so["spec"]["maxReplicaCount"],
+            "behavior": so["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"],
+        },
+    }
+    for version in ("1.29.0", "1.33.0"):
+        kubernetes_validate.validate(hpa, version, strict=True)
+
+
 def test_the_queries_name_metrics_the_router_exports(rendered) -> None:
     from services.router.metrics import RouterMetrics
 
