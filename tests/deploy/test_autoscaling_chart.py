@@ -298,3 +298,15 @@ def test_the_admission_policy_names_are_unique_per_release_and_namespace(chart: 
     b = render(chart, SCALE_TO_ZERO, namespace="team-b").of_kind(
         "ValidatingAdmissionPolicy")[0]["metadata"]["name"]
     assert a != b and re.fullmatch(r"[a-z0-9.-]+", a) and re.fullmatch(r"[a-z0-9.-]+", b)
+
+
+def test_the_autoscaling_example_in_the_docs_renders(chart: Any) -> None:
+    import yaml
+
+    from tests.deploy.helpers import CHART
+
+    text = (CHART.parents[1] / "docs" / "deploy.md").read_text()
+    block = text.split("## Autoscaling", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
+    spec = render(chart, yaml.safe_load(block)).get("ScaledObject", ENGINE)["spec"]
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (0, 8)
+    assert [t["name"] for t in spec["triggers"]] == ["router-queue", "arrival-rate"]
