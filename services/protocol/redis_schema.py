@@ -16,6 +16,16 @@ one model lives in one slot and the Lua scripts below may touch them together)::
     ns:{model}:pend:<engine_id>       STRING  router write-back pending TTL; deleted by the
                                               (INCR)            engine's next heartbeat
     ns:{model}:rr                     STRING  round-robin INCR  never (one integer per model)
+    ns:{model}:held                   ZSET    router, for       member = request id held at a
+                                              gateways waiting  gateway for want of an engine,
+                                              for an engine     score = when it stops counting
+                                                                (router ms clock); key: 1 min
+    ns:{model}:hits:<bucket>          HASH    router            engine id -> prefix blocks the
+                                              (prefix hits)     router sent it that hit; one
+                                                                hash per time bucket, expiring
+                                                                after the hit window
+    ns:deletion-cost                  STRING  router (SET NX)   one replica's turn at writing
+                                                                pod-deletion-cost annotations
 
 Why one sorted set per engine rather than one key per block: every entry carries its own expiry
 (the score), an engine's whole index can be capped and dropped as one key, and a lookup is a
@@ -92,3 +102,12 @@ class RedisKeys:
 
     def round_robin(self, model: str) -> str:
         return self.model_prefix(model) + "rr"
+
+    def held(self, model: str) -> str:
+        return self.model_prefix(model) + "held"
+
+    def hits(self, model: str, bucket: int) -> str:
+        return self.model_prefix(model) + f"hits:{bucket}"
+
+    def deletion_cost_turn(self) -> str:
+        return f"{self.namespace}:deletion-cost"

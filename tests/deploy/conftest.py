@@ -103,6 +103,16 @@ OTHER_SOURCES: dict[str, Any] = {
     "grafanaDashboards": {"enabled": True},
 }
 
+# Scale to zero: KEDA on with no replica floor, the gateway holding requests meanwhile, engines
+# given an explicit --shutdown-timeout, the router annotating pods' deletion cost.
+SCALE_TO_ZERO: dict[str, Any] = {
+    "keda": {"enabled": True, "minReplicaCount": 0, "maxReplicaCount": 8, "cooldownPeriod": 120},
+    "serviceMonitor": {"enabled": True},
+    "gateway": {"engineWait": {"timeoutSeconds": 240, "maxRequests": 64}},
+    "engine": {"shutdownTimeoutSeconds": 120},
+    "router": {"deletionCost": {"intervalSeconds": 5, "windowSeconds": 600}},
+}
+
 SCENARIOS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "two-models": TWO_MODELS,
@@ -110,6 +120,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "everything-on": EVERYTHING_ON,
     "three-routers": THREE_ROUTERS,
     "other-sources": OTHER_SOURCES,
+    "scale-to-zero": SCALE_TO_ZERO,
 }
 
 
