@@ -151,8 +151,7 @@ class EngineConfig:
         # The default model's directory is known once converted (else LLMEngine checks).
         target = self.model or (default_model_dir() if is_converted(default_model_dir())
                                 else None)
-        if target is not None:
-            check_draft_matches(spec, target)
+        check_draft_matches(spec, target)
 
     def _default_step_tokens(self) -> int:
         if self.torch_device().type == "cuda":

@@ -343,6 +343,10 @@ def test_serve_reads_make_serve_and_passes_engine_flags_on(
     assert config == ServeConfig(policy=PolicyName.ROUND_ROBIN, dtype="bfloat16",
                                  api_keys=("a", "b"))
     assert engine_flags == ["--max-num-seqs", "8", "--enforce-eager", "--num-blocks=64"]
+    # `make serve SPECULATIVE_CONFIG='{...}'`: vLLM's JSON reaches every engine whole
+    spec = '{"method": "ngram", "num_speculative_tokens": 4}'
+    assert args_from(["--speculative-config", spec]) == (ServeConfig(),
+                                                        ["--speculative-config", spec])
     for argv, message in ((["--engine-id=x"], "serve sets --engine-id"),
                           (["--engines", "0"], "--engines must be >= 1"),
                           (["--policy", "random"], "invalid choice: 'random'")):

@@ -113,6 +113,30 @@ SCALE_TO_ZERO: dict[str, Any] = {
     "router": {"deletionCost": {"intervalSeconds": 5, "windowSeconds": 600}},
 }
 
+# Speculative decoding: prompt lookup on a CPU engine, a draft model from an image.
+SPECULATIVE: dict[str, Any] = {
+    "models": [
+        {
+            "name": "lookup",
+            "source": {"type": "builtin"},
+            "gpus": 0,
+            "speculativeConfig": {"method": "ngram", "num_speculative_tokens": 4,
+                                  "prompt_lookup_max": 4, "disable_by_batch_size": 8},
+        },
+        {
+            "name": "drafted",
+            "source": {"type": "pvc", "pvc": {"claimName": "weights", "subPath": "llama-70b"}},
+            "gpus": 2,
+            "speculativeConfig": {"method": "draft_model", "num_speculative_tokens": 3},
+            "draftSource": {
+                "type": "image",
+                "image": {"repository": "registry.example.com/models/llama-1b", "tag": "1",
+                          "path": "/model"},
+            },
+        },
+    ]
+}
+
 SCENARIOS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "two-models": TWO_MODELS,
@@ -121,6 +145,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "three-routers": THREE_ROUTERS,
     "other-sources": OTHER_SOURCES,
     "scale-to-zero": SCALE_TO_ZERO,
+    "speculative": SPECULATIVE,
 }
 
 

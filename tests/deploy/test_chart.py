@@ -454,6 +454,29 @@ def test_each_engine_gets_its_model_flags_and_gpus(rendered) -> None:
     assert "pagoda.io/model" not in r.get("Service", ENGINES)["spec"]["selector"]
 
 
+def test_speculative_decoding_flags_and_the_draft_volume(rendered) -> None:
+    r = rendered("speculative")
+    lookup = r.container(engine("lookup"))
+    assert json.loads(flag(lookup, "speculative-config")) == {
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+        "disable_by_batch_size": 8}
+    pod = r.get("Deployment", engine("drafted"))["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert json.loads(flag(c, "speculative-config")) == {
+        "method": "draft_model", "num_speculative_tokens": 3, "model": "/models/drafted-draft"}
+    assert {"name": "draft", "mountPath": "/models/drafted-draft", "readOnly": True} in \
+        c["volumeMounts"]
+    (init,) = pod["initContainers"]  # the draft's image is copied into its emptyDir
+    assert init["image"] == "registry.example.com/models/llama-1b:1"
+    assert init["command"] == ["cp", "-R", "/model/.", "/models/drafted-draft/"]
+    assert {"name": "draft", "emptyDir": {}} in pod["volumes"]
+    # The engine reads the flag back as the config the chart meant.
+    from services.engine.serving.server_config import build_parser
+
+    args = build_parser().parse_args(expand_env_refs(lookup["args"], lookup, SAMPLE_ENV))
+    assert args.speculative_config.prompt_lookup_max == 4
+
+
 def test_external_redis_with_tls(rendered) -> None:
     r = rendered("external-redis-tls")
     for kind in ("Deployment", "Service", "Secret"):
@@ -731,6 +754,17 @@ BAD_VALUES = {
             ]
         },
         "set claimName (an existing claim) or create (a new one), not both",
+    ),
+    "draft-without-source": (
+        {"models": [{"name": "m", "source": {"type": "builtin"},
+                     "speculativeConfig": {"method": "draft_model",
+                                           "num_speculative_tokens": 2}}]},
+        "models[m].speculativeConfig: method draft_model needs a draftSource",
+    ),
+    "speculative-typo": (
+        {"models": [{"name": "m", "source": {"type": "builtin"},
+                     "speculativeConfig": {"method": "ngram", "num_speculative_token": 2}}]},
+        "at '/models/0/speculativeConfig'",
     ),
     "ca-without-tls": (
         {"redis": {"url": "redis://r:6379/0", "tls": {"caSecret": "ca"}}},

@@ -11,8 +11,9 @@ draft's HF directory; giving it without ``method`` means ``draft_model``),
 Anything else is refused with a ``ValueError`` naming the key (``speculative_config.<key>``),
 which the engine server turns into exit status 2 and ``LLM(...)`` raises: an unknown key or
 method, a number that is not a positive integer, a lookup range upside down, a key of the other
-method, a draft directory without ``config.json``, or a draft whose vocabulary differs from the
-target's (``check_draft_matches``, once both directories are known).
+method (``SpeculativeConfig.parse``: the JSON alone), a draft directory without
+``config.json``, or a draft whose vocabulary differs from the target's
+(``check_draft_matches``: the files, once ``EngineConfig`` knows the target).
 """
 
 from __future__ import annotations
@@ -104,14 +105,21 @@ class SpeculativeConfig:
         return json.dumps(raw)
 
 
-def check_draft_matches(spec: SpeculativeConfig, target_dir: str | Path) -> None:
-    """A draft model must share the target's vocabulary: the same ``vocab_size`` and, when both
-    directories carry a ``tokenizer.json``, the same token -> id map. ``ValueError`` naming
+def check_draft_matches(spec: SpeculativeConfig, target_dir: str | Path | None) -> None:
+    """A draft model must be a model directory and share the target's vocabulary (when the
+    target's directory is known): the same ``vocab_size`` and, when both directories carry a
+    ``tokenizer.json``, the same token -> id map. ``ValueError`` naming
     ``speculative_config.model`` otherwise."""
     if spec.method is not SpecMethod.DRAFT_MODEL:
         return
-    draft, target = Path(spec.model), Path(target_dir)
-    d_vocab = ModelFiles.read(draft).config.get("vocab_size")
+    draft = Path(spec.model)
+    try:
+        d_vocab = ModelFiles.read(draft).config.get("vocab_size")
+    except (FileNotFoundError, ValueError) as exc:
+        raise ValueError(f"{PREFIX}.model: {exc}") from None
+    if target_dir is None:
+        return
+    target = Path(target_dir)
     t_vocab = ModelFiles.read(target).config.get("vocab_size")
     if d_vocab != t_vocab:
         raise ValueError(f"{PREFIX}.model: the draft's vocabulary ({d_vocab} tokens) differs "
@@ -172,8 +180,4 @@ def _draft_dir(model: Any) -> str:
     if not isinstance(model, str) or not model:
         raise ValueError(f"{PREFIX}.model is required for method draft_model (the draft's HF "
                          "directory)")
-    try:
-        ModelFiles.read(model)
-    except (FileNotFoundError, ValueError) as exc:
-        raise ValueError(f"{PREFIX}.model: {exc}") from None
     return str(Path(model))
