@@ -164,7 +164,9 @@ def test_prefill_rows_match_dense_causal_attention(dtype, heads, kv_heads, dim, 
     batch = make_batch(lens, q_lens, block_size=bs, num_heads=heads, num_kv_heads=kv_heads,
                        head_dim=dim, dtype=dtype, seed=heads * dim)
     k, v = _cpu_caches(batch)
-    got = attend(CpuAttentionBackend(), batch.query, k, v, batch.meta, 0.3)
+    backend = CpuAttentionBackend(amx=False)  # rows for every dtype, whatever this CPU has
+    got = attend(backend, batch.query, k, v, batch.meta, 0.3)
+    assert batch.meta.plan.rows is not None
     expected = naive_attention(batch, 0.3)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.double(), expected.double(), atol=tol, rtol=tol)
@@ -177,7 +179,7 @@ def test_mixed_step_equals_the_torch_backend(dtype: torch.dtype) -> None:
     batch = make_batch([40, 1, 70, 16, 23], [1, 1, 30, 16, 1], num_heads=9, num_kv_heads=3,
                        head_dim=64, dtype=dtype, seed=5)
     k, v = _cpu_caches(batch)
-    got = attend(CpuAttentionBackend(), batch.query, k, v, batch.meta, 0.125)
+    got = attend(CpuAttentionBackend(amx=False), batch.query, k, v, batch.meta, 0.125)
     ref = attend(TorchAttentionBackend(), batch.query, batch.k_cache, batch.v_cache, batch.meta,
                                           0.125)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -304,6 +306,37 @@ def test_long_contexts_take_the_torch_path_and_still_match() -> None:
     assert batch.meta.plan.rows is None  # the rows path was not taken
     torch.testing.assert_close(got.double(), naive_attention(batch, 0.125).double(),
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_prefill_path_is_chosen_by_isa_and_dtype(dtype: torch.dtype, amx: bool) -> None:
+    """With AMX, bf16 prompts take one SDPA each (the tile units); decodes and steps of a few
+    tokens per request stay kernel rows; without AMX, or in fp32, every short step is rows.
+    Both paths give the naive attention's output."""
+    from services.engine.attention.cpu_backend import AMX_BF16_ROWS_MAX_QUERY
+
+    sdpa = amx and dtype == torch.bfloat16
+    short = AMX_BF16_ROWS_MAX_QUERY
+    for q_lens, rows in (([40, 1, 30], not sdpa), ([short, 1, short], True), ([1, 1, 1], True)):
+        batch = make_batch([60, 20, 300], q_lens, num_heads=9, num_kv_heads=3, head_dim=64,
+                           dtype=dtype, seed=sum(q_lens))
+        k, v = _cpu_caches(batch)
+        got = attend(CpuAttentionBackend(amx=amx), batch.query, k, v, batch.meta, 0.125)
+        assert (batch.meta.plan.rows is not None) == rows, q_lens
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.double(), naive_attention(batch, 0.125).double(),
+                                   atol=tol, rtol=tol)
+
+
+def test_amx_is_read_from_the_cpu_flags() -> None:
+    from services.engine.cpu_ops.isa import has_amx, has_native_bf16
+
+    xeon = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+    epyc = frozenset({"avx2", "avx512f", "avx512_bf16"})
+    assert has_amx(xeon) and has_native_bf16(xeon)
+    assert not has_amx(epyc) and has_native_bf16(epyc)
+    assert not has_amx(frozenset({"avx2"})) and not has_native_bf16(frozenset({"avx2"}))
 
 
 # ------------------------------------------------------------------------------ sampling

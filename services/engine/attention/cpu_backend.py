@@ -11,6 +11,12 @@ KV head), instead of one SDPA call per prompt: torch's CPU SDPA reaches ~30 GFLO
 on 128-token prompts, the kernel several times that (``benchmarks/prefill_attention.py``).
 Steps with a context longer than ``ROWS_MAX_CONTEXT`` take the torch backend's path (the
 decode kernel for decodes, one SDPA per prompt), where tiled SDPA is faster.
+
+On CPUs with AMX, bfloat16 SDPA runs on the tile units and the kernel rows (vector code, one
+row at a time) lose from a few new tokens per request on: there a step whose requests bring
+more than ``AMX_BF16_ROWS_MAX_QUERY`` tokens takes the torch backend's path too. Single core,
+Xeon with AMX: SDPA over 128-token prompts 0.10-0.37x the rows' time, 16 new tokens after a
+272-token cached prefix 0.57x, 8 tokens 1.05x (``benchmarks/prefill_attention.py``).
 Layers with a sliding window or a logit soft-cap (Mistral, Gemma) take the torch backend's
 ``windowed`` path whole: the C++ kernel has neither (new K/V are still written by the store
 kernel).
@@ -37,10 +43,20 @@ from services.engine.attention.torch_backend import (
     layer_paths,
 )
 from services.engine.cpu_ops import ops
+from services.engine.cpu_ops.isa import has_amx
 
 # Rows re-read their context's K/V with no tiling across queries, so past ~1k tokens of context
 # torch's flash SDPA (tiled) wins: 2,048-token prompt 0.7x, 512 2.0x, 128 2.6x (2 cores).
 ROWS_MAX_CONTEXT = 1024
+AMX_BF16_ROWS_MAX_QUERY = 8  # decodes and speculative steps (1 + k tokens) stay rows
+
+
+def rows_limits(dtype: torch.dtype, amx: bool) -> tuple[int, int]:
+    """(most new tokens of one request, longest context) of a step that runs as kernel rows;
+    chosen by the CPU's ISA and the cache's dtype (see the module docstring)."""
+    if amx and dtype == torch.bfloat16:
+        return AMX_BF16_ROWS_MAX_QUERY, ROWS_MAX_CONTEXT
+    return ROWS_MAX_CONTEXT, ROWS_MAX_CONTEXT
 
 
 def token_rows(meta: AttentionMetadata) -> TokenRows:
@@ -62,20 +78,23 @@ def token_rows(meta: AttentionMetadata) -> TokenRows:
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, amx: bool | None = None) -> None:
         kernels = ops()
         assert kernels is not None, "the CPU kernels are not built"  # the selector checked
         self._kernels = kernels
+        self._amx = has_amx() if amx is None else amx  # the tests choose either machine
 
     def plan(self, meta: AttentionMetadata, layout: AttentionLayout) -> StepPlan:
         windowed, plain = layer_paths(meta, layout)
         plan = self._windowed_plan(meta, windowed)
         if not (plain and plan.num_tokens):
             return plan
-        if meta.max_seqlen_q <= 1 or meta.max_seqlen_k <= ROWS_MAX_CONTEXT:
+        max_query, max_context = rows_limits(layout.dtype, self._amx)
+        if meta.max_seqlen_q <= 1 or (meta.max_seqlen_q <= max_query
+                                      and meta.max_seqlen_k <= max_context):
             plan.rows = token_rows(meta)  # one kernel call per layer for every token
         else:
-            self._plain_plan(plan, meta, layout)  # long prompts: tiled SDPA, decodes batched
+            self._plain_plan(plan, meta, layout)  # prompts: one SDPA each, decodes batched
         return plan
 
     def forward(

@@ -23,13 +23,13 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
-def has_native_bf16() -> bool:
-    """bfloat16 dot products in hardware (AVX-512-BF16 or AMX)."""
-    flags = cpu_flags()
+def has_native_bf16(flags: frozenset[str] | None = None) -> bool:
+    """bfloat16 dot products in hardware (AVX-512-BF16 or AMX); ``flags``: this CPU's."""
+    flags = cpu_flags() if flags is None else flags
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def has_amx() -> bool:
-    """AMX tiles for bfloat16 (Intel Xeon, Sapphire Rapids and later)."""
-    flags = cpu_flags()
+def has_amx(flags: frozenset[str] | None = None) -> bool:
+    """AMX tiles for bfloat16 (Intel Xeon, Sapphire Rapids and later); ``flags``: this CPU's."""
+    flags = cpu_flags() if flags is None else flags
     return "amx_bf16" in flags and "amx_tile" in flags
