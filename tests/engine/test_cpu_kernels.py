@@ -311,15 +311,17 @@ def test_long_contexts_take_the_torch_path_and_still_match() -> None:
 @pytest.mark.parametrize("amx", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_prefill_path_is_chosen_by_isa_and_dtype(dtype: torch.dtype, amx: bool) -> None:
-    """With AMX, bf16 prompts take one SDPA each (the tile units); decodes and steps of a few
-    tokens per request stay kernel rows; without AMX, or in fp32, every short step is rows.
-    Both paths give the naive attention's output."""
-    from services.engine.attention.cpu_backend import AMX_BF16_ROWS_MAX_QUERY
+    """With AMX (Intel Xeon: SDPA on the tile units and MKL's AVX-512), prompts over more than
+    a few blocks of context take one SDPA each; decodes, steps of a few tokens per request and
+    short prompts stay kernel rows; without AMX every step under 1,024 tokens of context is
+    rows. Both paths give the naive attention's output."""
+    from services.engine.attention.cpu_backend import AMX_ROWS_MAX_QUERY
 
-    sdpa = amx and dtype == torch.bfloat16
-    short = AMX_BF16_ROWS_MAX_QUERY
-    for q_lens, rows in (([40, 1, 30], not sdpa), ([short, 1, short], True), ([1, 1, 1], True)):
-        batch = make_batch([60, 20, 300], q_lens, num_heads=9, num_kv_heads=3, head_dim=64,
+    short = AMX_ROWS_MAX_QUERY
+    cases = (([60, 20, 300], [40, 1, 30], not amx), ([60, 20, 300], [short, 1, short], True),
+             ([60, 20, 300], [1, 1, 1], True), ([16, 12], [16, 12], True))
+    for lens, q_lens, rows in cases:
+        batch = make_batch(lens, q_lens, num_heads=9, num_kv_heads=3, head_dim=64,
                            dtype=dtype, seed=sum(q_lens))
         k, v = _cpu_caches(batch)
         got = attend(CpuAttentionBackend(amx=amx), batch.query, k, v, batch.meta, 0.125)

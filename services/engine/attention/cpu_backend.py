@@ -12,11 +12,15 @@ on 128-token prompts, the kernel several times that (``benchmarks/prefill_attent
 Steps with a context longer than ``ROWS_MAX_CONTEXT`` take the torch backend's path (the
 decode kernel for decodes, one SDPA per prompt), where tiled SDPA is faster.
 
-On CPUs with AMX, bfloat16 SDPA runs on the tile units and the kernel rows (vector code, one
-row at a time) lose from a few new tokens per request on: there a step whose requests bring
-more than ``AMX_BF16_ROWS_MAX_QUERY`` tokens takes the torch backend's path too. Single core,
-Xeon with AMX: SDPA over 128-token prompts 0.10-0.37x the rows' time, 16 new tokens after a
-272-token cached prefix 0.57x, 8 tokens 1.05x (``benchmarks/prefill_attention.py``).
+On Intel Xeons with AMX, torch's SDPA runs bf16 on the tile units and fp32 through MKL's
+AVX-512 GEMMs, and the kernel rows (vector code, one row at a time, each re-reading its context)
+lose from a few new tokens per request on. There a step takes the torch backend's path as soon
+as a request brings more than ``AMX_ROWS_MAX_QUERY`` tokens over a context longer than a few
+blocks. Single core, Xeon with AMX, ms per layer, SDPA against rows: 4 x 128-token prompts bf16
+0.37x, fp32 0.87x; 16 new tokens after a 272-token cached prefix 0.57x / 0.74x; 64 after 320,
+0.52x / 0.52x; 8 after 264, 1.05x / 1.16x (rows stay); 16 prompts of 16 tokens, rows 3.6x / 5.3x
+faster (one SDPA call per prompt costs more than the math). On AMD EPYC, where MKL does not
+take its AVX-512 path, rows won up to 1,024 tokens (2.6x at 128).
 Layers with a sliding window or a logit soft-cap (Mistral, Gemma) take the torch backend's
 ``windowed`` path whole: the C++ kernel has neither (new K/V are still written by the store
 kernel).
@@ -48,15 +52,18 @@ from services.engine.cpu_ops.isa import has_amx
 # Rows re-read their context's K/V with no tiling across queries, so past ~1k tokens of context
 # torch's flash SDPA (tiled) wins: 2,048-token prompt 0.7x, 512 2.0x, 128 2.6x (2 cores).
 ROWS_MAX_CONTEXT = 1024
-AMX_BF16_ROWS_MAX_QUERY = 8  # decodes and speculative steps (1 + k tokens) stay rows
+AMX_ROWS_MAX_QUERY = 8  # decodes and speculative steps (1 + k tokens) stay rows
+# below these contexts rows win whatever the query length: SDPA's per-call cost dominates
+AMX_ROWS_MAX_CONTEXT = {torch.bfloat16: 16, torch.float32: 96}
 
 
 def rows_limits(dtype: torch.dtype, amx: bool) -> tuple[int, int]:
-    """(most new tokens of one request, longest context) of a step that runs as kernel rows;
-    chosen by the CPU's ISA and the cache's dtype (see the module docstring)."""
-    if amx and dtype == torch.bfloat16:
-        return AMX_BF16_ROWS_MAX_QUERY, ROWS_MAX_CONTEXT
-    return ROWS_MAX_CONTEXT, ROWS_MAX_CONTEXT
+    """A step runs as kernel rows when no request brings more than the first number of new
+    tokens, or when no context is longer than the second; chosen by the CPU's ISA and the
+    cache's dtype (see the module docstring)."""
+    if amx:
+        return AMX_ROWS_MAX_QUERY, AMX_ROWS_MAX_CONTEXT.get(dtype, ROWS_MAX_CONTEXT)
+    return 1, ROWS_MAX_CONTEXT
 
 
 def token_rows(meta: AttentionMetadata) -> TokenRows:
@@ -90,8 +97,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if not (plain and plan.num_tokens):
             return plan
         max_query, max_context = rows_limits(layout.dtype, self._amx)
-        if meta.max_seqlen_q <= 1 or (meta.max_seqlen_q <= max_query
-                                      and meta.max_seqlen_k <= max_context):
+        if meta.max_seqlen_q <= max_query or meta.max_seqlen_k <= max_context:
             plan.rows = token_rows(meta)  # one kernel call per layer for every token
         else:
             self._plain_plan(plan, meta, layout)  # prompts: one SDPA each, decodes batched
