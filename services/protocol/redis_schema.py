@@ -16,6 +16,10 @@ one model lives in one slot and the Lua scripts below may touch them together)::
     ns:{model}:pend:<engine_id>       STRING  router write-back pending TTL; deleted by the
                                               (INCR)            engine's next heartbeat
     ns:{model}:rr                     STRING  round-robin INCR  never (one integer per model)
+    ns:{model}:lora                   HASH    router (gateway's never (the runtime LoRA adapters:
+                                              load/unload)               name -> JSON {"path"})
+    ns:{model}:lora-gen               STRING  router (INCR on   never (engines re-read the hash
+                                              each change)               when it moves)
 
 Why one sorted set per engine rather than one key per block: every entry carries its own expiry
 (the score), an engine's whole index can be capped and dropped as one key, and a lookup is a
@@ -92,3 +96,9 @@ class RedisKeys:
 
     def round_robin(self, model: str) -> str:
         return self.model_prefix(model) + "rr"
+
+    def lora_adapters(self, model: str) -> str:
+        return self.model_prefix(model) + "lora"
+
+    def lora_generation(self, model: str) -> str:
+        return self.model_prefix(model) + "lora-gen"
