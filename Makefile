@@ -47,8 +47,10 @@ test-gpu:
 		tests/engine/test_triton_moe.py
 	PYTHONPATH=. $(PY) benchmarks/gpu_throughput.py
 
+# Speculative decoding: make serve SPECULATIVE_CONFIG='{"method": "ngram", "num_speculative_tokens": 4}'
 serve: install
-	$(PY) -m services.serve --port $(PORT) --engines $(ENGINES) $(if $(MODEL),--model $(MODEL),)
+	$(PY) -m services.serve --port $(PORT) --engines $(ENGINES) $(if $(MODEL),--model $(MODEL),) \
+		$(if $(SPECULATIVE_CONFIG),--speculative-config '$(SPECULATIVE_CONFIG)',)
 
 bench: install
 	$(PY) benchmarks/engine_throughput.py

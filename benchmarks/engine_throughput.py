@@ -13,6 +13,9 @@ Modes (all greedy, the default model, one run, ratios printed at the end):
     step, and how many requests fit a fixed KV budget vs reserving max_model_len each;
  4. batch-1 decode tokens/s (a lone user).
 
+Every configuration runs in a fresh process of this script (``--one``), so none is measured
+after another engine's threads and memory: the figures are each configuration's own.
+
 ``--host-overhead`` instead measures the engine's own work per step (issue 10): a near-zero
 model (random Llama, 2 layers, hidden 64, vocab 512, SmolLM2's tokenizer files: ids below 512
 are valid SmolLM2 tokens), ``max_num_seqs=256, max_num_batched_tokens=8192``; 256 prompts of
@@ -89,9 +92,7 @@ def run_pagoda(model: str, work, dtype: str, **kw) -> dict:
     dt = time.perf_counter() - t
     toks = sum(len(o.outputs[0].token_ids) for o in outs)
     ttft = statistics.mean(o.metrics.time_to_first_token for o in outs)
-    llm.engine.close()  # the step thread of async scheduling
-    del llm
-    gc.collect()
+    llm.shutdown()  # the step thread of async scheduling
     return {"tokens": toks, "seconds": dt, "tok_s": toks / dt, "mean_ttft_s": ttft}
 
 
@@ -150,7 +151,7 @@ def kv_efficiency(model: str, work) -> dict:
 
 
 def batch1(model: str, dtype: str, vocab: int) -> dict:
-    llm = LLM(model, dtype=dtype)
+    llm = LLM(model, dtype=dtype)  # in a process of its own (run_clean)
     prompt = [random.Random(1).randrange(100, vocab - 100) for _ in range(32)]
     llm.generate([prompt], params_for(8), use_tqdm=False)
     t = time.perf_counter()
@@ -325,9 +326,14 @@ def main() -> None:
     )
     ap.add_argument("--runs", type=int, default=3, help="timed runs of --host-overhead")
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one mode's child
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # one configuration's child
     ap.add_argument("--async-scheduling", choices=["off", "on", "both"], default="both",
                     help="--host-overhead and the pagoda section: which modes to run")
     args = ap.parse_args()
+    if args.one is not None:
+        print("RESULT " + json.dumps(run_one(json.loads(args.one), args.model, args.requests,
+                                             args.hf_requests)))
+        return
     if not args.json:
         print(machine_line(), flush=True)
     modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.async_scheduling]
@@ -353,18 +359,22 @@ def main() -> None:
     work = make_workload(args.requests, 0, vocab)
     res: dict[str, dict] = {}
 
+    # Every configuration runs in a fresh process of this script: an engine built earlier in
+    # the same process leaves OpenMP teams and allocator state behind that slowed later ones
+    # (batch-1 bf16 measured 24 tok/s after four engines, 42 alone).
+    def clean(spec: dict) -> dict:
+        return run_clean(spec, model, args.requests, args.hf_requests)
+
     if "pagoda" in sections:
-        # "on" first: its step thread (and that thread's OpenMP team) is gone when it closes,
-        # while the main thread's team, once made, would slow a later step thread's math.
         for on in sorted(modes, reverse=True):  # "_async" marks "on" where both run
             tag = "_async" if on and len(modes) > 1 else ""
             for dtype, short in (("float32", "fp32"), ("bfloat16", "bf16")):
                 key = f"pagoda_{short}{tag}"
-                res[key] = run_pagoda(model, work, dtype, async_scheduling=on)
+                res[key] = clean({"run": "pagoda", "dtype": dtype, "async_scheduling": on})
                 print(key, res[key], flush=True)
     if "hf" in sections:
         for b in (8, 16):
-            res[f"hf_b{b}"] = run_transformers(model, work[: args.hf_requests], b)
+            res[f"hf_b{b}"] = clean({"run": "hf", "batch": b})
             print(f"transformers batch {b}", res[f"hf_b{b}"], flush=True)
     if args.peer == "vllm":
         for dt in ("float32", "bfloat16"):
@@ -373,21 +383,51 @@ def main() -> None:
 
     if "prefix" in sections:
         shared = shared_prefix_workload(args.requests, vocab)
-        res["prefix_on"] = run_pagoda(model, shared, "float32")
-        res["prefix_off"] = run_pagoda(model, shared, "float32", enable_prefix_caching=False)
+        res["prefix_on"] = clean({"run": "prefix", "enable_prefix_caching": True})
+        res["prefix_off"] = clean({"run": "prefix", "enable_prefix_caching": False})
         print("shared prefix on", res["prefix_on"], "off", res["prefix_off"], flush=True)
         if args.peer == "vllm":
             res["vllm_prefix_on"] = run_vllm(args.vllm_python, model, shared, "float32", True)
             res["vllm_prefix_off"] = run_vllm(args.vllm_python, model, shared, "float32", False)
             print("vllm prefix on", res["vllm_prefix_on"], "off", res["vllm_prefix_off"])
     if "kv" in sections:
-        res["kv"] = kv_efficiency(model, work)
+        res["kv"] = clean({"run": "kv"})
         print("kv efficiency", res["kv"], flush=True)
     if "batch1" in sections:
-        res["batch1_fp32"] = batch1(model, "float32", vocab)
-        res["batch1_bf16"] = batch1(model, "bfloat16", vocab)
+        res["batch1_fp32"] = clean({"run": "batch1", "dtype": "float32"})
+        res["batch1_bf16"] = clean({"run": "batch1", "dtype": "bfloat16"})
         print("batch-1", res["batch1_fp32"], res["batch1_bf16"], flush=True)
     report(res)
+
+
+def run_one(spec: dict, model: str | None, requests: int, hf_requests: int) -> dict:
+    """One configuration (``spec["run"]``), in this process."""
+    model = model or str(default_model_path())
+    vocab = json.loads(Path(model, "config.json").read_text())["vocab_size"]
+    work = make_workload(requests, 0, vocab)
+    kind = spec["run"]
+    if kind == "pagoda":
+        return run_pagoda(model, work, spec["dtype"], async_scheduling=spec["async_scheduling"])
+    if kind == "prefix":
+        return run_pagoda(model, shared_prefix_workload(requests, vocab), "float32",
+                          enable_prefix_caching=spec["enable_prefix_caching"])
+    if kind == "hf":
+        return run_transformers(model, work[:hf_requests], spec["batch"])
+    if kind == "kv":
+        return kv_efficiency(model, work)
+    assert kind == "batch1", kind
+    return batch1(model, spec["dtype"], vocab)
+
+
+def run_clean(spec: dict, model: str, requests: int, hf_requests: int) -> dict:
+    """``run_one`` in a fresh process of this script."""
+    cmd = [sys.executable, __file__, "--one", json.dumps(spec), "--model", model,
+           "--requests", str(requests), "--hf-requests", str(hf_requests)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"{spec} failed:\n{out.stderr[-3000:]}")
 
 
 def shared_prefix_workload(n: int, vocab: int) -> list[tuple[list[int], int]]:

@@ -2,7 +2,8 @@
 ``OpenAIError`` contract), and the one error middleware of every service (gateway, router,
 engine): whatever a handler raises leaves as that JSON, never as aiohttp's plain-text page.
 
-``error_middleware`` answers ``OpenAIError`` with its own status and fields; aiohttp's HTTP
+``error_middleware`` answers ``OpenAIError`` with its own status and fields (and its
+``retry_after`` as ``Retry-After``); aiohttp's HTTP
 exceptions raised on purpose (404 route, 405 method, 413 body...) keep their status (and their
 ``Allow``, ``WWW-Authenticate``, ``Retry-After`` headers); anything unexpected is a 500, logged
 with its traceback but never with the request body. A client that went away gets nothing.
@@ -37,7 +38,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except OpenAIError as err:
-        return _closing(request, error_response(err))
+        retry = {} if err.retry_after is None else {"Retry-After": str(err.retry_after)}
+        return _closing(request, error_response(err, headers=retry))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise  # redirects and the like pass through untouched

@@ -416,12 +416,14 @@ class KVIndexPublisher:
         return int(results[-1])
 
     async def remove_engine(self, engine_id: str, model: str) -> None:
-        """Graceful shutdown: the engine stops being live and its index is dropped now."""
+        """Graceful shutdown: the engine stops being live and its index is dropped now. Its id
+        stays in the model's engine set, dead, until a router's write-back forgets it (as for
+        a crashed engine): a model whose last engine left (scaled to zero) must not look like
+        a Redis that lost its data, which routers bridge by routing to the engines they saw."""
         k = self.keys
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.delete(k.heartbeat(model, engine_id), k.blocks(model, engine_id))
             pipe.delete(k.pending(model, engine_id))
-            pipe.srem(k.engines(model), engine_id)
             await pipe.execute()
 
 

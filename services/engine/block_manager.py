@@ -254,6 +254,24 @@ class BlockManager:
         entry.extend(self._pop_fresh(num_new))
         return True
 
+    def trim(self, request_id: str, num_tokens: int) -> int | None:
+        """Gives back the request's last blocks past those that hold ``num_tokens`` tokens
+        (speculative decoding: blocks that held only rejected drafts); returns how many blocks
+        it keeps, or None when it gave none back. Such blocks were never full of computed
+        tokens, so never cached: they go to the front of the queue, to be reused first."""
+        entry = self._requests.get(request_id)
+        keep = -(-num_tokens // self.block_size)
+        if entry is None or len(entry.blocks) <= keep:
+            return None
+        while len(entry.blocks) > keep:
+            block = entry.blocks.pop()
+            entry.block_ids.pop()  # in place: the scheduler's step records hold this list
+            assert block.block_hash is None and block.ref_cnt == 1, block.block_id
+            block.ref_cnt = 0
+            self._free.appendleft(block)
+        entry.num_visited = min(entry.num_visited, keep)
+        return keep
+
     def free(self, request_id: str) -> None:
         """Releases the request's blocks; unknown requests are ignored.
 

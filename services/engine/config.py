@@ -9,7 +9,9 @@ from typing import TypeVar
 import torch
 
 from services.common.cli import flag
+from services.common.default_model import default_model_dir, is_converted
 from services.engine.lora.request import LoRAModule
+from services.engine.spec_decode.config import SpeculativeConfig, check_draft_matches
 from services.protocol.block_hash import HashAlgorithm
 
 E = TypeVar("E", bound=Enum)
@@ -63,6 +65,16 @@ class EngineConfig:
         "this process may use: its affinity, capped by a cgroup CPU quota; divided among the "
         "tensor-parallel ranks)",
     )
+    speculative_config: SpeculativeConfig | None = flag(
+        None,
+        parse=SpeculativeConfig.parse,
+        metavar="JSON",
+        help="speculative decoding, vLLM's JSON object: {\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4} (prompt lookup) or "
+        "{\"method\": \"draft_model\", \"model\": DIR, \"num_speculative_tokens\": 4}; also "
+        "prompt_lookup_min, disable_by_batch_size (no new drafts while more requests than that "
+        "run). Outputs keep the target model's distribution (default: off)",
+    )
     async_scheduling: bool | None = flag(
         None,
         help="schedule and prepare step n+1 while step n runs (vLLM's async scheduling); "
@@ -112,6 +124,9 @@ class EngineConfig:
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = self._default_step_tokens()
         self._check_lora()
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+            self._check_speculation(self.speculative_config)
 
     def _check_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):
@@ -126,6 +141,17 @@ class EngineConfig:
         names = [m.name for m in self.lora_modules]
         if len(names) != len(set(names)):
             raise ValueError(f"lora_modules names must be unique, got {names}")
+
+    def _check_speculation(self, spec: SpeculativeConfig) -> None:
+        if spec.num_speculative_tokens >= self.max_num_batched_tokens:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens={spec.num_speculative_tokens} "
+                f"leaves no room in a step of max_num_batched_tokens="
+                f"{self.max_num_batched_tokens}")
+        # The default model's directory is known once converted (else LLMEngine checks).
+        target = self.model or (default_model_dir() if is_converted(default_model_dir())
+                                else None)
+        check_draft_matches(spec, target)
 
     def _default_step_tokens(self) -> int:
         if self.torch_device().type == "cuda":

@@ -21,6 +21,9 @@ from services.engine.model_runner import ModelRunner, StepResult
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import make_generator
 from services.engine.scheduler import Scheduler, SchedulerOutput
+from services.engine.spec_decode.config import check_draft_matches
+from services.engine.spec_decode.metrics import SpecDecodeStats
+from services.engine.spec_step import Speculator
 from services.engine.structured.compiler import GrammarCompiler
 from services.engine.structured.masks import GrammarState
 from services.protocol.block_hash import AdapterKey, BlockHasher, HashAlgorithm
@@ -66,6 +69,7 @@ class EngineStats:
     prefix_cache_hits: int
     num_preemptions: int
     lora: LoRAStats | None = None  # an engine with LoRA enabled: its adapters
+    spec_decode: SpecDecodeStats | None = None  # speculative decoding's counters, if on
 
 
 _MAX_HASHERS = 4096  # one per cache salt seen; rebuilt on demand, so clearing is safe
@@ -82,6 +86,8 @@ class LLMEngine:
 
             model_path = str(default_model_path())
         self.model_path = model_path
+        if config.speculative_config is not None:  # before anything loads
+            check_draft_matches(config.speculative_config, model_path)
         self.model_name = config.served_model_name or Path(model_path).name
         self.pipeline = StepPipeline(config.torch_device()) if self._async_scheduling() else None
         if self.pipeline is None:
@@ -104,6 +110,8 @@ class LLMEngine:
             self.max_model_len,
             config.max_loras if config.enable_lora else 0,
         )
+        self.speculator = None if config.speculative_config is None else Speculator(
+            config.speculative_config, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.last_step_tokens = 0
         self.grammars = GrammarCompiler(str(model_path), mc.vocab_size, self.eos_token_ids)
@@ -247,13 +255,16 @@ class LLMEngine:
     def step(self) -> list[RequestUpdate]:
         """One step: schedule -> execute -> the scheduler applies the result."""
         return [
-            self._update(req, [req.output_token_ids[-1]], [lp]) for req, lp in self.step_requests()
+            self._update(req, req.output_token_ids[-len(lps):], lps)
+            for req, lps in self.step_requests()
         ]
 
-    def step_requests(self) -> list[tuple[Request, TokenLogprobs | None]]:
+    def step_requests(self) -> list[tuple[Request, list[TokenLogprobs | None]]]:
         """``step`` without building its updates (the offline ``LLM`` reads the requests):
-        each request that got a token this step, with the token's logprobs. The token is the
-        request's last output token; a finished request has left the engine.
+        each request that got tokens this step, with one logprobs entry per token (None when
+        not asked). The tokens are the request's last output tokens (one, or with speculative
+        decoding up to ``num_speculative_tokens + 1``); a finished request has left the
+        engine.
 
         With async scheduling the step applied is the one in flight, and the next one is
         already running when this returns."""
@@ -267,7 +278,9 @@ class LLMEngine:
             self.pipeline.drain()
             raise
 
-    def _step_async(self, pipe: StepPipeline) -> list[tuple[Request, TokenLogprobs | None]]:
+    def _step_async(
+        self, pipe: StepPipeline
+    ) -> list[tuple[Request, list[TokenLogprobs | None]]]:
         if pipe.in_flight is None:
             sched = self._schedule()
             if sched.is_empty:
@@ -286,6 +299,8 @@ class LLMEngine:
         return self._apply(done, result)  # while step n+1 runs
 
     def _schedule(self) -> SchedulerOutput:
+        if self.speculator is not None:  # the drafts the scheduler then makes room for
+            self.speculator.propose(self.scheduler.running, self.runner.input_batch)
         sched = self.scheduler.schedule()
         self._release_rows()  # the preempted ones': before the runner gives rows to joiners
         return sched
@@ -293,20 +308,27 @@ class LLMEngine:
     def _release_rows(self) -> None:
         """Gives the input-batch rows of the requests that left back at once (the step in
         flight, if any, owns copies of what it reads)."""
-        remove = self.runner.input_batch.remove
+        batch = self.runner.input_batch
         for req in self.scheduler.take_left():
-            remove(req)
+            batch.remove(req)
+        for req, num_blocks in self.scheduler.take_trimmed():  # rejected drafts' blocks
+            if req.batch_row >= 0:
+                batch.trim_blocks(req, num_blocks)
 
     def _apply(
         self, sched: SchedulerOutput, result: StepResult
-    ) -> list[tuple[Request, TokenLogprobs | None]]:
+    ) -> list[tuple[Request, list[TokenLogprobs | None]]]:
         self.last_step_tokens = sched.num_batched_tokens
         for index, scored in result.prompt_logprobs:
             sched.scheduled[index].request.prompt_logprobs.extend(scored)
-        out = result.sampler_output
-        sampled = self.scheduler.update(sched, out.token_ids)
+        out, spec = result.sampler_output, result.spec
+        sampled = self.scheduler.update(sched, out.token_ids, None if spec is None else spec.runs)
         self._release_rows()
-        lps = out.logprobs
+        if spec is None:
+            lps = [[lp] for lp in out.logprobs]
+        else:  # each run's tokens, as the scheduler cut it
+            lps = [lp[: len(run)] for lp, run in zip(spec.logprobs, spec.runs, strict=True)]
+            self.speculator.record(sched, spec, self.runner.input_batch)
         if len(sampled) < len(lps):  # some had finished (or were aborted) since: no token
             kept = {id(req) for req in sampled}
             rows = (s.request for s in sched.scheduled if s.completes_sequence)
@@ -370,6 +392,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             lora=None if self.lora is None else self.lora.stats(self.scheduler.running,
                                                                 self.scheduler.waiting),
+            spec_decode=None if self.speculator is None else self.speculator.stats.snapshot(),
         )
 
 

@@ -14,6 +14,8 @@ Rows::
     num_blocks:    2        1        3        1         written entries of each table row
     temperature, top_k, top_p, min_p, greedy, logprobs ... one entry per row
     lora_slot:     -1       3        -1       0     the adapter's device slot (-1: base model)
+    draft_tokens:  [d1 d2 ..] ...                       speculative decoding: the next step's
+                                                        drafts (prompt lookup writes them)
 
 A request that leaves (finished, aborted, preempted) gives its row back at once: the last row
 moves into the hole (compaction), so rows ``0 .. num_rows - 1`` are always the live ones. A
@@ -136,9 +138,11 @@ class InputBatch:
     """Rows of the running requests (see the module docstring). Engine thread only."""
 
     def __init__(self, max_rows: int, max_blocks_per_seq: int, vocab_size: int,
-                 device: torch.device, lora_slots: DeviceSlots | None = None) -> None:
+                 device: torch.device, lora_slots: DeviceSlots | None = None,
+                 num_spec_tokens: int = 0) -> None:
         """``lora_slots``: the adapters' device slots (an engine with LoRA enabled); a joining
-        row of an adapter takes one, a leaving row gives it back."""
+        row of an adapter takes one, a leaving row gives it back. ``num_spec_tokens``: the
+        drafts a row may hold (speculative decoding)."""
         self.max_rows = max_rows
         self.vocab_size = vocab_size
         self.num_rows = 0
@@ -160,6 +164,10 @@ class InputBatch:
         self.penalty_slot = np.full(max_rows, -1, dtype=np.int64)
         self.lora_slots = lora_slots
         self.lora_slot = np.full(max_rows, -1, dtype=np.int64)
+        # Speculative decoding (``spec_step``): each row's drafts for the next step, and how
+        # many of its tokens the draft model has in its KV cache (-1: just joined).
+        self.draft_tokens = np.zeros((max_rows, max(num_spec_tokens, 1)), dtype=np.int64)
+        self.draft_computed = np.zeros(max_rows, dtype=np.int64)
         self.features = RowFeatures()
         self.penalties = PenaltyCounts(vocab_size, device)
 
@@ -190,6 +198,7 @@ class InputBatch:
                               if p.min_tokens > 0 else [])
         self.penalty_slot[row] = self.penalties.take(req) if has_penalty(p) else -1
         self.lora_slot[row] = -1 if req.lora is None else self.lora_slots.acquire(req.lora)
+        self.draft_computed[row] = -1
         self.features.count(req, +1)
         return row
 
@@ -221,7 +230,8 @@ class InputBatch:
         self.block_table[dst, :n] = self.block_table[src, :n]
         self.num_blocks[dst] = self.blocks_written[dst] = n
         for arr in (self.temperature, self.greedy, self.top_k, self.top_p, self.min_p,
-                    self.logprobs, self.penalty_slot, self.lora_slot):
+                    self.logprobs, self.penalty_slot, self.lora_slot, self.draft_tokens,
+                    self.draft_computed):
             arr[dst] = arr[src]
         for lst in (self.generator, self.logit_bias, self.grammar, self.stop_ids):
             lst[dst] = lst[src]
@@ -242,9 +252,18 @@ class InputBatch:
             if slot >= 0:
                 self.penalties.catch_up(slot, req)
 
-    def sampling_batch(self, rows: np.ndarray) -> SamplingBatch:
+    def trim_blocks(self, req: Request, num_blocks: int) -> None:
+        """The request gave its last blocks back (speculative decoding's rejected slots): its
+        table row ends after ``num_blocks`` (the next ``refresh`` writes what comes after)."""
+        row = req.batch_row
+        if num_blocks < self.blocks_written[row]:
+            self.num_blocks[row] = self.blocks_written[row] = num_blocks
+
+    def sampling_batch(self, rows: np.ndarray, ahead: np.ndarray | None = None) -> SamplingBatch:
         """The sampler's inputs for ``rows`` (the sampling requests' rows, in logits order):
-        gathered copies, so the step owns them."""
+        gathered copies, so the step owns them. ``ahead`` (speculative decoding, one row per
+        verified position): how many drafts each row's position comes after, counted as
+        output for min_tokens."""
         f = self.features
         greedy = temperature = truncation = generators = None
         if f.sampling:
@@ -270,7 +289,7 @@ class InputBatch:
             generators=generators,
             logprobs=logprobs,
             logit_bias=self._biases(rows) if f.logit_bias else None,
-            banned=self._banned(rows) if f.min_tokens else None,
+            banned=self._banned(rows, ahead) if f.min_tokens else None,
             penalties=self._penalties(rows) if f.penalties else None,
         )
 
@@ -304,13 +323,15 @@ class InputBatch:
         out = [self.logit_bias[r] for r in rows.tolist()]
         return out if any(b is not None for b in out) else None
 
-    def _banned(self, rows: np.ndarray) -> tuple[list[int], list[int]] | None:
+    def _banned(self, rows: np.ndarray,
+                ahead: np.ndarray | None) -> tuple[list[int], list[int]] | None:
         ban_rows: list[int] = []
         ban_ids: list[int] = []
         for i, r in enumerate(rows.tolist()):
             ids = self.stop_ids[r]
             req = self.requests[r]
-            if ids and len(req.output_token_ids) < req.params.min_tokens:
+            out = len(req.output_token_ids) + (0 if ahead is None else int(ahead[i]))
+            if ids and out < req.params.min_tokens:
                 ban_rows.extend([i] * len(ids))
                 ban_ids.extend(ids)
         return (ban_rows, ban_ids) if ban_rows else None

@@ -47,6 +47,9 @@ class _Child:
     # None without stop strings: then the text is decoded once, when the sample finishes
     # (``_finish``), and the step loop never detokenizes.
     stream: _TextStream | None
+    # Output tokens that stand when a stop string ended the sample inside a step's tokens
+    # (speculative decoding gives several per step); None: all of them.
+    num_tokens: int | None = None
 
 
 @dataclass(slots=True)
@@ -195,50 +198,63 @@ class LLM:
         with bar:
             while self.engine.has_unfinished_requests():
                 finished = []
-                for req, lp in self.engine.step_requests():
-                    if lp is None and not req.status.is_finished and (
+                for req, lps in self.engine.step_requests():
+                    if lps[0] is None and not req.status.is_finished and (
                             not streamed or req.request_id not in streamed):
                         continue  # nothing to fold in until it finishes
                     parent, child = by_child_id[req.request_id]
-                    if self._apply(child, req, lp):
+                    if self._apply(child, req, lps):
                         finished.append((parent, child, req))
                 self._finish(finished, bar)
 
-    def _apply(self, child: _Child, req: Request, lp: TokenLogprobs | None) -> bool:
-        """Folds the request's new token (its last output token) into what needs it at once:
-        logprobs, and the text of a sample with stop strings. True when the sample finished;
-        its tokens are copied then (``_finish``)."""
+    def _apply(self, child: _Child, req: Request, lps: list[TokenLogprobs | None]) -> bool:
+        """Folds the request's new tokens (its last ``len(lps)`` output tokens) into what
+        needs them at once: logprobs, and the text of a sample with stop strings. True when
+        the sample finished; its tokens are copied then (``_finish``)."""
         out = child.output
-        if lp is not None and out.logprobs is not None:
-            out.logprobs.append(self._logprob_dict(lp))
-            out.cumulative_logprob += lp.logprob
+        kept, stop = len(lps), None
         if child.stream is not None:
-            stop = self._feed_text(child.stream, out, req)
-            if stop is not None:
-                out.finish_reason, out.stop_reason = "stop", stop
-                return True
+            kept, stop = self._feed_text(child.stream, out, req, len(lps))
+        if out.logprobs is not None:
+            for lp in lps[:kept]:
+                if lp is not None:
+                    out.logprobs.append(self._logprob_dict(lp))
+                    out.cumulative_logprob += lp.logprob
+        if stop is not None:
+            out.finish_reason, out.stop_reason = "stop", stop
+            child.num_tokens = len(req.output_token_ids) - (len(lps) - kept)
+            return True
         if req.status.is_finished:
             out.finish_reason, out.stop_reason = req.finish_reason, req.stop_reason
             return True
         return False
 
-    def _feed_text(self, stream: _TextStream, out: CompletionOutput, req: Request) -> str | None:
-        """Extends the text of a sample with stop strings; returns the stop string it hit."""
+    def _feed_text(
+        self, stream: _TextStream, out: CompletionOutput, req: Request, n: int
+    ) -> tuple[int, str | None]:
+        """Extends the text of a sample with stop strings by its ``n`` new tokens, one at a
+        time; returns how many of them stand (those up to a stop string's end) and the stop
+        string it hit."""
         finished = req.status.is_finished
-        new = [] if _ended_by_token(req.finish_reason, req.params) else req.output_token_ids[-1:]
-        emitted, stop = stream.stops.feed(stream.detok.push(new))
-        out.text += emitted
-        if stop is not None and not finished:
-            self.engine.abort_request(req.request_id)
-        elif stop is None and finished:
+        new = req.output_token_ids[-n:]
+        if _ended_by_token(req.finish_reason, req.params):
+            new = new[:-1]  # the stop token is not part of the text
+        for i, tok in enumerate(new):
+            emitted, stop = stream.stops.feed(stream.detok.push([tok]))
+            out.text += emitted
+            if stop is not None:
+                if not finished:
+                    self.engine.abort_request(req.request_id)
+                return i + 1, stop
+        if finished:
             out.text += stream.stops.flush()
-        return stop
+        return n, None
 
     def _finish(self, finished: list[tuple[_Parent, _Child, Request]], bar: tqdm) -> None:
         """Completes this step's finished samples, and the requests they were the last of."""
         now = time.monotonic()
         for parent, child, req in finished:
-            child.output.token_ids = list(req.output_token_ids)
+            child.output.token_ids = req.output_token_ids[: child.num_tokens]
             _record_metrics(parent.output, req, now)
             if req.params.prompt_logprobs is not None and parent.output.prompt_logprobs is None:
                 parent.output.prompt_logprobs = [

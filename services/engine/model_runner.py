@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from services.engine import cpu_threads, prompt_logprobs
+from services.engine import cpu_threads, prompt_logprobs, spec_step
 from services.engine.attention.base import AttentionMetadata
 from services.engine.attention.contract import check_kv_caches, check_step
 from services.engine.attention.metadata import (
@@ -44,6 +44,9 @@ from services.engine.request import Request
 from services.engine.sampler import Sampler, SamplerOutput
 from services.engine.sampling_batch import SamplingBatch, SamplingRequest
 from services.engine.scheduler import SchedulerOutput
+from services.engine.spec_decode import draft_model
+from services.engine.spec_decode.config import SpecMethod
+from services.engine.spec_decode.draft_model import DraftInputs, DraftModel
 from services.engine.step_buffers import StagedStep, StepBuffers
 from services.engine.structured.masks import TokenMasker
 from services.protocol.sampling_params import SamplingParams
@@ -79,8 +82,10 @@ class PreparedStep:
     fill: tuple[torch.Tensor, torch.Tensor] | None
     cpu_inputs: CpuInputs | None
     # Async scheduling: the next step must wait for this one's tokens on the host
-    # (``InputBatch.needs_host_tokens``).
+    # (``InputBatch.needs_host_tokens``, or drafts for the next step).
     needs_host: bool = False
+    spec: spec_step.SpecInputs | None = None  # speculative decoding: the drafts to verify
+    draft: DraftInputs | None = None  # the draft model's passes (with a draft model)
 
 
 @dataclass(slots=True)
@@ -92,6 +97,7 @@ class StepResult:
     # (the request's place in the schedule, its prompt positions scored this step): only for
     # prompt_logprobs requests
     prompt_logprobs: list = field(default_factory=list)
+    spec: spec_step.SpecOutput | None = None  # a step with drafts: every token it emits
 
 
 class ModelRunner:
@@ -135,6 +141,8 @@ class ModelRunner:
         self.model_config = self.model.config
         self.num_kv_heads = local_kv_heads(self.model_config, self.tp.size)  # this rank's
         self.block_size = config.block_size
+        self.spec = config.speculative_config
+        self.num_spec_tokens = 0 if self.spec is None else self.spec.num_speculative_tokens
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         mc = self.model_config
@@ -142,6 +150,7 @@ class ModelRunner:
         max_len = config.max_model_len or mc.max_position_embeddings
         self.input_batch: InputBatch | None = None
         self.lora_manager: LoRAManager | None = None  # rank 0's adapters (engine thread)
+        self.draft: DraftModel | None = None  # rank 0 runs it whole
         if self.tp.rank == 0:
             if self.lora is not None:
                 self.lora_manager = LoRAManager(self.lora.targets, config.max_loras,
@@ -150,7 +159,12 @@ class ModelRunner:
             self.input_batch = InputBatch(
                 config.max_num_seqs, min(-(-max_len // self.block_size), self.num_blocks),
                 mc.vocab_size, self.device,
-                None if self.lora_manager is None else self.lora_manager.slots)
+                lora_slots=None if self.lora_manager is None else self.lora_manager.slots,
+                num_spec_tokens=self.num_spec_tokens)
+            if self._draft_path() is not None:
+                self.draft = DraftModel(self._draft_path(), self.dtype, self.device,
+                                        self.attn_backend, self.num_blocks, self.block_size,
+                                        max_len)
         self.sampler = Sampler()
         self.masker: TokenMasker | None = None
         self.buffers: StepBuffers | None = None
@@ -180,12 +194,21 @@ class ModelRunner:
 
     # -- KV cache ---------------------------------------------------------------------------
 
+    def _draft_path(self) -> str | None:
+        """Rank 0's draft model (method draft_model), if any."""
+        spec = self.spec
+        if spec is None or spec.method is not SpecMethod.DRAFT_MODEL or self.tp.rank != 0:
+            return None
+        return spec.model
+
     def _decide_num_blocks(self) -> int:
         if self.config.num_blocks is not None:
             return self.config.num_blocks
-        # Per rank: each holds its own KV heads of every block.
+        # Per rank: each holds its own KV heads of every block (rank 0 the draft's too).
         mc = self.model_config
         per_token = mc.kv_bytes_per_token(self.dtype) // mc.num_kv_heads * self.num_kv_heads
+        if self._draft_path() is not None:
+            per_token += draft_model.kv_bytes_per_token(self._draft_path(), self.dtype)
         bytes_per_block = per_token * self.block_size
         budget = self.config.kv_cache_memory
         if budget is None:
@@ -238,9 +261,11 @@ class ModelRunner:
             self._plan(meta, n)
             ids = torch.zeros(n, dtype=torch.long, device=self.device)
             hidden = self.model(ids, positions, self.kv_caches, meta)
-            if n <= self.config.max_num_seqs:
+            if n <= self.config.max_num_seqs * (1 + self.num_spec_tokens):  # logits rows
                 self.model.compute_logits(hidden)
         logger.info("warmed up in %.1fs", time.perf_counter() - start)
+        if self.draft is not None:
+            self.draft.warm_up(self.config.max_num_batched_tokens, self.config.max_num_seqs, room)
 
     # -- GPU: staging buffers, warm-up, graphs ---------------------------------------------
 
@@ -340,7 +365,10 @@ class ModelRunner:
             elif every_row or len(s.block_ids) > written[row]:
                 refresh(req, s.block_ids)
             toks = req.token_ids
-            if num == 1 and start < len(toks):  # a decode: its last known token
+            if s.num_draft_tokens:  # speculative decoding: the last token, then its drafts
+                ids.append(toks[start])
+                ids.extend(ib.draft_tokens[req.batch_row, : s.num_draft_tokens].tolist())
+            elif num == 1 and start < len(toks):  # a decode: its last known token
                 ids.append(toks[start])
             else:
                 chunk = toks[start : start + num]
@@ -380,14 +408,20 @@ class ModelRunner:
         if ib.features.prompt_logprobs:
             scorer = prompt_logprobs.PromptScorer(sched.scheduled, q_lens)
             batch.scored = scorer.flat_slices()
+        spec = draft = None
+        if self.spec is not None:  # before the CPU inputs: drafts change the logits rows
+            spec, draft = spec_step.prepare(ib, sched, batch, row_idx, self.draft)
         sampled_rows = row_idx[sampled]
         fill = None
         if fill_at:
             assert self.workers is None, "placeholders never cross to tensor-parallel ranks"
             fill = (torch.tensor(fill_at), torch.tensor(fill_from))  # to the device in run()
         cpu = self._cpu_inputs(batch) if self.buffers is None and self.workers is None else None
+        # Drafts for the next step come from this one's tokens (unless the batch is too big).
+        needs_host = ib.needs_host_tokens() or (
+            self.spec is not None and self.spec.drafts_at(ib.num_rows))
         return PreparedStep(batch, ib.sampling_batch(sampled_rows), ib.grammars(sampled_rows),
-                            scorer, fill, cpu, ib.needs_host_tokens())
+                            scorer, fill, cpu, needs_host, spec, draft)
 
     @torch.inference_mode()
     def run(
@@ -401,6 +435,8 @@ class ModelRunner:
             assert in_flight_tokens is not None
             at, rows = (t.to(self.device, non_blocking=True) for t in step.fill)
             fill = (at, in_flight_tokens.index_select(0, rows))
+        if step.draft is not None:  # before the target: its drafts are the target's inputs
+            spec_step.propose_drafts(self.draft, step.draft, step.spec, step.batch.input_ids)
         scorer = step.scorer
         logits = self.forward_logits(
             step.batch, None if scorer is None else scorer.add, step.cpu_inputs, fill
@@ -409,7 +445,13 @@ class ModelRunner:
         if logits is None:
             return StepResult(SamplerOutput(token_ids=[], logprobs=[]), scored)
         if step.grammars is not None:  # structured outputs: before sampling
-            self._token_masker().apply(logits, step.grammars)
+            if step.spec is None:
+                self._token_masker().apply(logits, step.grammars)
+            else:
+                spec_step.mask_positions(self._token_masker(), logits, step.grammars, step.spec)
+        if step.spec is not None:
+            out, spec = spec_step.verify(logits, step.spec, step.sampling)
+            return StepResult(out, scored, spec)
         return StepResult(self.sampler(logits, step.sampling), scored)
 
     @torch.inference_mode()
@@ -468,7 +510,8 @@ class ModelRunner:
 
     def _token_masker(self) -> TokenMasker:
         if self.masker is None:  # only engines that meet a constrained request pay for it
-            self.masker = TokenMasker(self.model_config.vocab_size, self.config.max_num_seqs)
+            self.masker = TokenMasker(self.model_config.vocab_size,
+                                      self.config.max_num_seqs * (1 + self.num_spec_tokens))
         return self.masker
 
     def _cpu_inputs(self, batch: StepBatch) -> CpuInputs:
@@ -476,11 +519,8 @@ class ModelRunner:
                          self.block_size)
         meta, positions = to_metadata(step, self.block_size, self.device)
         check_step(meta, len(batch.input_ids), self.kv_caches[0][0])  # the plan: in the forward
-        ids = torch.from_numpy(batch.input_ids)
-        last = None
-        if len(batch.rows):
-            ends = np.cumsum(batch.query_lens) - 1
-            last = torch.from_numpy(ends[batch.rows])
+        ids = torch.from_numpy(batch.input_ids)  # shares memory: drafts written later show
+        last = torch.from_numpy(batch.logits_rows()) if len(batch.rows) else None
         lora = None if batch.lora_slots is None else self.lora.layout(batch.lora_slots,
                                                                       batch.query_lens)
         return CpuInputs(ids, positions, meta, last, lora)
@@ -519,10 +559,9 @@ class ModelRunner:
         # Graphs hold base-model steps only: a step with adapters runs eager.
         bucket = (self.graphs.bucket(num_seqs)
                   if self.graphs is not None and decode and lora is None else None)
-        ends = np.cumsum(query_lens) - 1
         staged = self.buffers.stage(
             input_ids, batch.block_tables, batch.num_blocks, batch.seq_lens, query_lens,
-            ends[rows], pad_to=bucket,
+            batch.logits_rows(), pad_to=bucket,
         )
         self._plan(staged.meta, len(input_ids))
         if fill is not None:

@@ -64,20 +64,42 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == batch.num_rows, (logits.shape,
                                                                           batch.num_rows)
         logits = logits.float()
-        want = None
-        if batch.logprobs is not None:
-            want = [i for i, n in enumerate(batch.logprobs) if n >= 0]
-        # Before anything changes the logits: vLLM's default "raw" logprobs.
-        raw = torch.log_softmax(logits[want], -1) if want else None
-        if batch.logit_bias is not None:
-            logits = apply_logit_bias(logits, batch.logit_bias)
-        if batch.banned is not None:
-            logits = ban_tokens(logits, batch.banned)
-        if batch.penalties is not None:
-            logits = apply_penalties(logits, batch.penalties)
-        tokens = _sample(logits, batch)
-        logprobs = _token_logprobs(raw, want, tokens, batch)
+        want, raw = raw_logprobs(logits, batch)
+        tokens = _sample(adjust_logits(logits, batch), batch)
+        logprobs = token_logprobs(raw, want, tokens, batch)
         return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs, token_tensor=tokens)
+
+
+def raw_logprobs(logits: torch.Tensor,
+                 batch: SamplingBatch) -> tuple[list[int] | None, torch.Tensor | None]:
+    """The rows that ask for logprobs, and their log-softmax rows: taken before anything
+    changes the logits (vLLM's default "raw" logprobs)."""
+    want = None
+    if batch.logprobs is not None:
+        want = [i for i, n in enumerate(batch.logprobs) if n >= 0]
+    return want, torch.log_softmax(logits[want], -1) if want else None
+
+
+def adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """``logit_bias``, the min_tokens bans and the penalties, in that order: what a greedy row
+    takes the argmax of. Returns ``logits`` itself when the batch has none of them."""
+    if batch.logit_bias is not None:
+        logits = apply_logit_bias(logits, batch.logit_bias)
+    if batch.banned is not None:
+        logits = ban_tokens(logits, batch.banned)
+    if batch.penalties is not None:
+        logits = apply_penalties(logits, batch.penalties)
+    return logits
+
+
+def scale_and_truncate(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Adjusted logits / temperature (1 on greedy rows), then top-k, top-p and min-p: the
+    distribution a sampling row draws from is their softmax. Needs a batch that samples."""
+    assert batch.greedy is not None and batch.temperature is not None
+    scaled = logits / _column(batch.temperature, logits.device)
+    if batch.truncation is not None:
+        scaled = apply_truncation(scaled, batch.truncation)
+    return scaled
 
 
 def ban_tokens(logits: torch.Tensor, banned: tuple[list[int], list[int]]) -> torch.Tensor:
@@ -109,7 +131,7 @@ def _column(values: Sequence[float] | np.ndarray, device: torch.device) -> torch
     return torch.as_tensor(values, dtype=torch.float32).to(device).unsqueeze(1)
 
 
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     kernels = kernels_for(logits)
     if kernels is None:
         return logits.argmax(-1)
@@ -118,17 +140,19 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.greedy is None:
-        return _argmax(logits)
-    device = logits.device
+        return argmax_rows(logits)
     # Greedy rows divide by 1 here; their token is the plain argmax, picked at the end.
-    scaled = logits / _column(batch.temperature, device)
-    if batch.truncation is not None:
-        scaled = apply_truncation(scaled, batch.truncation)
-    sampled = _gumbel_argmax(scaled, batch)
+    return draw(scale_and_truncate(logits, batch), logits, batch)
+
+
+def draw(scaled: torch.Tensor, adjusted: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """One token per row: a Gumbel-max draw from ``scaled`` (log-weights) for the sampling
+    rows, the argmax of ``adjusted`` for the greedy ones."""
+    sampled = gumbel_argmax(scaled, batch)
     if not batch.greedy.any():
         return sampled
-    greedy = torch.from_numpy(batch.greedy).to(device)
-    return torch.where(greedy, _argmax(logits), sampled)
+    greedy = torch.from_numpy(batch.greedy).to(scaled.device)
+    return torch.where(greedy, argmax_rows(adjusted), sampled)
 
 
 def apply_truncation(logits: torch.Tensor, t: Truncation) -> torch.Tensor:
@@ -255,7 +279,7 @@ def _mask_top_k_top_p_sorted(
     return logits.masked_fill(drop.scatter(-1, order, drop), _NEG_INF)
 
 
-def _gumbel_argmax(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def gumbel_argmax(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """``argmax(logits + G)`` per row, G standard Gumbel noise; seeded rows from their own
     generators. On the CPU the kernel makes the noise (counter-based, fused with the argmax:
     torch's exponential_ costs a quarter of a decode step there); elsewhere torch does."""
@@ -295,7 +319,7 @@ def _gumbel_noise(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return noise.clamp_min_(torch.finfo(noise.dtype).tiny).log_().neg_()
 
 
-def _token_logprobs(
+def token_logprobs(
     raw: torch.Tensor | None,
     want: list[int] | None,
     tokens: torch.Tensor,

@@ -22,6 +22,13 @@ and each token such a step samples for it as known (a placeholder, ``num_placeho
 value reaches the model runner from step n's sampled ids). ``update`` of step n then drops the
 token of a request that has finished or was aborted meanwhile. Synchronous stepping goes
 through the same bookkeeping, with nothing in flight at ``schedule``.
+
+Speculative decoding: a decoding request with ``num_draft_tokens`` drafts is scheduled for its
+last token and its drafts (``1 + k`` tokens, fewer drafts when the budget is short), and gets
+up to ``k + 1`` tokens back (``update``'s ``runs``). Only the accepted drafts' KV counts as
+computed; the blocks past what its tokens then need go back to the pool (``trim``) and the
+input batch's row is told (``take_trimmed``). A step with drafts is never in flight while the
+next is scheduled (its tokens decide the next step's), so none of this meets a placeholder.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ class ScheduledRequest:
     # from its logits (False for every chunk of a chunked prefill but the last).
     completes_sequence: bool
     start: int  # the request's first position computed this step
+    num_draft_tokens: int = 0  # speculative decoding: the last ones of the new tokens
 
 
 @dataclass(slots=True)
@@ -86,6 +94,8 @@ class Scheduler:
         # Requests that left the running set (finished, aborted, preempted) since the last
         # ``take_left``: the engine gives their input-batch rows back.
         self._left: list[Request] = []
+        # (request, blocks it kept) after giving back rejected drafts' blocks (``trim``).
+        self._trimmed: list[tuple[Request, int]] = []
 
     # -- queue management -------------------------------------------------------------------
 
@@ -106,6 +116,12 @@ class Scheduler:
         leaving: finished, aborted, or preempted)."""
         left, self._left = self._left, []
         return left
+
+    def take_trimmed(self) -> list[tuple[Request, int]]:
+        """(request, blocks it holds now) for each request that gave blocks back since the
+        last call (speculative decoding's rejected slots)."""
+        trimmed, self._trimmed = self._trimmed, []
+        return trimmed
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -156,17 +172,19 @@ class Scheduler:
                 continue
             start = req.num_computed_tokens + req.num_scheduled_tokens
             end = len(req.token_ids) + placeholders
-            num_new = min(end - start, budget)
+            # A decode's drafts come after its last token (as many as the budget holds).
+            num_new = min(end - start + req.num_draft_tokens, budget)
             total = start + num_new
             ids = block_ids(req.request_id)  # grows in place when blocks are allocated
             # While its last block has room (most decodes) nothing needs allocating.
             if total > len(ids) * bs and not allocate(req.request_id, total) and not (
                     self._preempt_for(req, total, out)):
                 break  # req itself was preempted: everything after it is gone too
-            samples = total == end
+            samples = total >= end
             req.num_scheduled_tokens += num_new
             req.num_placeholders = placeholders + samples
-            scheduled.append(ScheduledRequest(req, num_new, ids, samples, start))
+            scheduled.append(ScheduledRequest(req, num_new, ids, samples, start,
+                                              total - end if total > end else 0))
             budget -= num_new
             i += 1
         return budget
@@ -186,6 +204,7 @@ class Scheduler:
         self.block_manager.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = req.num_scheduled_tokens = 0  # a step in flight: not applied
+        req.num_draft_tokens = 0  # its drafts go with its row
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -243,10 +262,15 @@ class Scheduler:
 
     # -- the step's result ------------------------------------------------------------------
 
-    def update(self, sched: SchedulerOutput, token_ids: Sequence[int]) -> list[Request]:
+    def update(self, sched: SchedulerOutput, token_ids: Sequence[int],
+               runs: Sequence[list[int]] | None = None) -> list[Request]:
         """Applies a step: counts its tokens as computed, caches the blocks they filled, then
         appends ``token_ids`` (one per request scheduled with ``completes_sequence``, in
         schedule order), runs the stop checks and frees the requests that finished.
+
+        ``runs`` (a step with drafts): each sampling request's tokens, its accepted drafts
+        then the target's token (``token_ids`` holds their first ones). They are appended one
+        by one, each stop-checked; a run is cut where its request stops.
 
         Returns the requests that got a token, in the order of ``token_ids``; each one's new
         token is its last output token, and ``status`` says whether it finished. A request
@@ -262,8 +286,18 @@ class Scheduler:
         running, preempted = RequestStatus.RUNNING, RequestStatus.PREEMPTED
         max_len, bs = self.max_model_len, self.block_manager.block_size
         tokens = iter(token_ids)
+        spec = None if runs is None else iter(runs)
         for s in sched.scheduled:
             req = s.request
+            if s.num_draft_tokens:  # drafts verified (no other step was in flight)
+                next(tokens)
+                outcome = self._apply_run(s, next(spec), now)
+                if outcome is not None:
+                    kept.append(req)
+                    finished |= outcome
+                continue
+            if spec is not None and s.completes_sequence:
+                next(spec)  # without drafts its run is its one token
             status = req.status
             if status is running:  # else preempted, finished or aborted since: no blocks
                 req.num_scheduled_tokens -= s.num_new_tokens
@@ -295,6 +329,48 @@ class Scheduler:
             self.running[:] = [r for r in self.running if not r.status.is_finished]
             self._left.extend(r for r in kept if r.status.is_finished)
         return kept
+
+    def _apply_run(self, s: ScheduledRequest, run: list[int], now: float) -> bool | None:
+        """A request whose drafts the step verified: its run appended (and cut where it
+        stops), the accepted drafts' KV counted as computed and cached, the blocks past its
+        tokens given back. None if it had left meanwhile, else whether it finished."""
+        req = s.request
+        if req.status is not RequestStatus.RUNNING:
+            return None
+        req.num_scheduled_tokens -= s.num_new_tokens
+        req.num_placeholders -= 1
+        done = req.num_computed_tokens
+        stopped = self._append_run(req, run, now)
+        # The step computed the KV of the last token and of every draft; the accepted ones
+        # are now the sequence's tokens (all but its new last one), the rest is garbage.
+        after = len(req.token_ids) - 1
+        if after // self.block_manager.block_size != done // self.block_manager.block_size:
+            self._cache_blocks(req, after)
+        req.num_computed_tokens = after
+        if stopped:
+            self.block_manager.free(req.request_id)
+            return True
+        kept = self.block_manager.trim(req.request_id, after + 1)
+        if kept is not None:
+            self._trimmed.append((req, kept))
+        return False
+
+    def _append_run(self, req: Request, run: list[int], now: float) -> bool:
+        """Appends a speculative step's tokens one by one; True if one of them ended the
+        request (the run is then cut after it)."""
+        max_len = self.max_model_len
+        for i, tok in enumerate(run):
+            req.append_output_token(tok)
+            if req.grammar is not None:
+                req.grammar.accept(tok)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            maybe_last = (tok in req.stop_token_set or len(req.output_token_ids) >= req.max_tokens
+                          or len(req.token_ids) >= max_len)
+            if maybe_last and self._stopped(req, tok):
+                del run[i + 1:]
+                return True
+        return False
 
     def _stopped(self, req: Request, tok: int) -> bool:
         """Sets the finished status if ``tok`` ends the request; True if it does."""

@@ -104,6 +104,16 @@ class GatewayConfig:
     router_timeout: float = flag(5.0, help="seconds per router call")
     engines_refresh: float = flag(5.0, help="seconds between polls of the router's /engines")
     shutdown_grace: float = flag(30.0, help="seconds open generations get to finish on SIGTERM")
+    engine_wait_timeout: float = flag(
+        0.0,
+        help="seconds a request may wait for an engine when its model has none ready (scale "
+        "from zero); past it a 503 with Retry-After. 0: a 503 at once",
+    )
+    engine_wait_max_requests: int = flag(
+        256,
+        help="engine requests per model that may wait so at once; the next one gets a 429 "
+        "with Retry-After",
+    )
     log_level: str = flag("INFO", help="logging level")
     admin_api_keys: tuple[str, ...] = flag(
         (),
@@ -150,7 +160,7 @@ class GatewayConfig:
             raise ValueError(f"--model names must be unique, got {names}")
         if self.default_model is not None and names and self.default_model not in names:
             raise ValueError(f"--default-model must be one of the --model names {names}")
-        for name in ("block_size", "max_body_bytes", "max_n"):
+        for name in ("block_size", "max_body_bytes", "max_n", "engine_wait_max_requests"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -160,6 +170,9 @@ class GatewayConfig:
                      "router_timeout", "engines_refresh", "shutdown_grace"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not 0 <= self.engine_wait_timeout < self.request_timeout:
+            raise ValueError(f"engine_wait_timeout must be in [0, request_timeout), got "
+                             f"{self.engine_wait_timeout!r}")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, "
                              f"got {self.tool_call_parser!r}")

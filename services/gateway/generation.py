@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import aiohttp
 from opentelemetry import trace
 
+from services.gateway.admission import EngineWait
 from services.gateway.choice import ChoiceDecoder, ChoiceDelta
 from services.gateway.engine_client import (
     EngineStream,
@@ -32,7 +33,7 @@ from services.gateway.models import ServedModel
 from services.gateway.router_client import RouterClient
 from services.protocol.block_hash import BlockHash
 from services.protocol.engine_api import GenerateRequest
-from services.protocol.messages import RouteRequest
+from services.protocol.messages import RouteRequest, RouteResponse
 from services.protocol.openai import OpenAIError
 from services.protocol.sampling_params import SamplingParams
 
@@ -64,6 +65,7 @@ class Upstreams:
     connect_timeout: float
     tracer: trace.Tracer | None = None  # None: the global one (no-op unless tracing is set up)
     watch: EngineWatch | None = None  # fails over waits on engines that stopped answering
+    engine_wait: EngineWait | None = None  # holds requests while their model has no engine
 
 
 class GenerationFailed(Exception):
@@ -203,16 +205,7 @@ class Generation:
         exclude: list[str] = []
         attempts = up.max_retries + 1
         for attempt in range(attempts):
-            route = await up.router.route(
-                RouteRequest(
-                    model=model.name,
-                    block_hashes=job.block_hashes,
-                    prompt_len=len(job.prompt_ids),
-                    exclude=list(exclude),
-                    request_id=self.request_id,
-                    lora_name=self._lora,
-                )
-            )
+            route = await self._route(job, exclude)
             rid = f"{self.request_id}-{job.index}" + (f"-r{attempt}" if attempt else "")
             req = GenerateRequest(rid, job.prompt_ids, job.engine_params, self._salt, self._lora)
             guard = (up.watch.guard(route.engine_id, route.url) if up.watch is not None
@@ -241,6 +234,28 @@ class Generation:
             status=503,
             code="engine_unavailable",
         )
+
+
+    async def _route(self, job: ChoiceJob, exclude: list[str]) -> RouteResponse:
+        """The router's choice; a first ask may wait for an engine (``EngineWait``)."""
+        up, model = self._up, self._model
+
+        async def ask(waited_s: float) -> RouteResponse:
+            return await up.router.route(
+                RouteRequest(
+                    model=model.name,
+                    block_hashes=job.block_hashes,
+                    prompt_len=len(job.prompt_ids),
+                    exclude=list(exclude),
+                    request_id=self.request_id,
+                    waited_s=waited_s,
+                    lora_name=self._lora,
+                )
+            )
+
+        if exclude or up.engine_wait is None:
+            return await ask(0.0)
+        return await up.engine_wait.route(model.name, ask)
 
 
 async def _all_or_first_error(tasks: list[asyncio.Task[EngineStream]]) -> None:

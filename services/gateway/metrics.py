@@ -44,6 +44,8 @@ class GatewayMetrics:
     e2e: Histogram = field(init=False)
     engine_retries: Counter = field(init=False)
     stream_errors: Counter = field(init=False)
+    waiting_for_engine: Gauge = field(init=False)
+    engine_wait_refused: Counter = field(init=False)
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -84,6 +86,19 @@ class GatewayMetrics:
             "pagoda_gateway_stream_errors",
             "Generations that failed after their first token (ended with an error event).",
             ["model"],
+            registry=r,
+        )
+
+        self.waiting_for_engine = Gauge(
+            "pagoda_gateway_requests_waiting_for_engine",
+            "Engine requests held because their model has no ready engine (scale from zero).",
+            ["model"],
+            registry=r,
+        )
+        self.engine_wait_refused = Counter(
+            "pagoda_gateway_engine_wait_refused",
+            "Requests refused for want of an engine: 429 (too many held), 503 (held too long).",
+            ["model", "status"],
             registry=r,
         )
 

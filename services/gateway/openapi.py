@@ -26,16 +26,20 @@ def _errors(*statuses: int) -> dict[str, Any]:
         404: "unknown model",
         408: "the request body did not arrive within the read timeout",
         413: "request body too large",
+        429: "too many requests are waiting for an engine of the model to start",
         500: "unexpected server error",
         502: "the engine failed mid-generation",
         503: "no engine (or router) available",
         504: "the request timed out",
     }
-    return {str(s): {"description": text[s], **_json(_ERROR)} for s in statuses}
+    retry = {"Retry-After": {"description": "seconds to wait before trying again",
+                             "schema": {"type": "integer"}}}
+    return {str(s): {"description": text[s], **({"headers": retry} if s in (429, 503) else {}),
+                     **_json(_ERROR)} for s in statuses}
 
 
 _BODY_ERRORS = (400, 401, 404, 408, 413, 500)
-_GEN_ERRORS = (*_BODY_ERRORS, 502, 503, 504)
+_GEN_ERRORS = (*_BODY_ERRORS, 429, 502, 503, 504)
 
 _SAMPLING: dict[str, Any] = {
     "n": {

@@ -27,6 +27,7 @@ from aiohttp import web
 from services.common import tracing
 from services.common.http_errors import error_middleware
 from services.gateway import api, lora_admin, tokenization
+from services.gateway.admission import EngineWait
 from services.gateway.auth import ApiKeyAuth, auth_middleware
 from services.gateway.config import GatewayConfig
 from services.gateway.engine_metrics import engine_metrics
@@ -121,7 +122,8 @@ async def _resources(
         router = RouterClient(session, config.router_urls, config.router_timeout, tracer)
         watch = EngineWatch(session)
         upstreams = Upstreams(
-            session, router, metrics, config.max_retries, _CONNECT_TIMEOUT_S, tracer, watch
+            session, router, metrics, config.max_retries, _CONNECT_TIMEOUT_S, tracer, watch,
+            EngineWait(config.engine_wait_timeout, config.engine_wait_max_requests, metrics),
         )
         state = GatewayState(config, models, router, upstreams, metrics, pool)
         app[STATE] = state

@@ -25,6 +25,10 @@ from services.protocol.wire import (
 )
 
 HASH_ALGORITHMS = tuple(a.value for a in HashAlgorithm)
+# A gateway holding a request for want of a ready engine asks the router again this often
+# (``RouteRequest.waited_s`` > 0); the router counts the request as held for a few of these
+# intervals after each ask, so a request the gateway gave up on stops counting soon.
+ENGINE_WAIT_POLL_S = 0.5
 
 
 def _check_engine_ref(where: str, value: str) -> None:
@@ -113,9 +117,14 @@ class RouteRequest(Message):
     )
     # the LoRA adapter the request runs under (its block hashes are that adapter's chain)
     lora_name: str | None = field(metadata=bounds(MAX_NAME_CHARS, min_len=1), default=None)
+    # Seconds the gateway has held this request so far for want of a ready engine of the
+    # model (0: its first ask). The router counts arrivals on first asks and the requests
+    # held at gateways in its demand metrics (``services.router.demand``).
+    waited_s: float = 0.0
 
     def _check(self) -> None:
         _check_non_negative("RouteRequest.prompt_len", self.prompt_len)
+        _check_non_negative("RouteRequest.waited_s", self.waited_s)
         if self.prompt_len > MAX_PROMPT_TOKENS:
             raise ValueError(
                 f"RouteRequest.prompt_len must be <= {MAX_PROMPT_TOKENS}, got {self.prompt_len}"

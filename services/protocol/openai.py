@@ -35,7 +35,8 @@ _MAX_MESSAGE = 500  # characters of an error message
 
 
 class OpenAIError(Exception):
-    """An error the client sees, in OpenAI's JSON shape with an HTTP status."""
+    """An error the client sees, in OpenAI's JSON shape with an HTTP status (and, for a 429 or
+    503 the client should retry, the seconds to wait, sent as ``Retry-After``)."""
 
     def __init__(
         self,
@@ -44,6 +45,7 @@ class OpenAIError(Exception):
         param: str | None = None,
         type_: str | None = None,
         code: str | None = None,
+        retry_after: int | None = None,
     ) -> None:
         message = message if len(message) <= _MAX_MESSAGE else message[: _MAX_MESSAGE - 3] + "..."
         super().__init__(message)
@@ -52,6 +54,7 @@ class OpenAIError(Exception):
         self.param = param
         self.type = type_ or _default_type(status)
         self.code = code
+        self.retry_after = retry_after
 
     def to_dict(self) -> dict[str, Any]:
         return {

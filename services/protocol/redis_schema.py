@@ -20,6 +20,16 @@ one model lives in one slot and the Lua scripts below may touch them together)::
                                               load/unload)               name -> JSON {"path"})
     ns:{model}:lora-gen               STRING  router (INCR on   never (engines re-read the hash
                                               each change)               when it moves)
+    ns:{model}:held                   ZSET    router, for       member = request id held at a
+                                              gateways waiting  gateway for want of an engine,
+                                              for an engine     score = when it stops counting
+                                                                (router ms clock); key: 1 min
+    ns:{model}:hits:<bucket>          HASH    router            engine id -> prefix blocks the
+                                              (prefix hits)     router sent it that hit; one
+                                                                hash per time bucket, expiring
+                                                                after the hit window
+    ns:deletion-cost                  STRING  router (SET NX)   one replica's turn at writing
+                                                                pod-deletion-cost annotations
 
 Why one sorted set per engine rather than one key per block: every entry carries its own expiry
 (the score), an engine's whole index can be capped and dropped as one key, and a lookup is a
@@ -102,3 +112,11 @@ class RedisKeys:
 
     def lora_generation(self, model: str) -> str:
         return self.model_prefix(model) + "lora-gen"
+    def held(self, model: str) -> str:
+        return self.model_prefix(model) + "held"
+
+    def hits(self, model: str, bucket: int) -> str:
+        return self.model_prefix(model) + f"hits:{bucket}"
+
+    def deletion_cost_turn(self) -> str:
+        return f"{self.namespace}:deletion-cost"

@@ -102,6 +102,18 @@ class RouterConfig:
     fallback_max_age_s: float = flag(
         300.0, help="Redis down: route by heartbeats seen at most this long ago"
     )
+    deletion_cost: bool = flag(
+        True,
+        help="with --k8s-service: keep each engine pod's controller.kubernetes.io/"
+        "pod-deletion-cost annotation at the prefix blocks it served recently, so a scale-in "
+        "removes the engine with the coldest cache (needs RBAC: patch pods)",
+    )
+    deletion_cost_interval_s: float = flag(
+        10.0, help="seconds between pod-deletion-cost passes (at most one write per pod each)"
+    )
+    deletion_cost_window_s: float = flag(
+        300.0, help="the window of prefix hits a pod's deletion cost counts"
+    )
     log_level: str = flag("INFO", help="logging level")
 
     def __post_init__(self) -> None:
@@ -129,6 +141,8 @@ class RouterConfig:
             "provisional_ttl_s",
             "pending_ttl_s",
             "fallback_max_age_s",
+            "deletion_cost_interval_s",
+            "deletion_cost_window_s",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")

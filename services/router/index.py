@@ -78,15 +78,19 @@ class RouterIndex:
         """False while in the back-off window after a Redis error."""
         return self._clock() >= self._down_until
 
-    async def lookup(self, model: str, block_hashes: Sequence[bytes]) -> IndexSnapshot:
+    async def lookup(self, model: str, block_hashes: Sequence[bytes], *,
+                     timed: bool = True) -> IndexSnapshot:
+        """The model's live engines and what each holds of the prompt; ``timed``: observed in
+        the lookup-time histogram (routing lookups, not the metrics scrape's)."""
         if self.redis_available:
             start = time.perf_counter()
             try:
                 result = await self._reader.lookup(model, block_hashes)
             except REDIS_ERRORS as exc:
-                self._redis_failed("lookup", exc)
+                self.redis_failed("lookup", exc)
             else:
-                self._metrics.lookup_seconds.observe(time.perf_counter() - start)
+                if timed:
+                    self._metrics.lookup_seconds.observe(time.perf_counter() - start)
                 if not result.engines and not result.dead and self._recently_seen(model):
                     # Redis answers but knows no engine of the model, not even a dead one:
                     # it restarted (or was flushed) and the engines have not heartbeated yet.
@@ -119,7 +123,7 @@ class RouterIndex:
                 )
                 return
             except REDIS_ERRORS as exc:
-                self._redis_failed("mark", exc)
+                self.redis_failed("mark", exc)
         pending = self._local_pending.setdefault(model, {})
         pending[engine_id] = pending.get(engine_id, 0) + 1
 
@@ -128,7 +132,7 @@ class RouterIndex:
             try:
                 return await self._reader.next_counter(model)
             except REDIS_ERRORS as exc:
-                self._redis_failed("counter", exc)
+                self.redis_failed("counter", exc)
         self._local_counter[model] = self._local_counter.get(model, 0) + 1
         return self._local_counter[model]
 
@@ -138,14 +142,14 @@ class RouterIndex:
             try:
                 return await self._reader.models()
             except REDIS_ERRORS as exc:
-                self._redis_failed("models", exc)
+                self.redis_failed("models", exc)
         return None
 
     async def ping(self) -> bool:
         try:
             ok = await self._reader.ping()
         except REDIS_ERRORS as exc:
-            self._redis_failed("ping", exc)
+            self.redis_failed("ping", exc)
             return False
         self._down_until = 0.0
         return ok
@@ -167,7 +171,9 @@ class RouterIndex:
                     out.add(normalize_url(hb.url))
         return out
 
-    def _redis_failed(self, op: str, exc: BaseException) -> None:
+    def redis_failed(self, op: str, exc: BaseException) -> None:
+        """Counts the error and routes without Redis for ``retry_s`` (the other router parts
+        that use Redis report their errors here too, so all of them back off together)."""
         self._metrics.redis_errors.labels(op=op).inc()
         if self.redis_available:
             logger.warning("redis unavailable op=%s error=%s: %s; routing by last known load",

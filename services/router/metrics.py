@@ -53,3 +53,41 @@ class RouterMetrics:
             "Kubernetes watch restarts after an error",
             registry=r,
         )
+        # Demand (services/router/demand.py): what the engines' autoscaler reads.
+        self.requests_waiting = Gauge(
+            "pagoda_router_requests_waiting",
+            "Requests waiting for an engine: held at gateways + routed, not yet reported by "
+            "the engine + queued at engines (fleet-wide: max() across router replicas)",
+            ["model"],
+            registry=r,
+        )
+        self.requests_running = Gauge(
+            "pagoda_router_requests_running",
+            "Requests running at the engines (fleet-wide: max() across router replicas)",
+            ["model"],
+            registry=r,
+        )
+        self.requests_in_flight = Gauge(
+            "pagoda_router_requests_in_flight",
+            "Requests waiting + running (fleet-wide: max() across router replicas)",
+            ["model"],
+            registry=r,
+        )
+        self.requests_held = Gauge(
+            "pagoda_router_requests_held",
+            "Requests held at gateways for want of a ready engine (fleet-wide)",
+            ["model"],
+            registry=r,
+        )
+        self.arrivals = Counter(
+            "pagoda_router_arrivals",
+            "Engine requests that asked this replica for an engine (first asks only)",
+            ["model"],
+            registry=r,
+        )
+        self.arrival_rate = Gauge(
+            "pagoda_router_arrival_rate",
+            "Arrivals per second at this replica over the last minute (sum() across replicas)",
+            ["model"],
+            registry=r,
+        )

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from opentelemetry import trace
 
@@ -40,6 +41,14 @@ class _Suspicion:
 
     def holds(self, now: float, heartbeat: float) -> bool:
         return now < self.until and (self.heartbeat is not None and heartbeat <= self.heartbeat)
+
+
+class RouteObserver(Protocol):
+    """Told every answer of ``/route``: the demand metrics and the prefix-hit window."""
+
+    async def observe(self, req: RouteRequest, chosen: Candidate | None) -> None:
+        """``chosen`` is None when no engine of the model is live (a 503). Never raises."""
+        ...
 
 
 class NoEngineError(Exception):
@@ -80,8 +89,10 @@ class Router:
         metrics: RouterMetrics,
         tracer: trace.Tracer | None = None,
         suspect_s: float = DEFAULT_SUSPECT_S,
+        observers: Sequence[RouteObserver] = (),
     ) -> None:
         self.index = index
+        self.observers = tuple(observers)
         self.suspect_s = suspect_s
         self._suspects: dict[str, _Suspicion] = {}  # by engine id or URL
         self.discovery = discovery
@@ -121,6 +132,8 @@ class Router:
             self.metrics.no_engine.labels(status=str(status)).inc()
             if eligible:
                 raise NoEngineError(409, f"every live engine of {req.model!r} is excluded")
+            for observer in self.observers:
+                await observer.observe(req, None)
             raise NoEngineError(503, f"no live engine serves model {req.model!r}")
 
         ctx = PolicyContext(
@@ -129,6 +142,8 @@ class Router:
         decision = await self.policy.choose(candidates, ctx)
         chosen = decision.candidate
         await self.index.record_choice(req.model, chosen.engine_id, req.block_hashes, snapshot)
+        for observer in self.observers:
+            await observer.observe(req, chosen)
 
         reason = "degraded" if snapshot.degraded else decision.reason
         policy = self.policy.name.value

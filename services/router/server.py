@@ -8,7 +8,7 @@ GET  /engines   JSON: live engines with their load (?model=NAME for one model)
 GET  /health    JSON liveness, with Redis and discovery state (always 200)
 GET  /ready     200 once engine discovery has synced, else 503 (Redis does not gate it:
                 without Redis the router still routes, by load)
-GET  /metrics   Prometheus text
+GET  /metrics   Prometheus text, with the per-model demand (``services.router.demand``)
 GET/POST/DELETE /adapters   the registry of runtime-loaded LoRA adapters (router.adapters)
 """
 
@@ -30,6 +30,8 @@ from services.protocol.redis_schema import RedisKeys
 from services.protocol.wire import BadRequest
 from services.router import adapters
 from services.router.config import RouterConfig
+from services.router.deletion_cost import DeletionCost, HitWindow, PodAnnotator, PrefixHits
+from services.router.demand import Demand
 from services.router.discovery import (
     Discovery,
     KubernetesDiscovery,
@@ -40,7 +42,7 @@ from services.router.discovery import (
 from services.router.index import RouterIndex
 from services.router.metrics import RouterMetrics
 from services.router.policies import make_policy
-from services.router.routing import NoEngineError, Router, status_dict
+from services.router.routing import NoEngineError, RouteObserver, Router, status_dict
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,8 @@ MAX_BODY_BYTES = 8 * 1024 * 1024  # ~450k block hashes: prompts of several milli
 CONFIG_KEY = web.AppKey("config", RouterConfig)
 METRICS_KEY = web.AppKey("metrics", RouterMetrics)
 ROUTER_KEY = web.AppKey("router", Router)
+DEMAND_KEY = web.AppKey("demand", Demand)
+DELETION_COST_KEY = web.AppKey("deletion_cost", DeletionCost)
 
 
 def create_app(config: RouterConfig) -> web.Application:
@@ -88,14 +92,16 @@ def build_discovery(config: RouterConfig, metrics: RouterMetrics) -> Discovery:
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
-    """Every long-lived resource: the Redis pool and the discovery watch."""
+    """Every long-lived resource: the Redis pool, the discovery watch and (with Kubernetes
+    discovery) the pod-deletion-cost task."""
     config = app[CONFIG_KEY]
     metrics = app[METRICS_KEY]
     redis = connect(config.redis_url, timeout_s=config.redis_timeout_s)
-    app[adapters.REGISTRY] = AdapterRegistry(redis, RedisKeys(config.redis_namespace))
+    keys = RedisKeys(config.redis_namespace)
+    app[adapters.REGISTRY] = AdapterRegistry(redis, keys)
     reader = KVIndexReader(
         redis,
-        RedisKeys(config.redis_namespace),
+        keys,
         max_blocks_per_engine=config.max_blocks_per_engine,
     )
     index = RouterIndex(
@@ -107,10 +113,25 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         fallback_max_age_s=config.fallback_max_age_s,
     )
     discovery = build_discovery(config, metrics)
+    demand = app[DEMAND_KEY] = Demand(redis, keys, index, metrics)
+    observers: list[RouteObserver] = [demand]
+    deletion_cost = None
+    if config.deletion_cost and isinstance(discovery, KubernetesDiscovery):
+        hits = PrefixHits()
+        observers.append(hits)
+        api_url = config.k8s_api_url
+        deletion_cost = app[DELETION_COST_KEY] = DeletionCost(
+            hits, HitWindow(redis, keys, config.deletion_cost_window_s),
+            PodAnnotator(lambda: default_api_client(api_url), discovery.namespace),
+            discovery, index, redis, keys, config.deletion_cost_interval_s,
+        )
     app[ROUTER_KEY] = Router(
-        index, discovery, make_policy(config.policy, config), metrics, app[tracing.TRACER]
+        index, discovery, make_policy(config.policy, config), metrics, app[tracing.TRACER],
+        observers=observers,
     )
     await discovery.start()
+    if deletion_cost is not None:
+        await deletion_cost.start()
     logger.info(
         "router started policy=%s redis=%s discovery=%s",
         config.policy.value,
@@ -120,6 +141,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     try:
         yield
     finally:
+        if deletion_cost is not None:
+            await deletion_cost.stop()
         await discovery.stop()
         await redis.aclose()
 
@@ -168,5 +191,6 @@ async def handle_ready(request: web.Request) -> web.Response:
 
 
 async def handle_metrics(request: web.Request) -> web.Response:
+    await request.app[DEMAND_KEY].refresh()
     payload = generate_latest(request.app[METRICS_KEY].registry)
     return web.Response(body=payload, headers={"Content-Type": CONTENT_TYPE_LATEST})

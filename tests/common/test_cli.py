@@ -228,7 +228,7 @@ def test_services_accept_todays_command_lines() -> None:
         "--block-size=32", "--kv-cache-memory=1073741824", "--max-model-len=4096",
         "--max-num-seqs=8", "--max-num-batched-tokens=512", "--dtype=bfloat16",
         "--enable-prefix-caching=false", "--device=cpu", "--redis-url=redis://r:6379/0",
-        "--engine-id=pod-1", "--advertise-url=http://10.0.0.1:8300", "--drain-timeout-s=60",
+        "--engine-id=pod-1", "--advertise-url=http://10.0.0.1:8300", "--shutdown-timeout=60",
         "--heartbeat-interval-s", "0.2", "--heartbeat-ttl-s", "3", "--num-blocks", "256",
         "--debug-step-delay-s", "0.05", "--log-level", "warning",
     ])  # fmt: skip
@@ -262,7 +262,7 @@ def test_services_accept_todays_command_lines() -> None:
 @pytest.mark.parametrize(
     "argv",
     [["--port", "70000"], ["--heartbeat-interval-s", "0"], ["--log-level", "loud"],
-     ["--drain-timeout-s", "-1"]],
+     ["--shutdown-timeout", "-1"]],
 )  # fmt: skip
 def test_engine_server_values_are_checked(
     capsys: pytest.CaptureFixture[str], argv: list[str]
@@ -343,6 +343,10 @@ def test_serve_reads_make_serve_and_passes_engine_flags_on(
     assert config == ServeConfig(policy=PolicyName.ROUND_ROBIN, dtype="bfloat16",
                                  api_keys=("a", "b"))
     assert engine_flags == ["--max-num-seqs", "8", "--enforce-eager", "--num-blocks=64"]
+    # `make serve SPECULATIVE_CONFIG='{...}'`: vLLM's JSON reaches every engine whole
+    spec = '{"method": "ngram", "num_speculative_tokens": 4}'
+    assert args_from(["--speculative-config", spec]) == (ServeConfig(),
+                                                        ["--speculative-config", spec])
     for argv, message in ((["--engine-id=x"], "serve sets --engine-id"),
                           (["--engines", "0"], "--engines must be >= 1"),
                           (["--policy", "random"], "invalid choice: 'random'")):

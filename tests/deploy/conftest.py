@@ -103,6 +103,40 @@ OTHER_SOURCES: dict[str, Any] = {
     "grafanaDashboards": {"enabled": True},
 }
 
+# Scale to zero: KEDA on with no replica floor, the gateway holding requests meanwhile, engines
+# given an explicit --shutdown-timeout, the router annotating pods' deletion cost.
+SCALE_TO_ZERO: dict[str, Any] = {
+    "keda": {"enabled": True, "minReplicaCount": 0, "maxReplicaCount": 8, "cooldownPeriod": 120},
+    "serviceMonitor": {"enabled": True},
+    "gateway": {"engineWait": {"timeoutSeconds": 240, "maxRequests": 64}},
+    "engine": {"shutdownTimeoutSeconds": 120},
+    "router": {"deletionCost": {"intervalSeconds": 5, "windowSeconds": 600}},
+}
+
+# Speculative decoding: prompt lookup on a CPU engine, a draft model from an image.
+SPECULATIVE: dict[str, Any] = {
+    "models": [
+        {
+            "name": "lookup",
+            "source": {"type": "builtin"},
+            "gpus": 0,
+            "speculativeConfig": {"method": "ngram", "num_speculative_tokens": 4,
+                                  "prompt_lookup_max": 4, "disable_by_batch_size": 8},
+        },
+        {
+            "name": "drafted",
+            "source": {"type": "pvc", "pvc": {"claimName": "weights", "subPath": "llama-70b"}},
+            "gpus": 2,
+            "speculativeConfig": {"method": "draft_model", "num_speculative_tokens": 3},
+            "draftSource": {
+                "type": "image",
+                "image": {"repository": "registry.example.com/models/llama-1b", "tag": "1",
+                          "path": "/model"},
+            },
+        },
+    ]
+}
+
 SCENARIOS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "two-models": TWO_MODELS,
@@ -110,6 +144,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "everything-on": EVERYTHING_ON,
     "three-routers": THREE_ROUTERS,
     "other-sources": OTHER_SOURCES,
+    "scale-to-zero": SCALE_TO_ZERO,
+    "speculative": SPECULATIVE,
 }
 
 

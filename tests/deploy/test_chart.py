@@ -45,6 +45,9 @@ kubernetes_validate = pytest.importorskip(
 KUBE_VERSIONS = ("1.29.0", "1.33.0")
 # Custom resources: no bundled schema; their fields are checked by the tests below.
 CUSTOM_KINDS = {"ServiceMonitor": "monitoring.coreos.com/v1", "ScaledObject": "keda.sh/v1alpha1"}
+# Cluster-scoped, and GA (admissionregistration.k8s.io/v1) from Kubernetes 1.30: the chart
+# renders them only there (Capabilities.KubeVersion), so they validate against 1.30+ schemas.
+ADMISSION_KINDS = ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
 
 FULL = f"{RELEASE}-pagoda"
 GATEWAY, ROUTER, REDIS = f"{FULL}-gateway", f"{FULL}-router", f"{FULL}-redis"
@@ -77,6 +80,8 @@ def test_every_object_validates_against_kubernetes_schemas(scenario: Render) -> 
             assert doc["apiVersion"] == CUSTOM_KINDS[doc["kind"]]
             continue
         for version in KUBE_VERSIONS:
+            if doc["kind"] in ADMISSION_KINDS and version < "1.30":
+                continue
             try:
                 kubernetes_validate.validate(doc, version, strict=True)
             except kubernetes_validate.ValidationError as exc:
@@ -90,7 +95,8 @@ def test_objects_are_namespaced_labelled_and_unique(scenario: Render) -> None:
         key = (doc["kind"], meta["name"])
         assert key not in seen, f"{key} rendered twice"
         seen.add(key)
-        assert meta.get("namespace") == NAMESPACE, key
+        cluster_scoped = doc["kind"] in ADMISSION_KINDS
+        assert meta.get("namespace") == (None if cluster_scoped else NAMESPACE), key
         assert meta["labels"]["app.kubernetes.io/instance"] == RELEASE, key
         assert len(meta["name"]) <= 63, key
 
@@ -202,7 +208,9 @@ def test_only_the_router_gets_an_api_token(scenario: Render) -> None:
         assert template["spec"]["automountServiceAccountToken"] is expected, w["metadata"]["name"]
 
 
-def test_router_role_grants_only_list_watch_on_endpointslices(scenario: Render) -> None:
+def test_router_role_grants_only_the_endpointslice_watch_and_pod_patches(
+    scenario: Render,
+) -> None:
     assert not scenario.of_kind("ClusterRole") and not scenario.of_kind("ClusterRoleBinding")
     (role,) = scenario.of_kind("Role")
     assert role["rules"] == [
@@ -210,7 +218,8 @@ def test_router_role_grants_only_list_watch_on_endpointslices(scenario: Render) 
             "apiGroups": ["discovery.k8s.io"],
             "resources": ["endpointslices"],
             "verbs": ["list", "watch"],
-        }
+        },
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]},  # deletion cost
     ]
     (binding,) = scenario.of_kind("RoleBinding")
     assert binding["roleRef"] == {
@@ -320,7 +329,7 @@ def test_engine_pods_are_ready_only_with_the_model_loaded_and_drain_on_stop(
         assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60
         grace = pod["terminationGracePeriodSeconds"]
         pre_stop = int(c["lifecycle"]["preStop"]["exec"]["command"][-1])
-        assert pre_stop + float(flag(c, "drain-timeout-s")) < grace
+        assert pre_stop + float(flag(c, "shutdown-timeout")) + 5 <= grace
         shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
         assert shm["emptyDir"]["medium"] == "Memory" and shm["emptyDir"]["sizeLimit"]
         assert {"mountPath": "/dev/shm", "name": "dshm"} in c["volumeMounts"]
@@ -445,6 +454,29 @@ def test_each_engine_gets_its_model_flags_and_gpus(rendered) -> None:
     assert "pagoda.io/model" not in r.get("Service", ENGINES)["spec"]["selector"]
 
 
+def test_speculative_decoding_flags_and_the_draft_volume(rendered) -> None:
+    r = rendered("speculative")
+    lookup = r.container(engine("lookup"))
+    assert json.loads(flag(lookup, "speculative-config")) == {
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+        "disable_by_batch_size": 8}
+    pod = r.get("Deployment", engine("drafted"))["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert json.loads(flag(c, "speculative-config")) == {
+        "method": "draft_model", "num_speculative_tokens": 3, "model": "/models/drafted-draft"}
+    assert {"name": "draft", "mountPath": "/models/drafted-draft", "readOnly": True} in \
+        c["volumeMounts"]
+    (init,) = pod["initContainers"]  # the draft's image is copied into its emptyDir
+    assert init["image"] == "registry.example.com/models/llama-1b:1"
+    assert init["command"] == ["cp", "-R", "/model/.", "/models/drafted-draft/"]
+    assert {"name": "draft", "emptyDir": {}} in pod["volumes"]
+    # The engine reads the flag back as the config the chart meant.
+    from services.engine.serving.server_config import build_parser
+
+    args = build_parser().parse_args(expand_env_refs(lookup["args"], lookup, SAMPLE_ENV))
+    assert args.speculative_config.prompt_lookup_max == 4
+
+
 def test_external_redis_with_tls(rendered) -> None:
     r = rendered("external-redis-tls")
     for kind in ("Deployment", "Service", "Secret"):
@@ -494,15 +526,17 @@ def test_autoscaling_monitoring_and_network_policies(rendered) -> None:
             "name": name,
         }
         assert 1 <= so["spec"]["minReplicaCount"] <= so["spec"]["maxReplicaCount"]
-        (trigger,) = so["spec"]["triggers"]
-        assert trigger["type"] == "prometheus"
-        meta = trigger["metadata"]
+        queue, arrivals = so["spec"]["triggers"]
+        assert queue["type"] == arrivals["type"] == "prometheus"
+        assert queue["metricType"] == arrivals["metricType"] == "AverageValue"
+        meta = queue["metadata"]
         assert meta["serverAddress"].startswith("http")
-        assert meta["query"] == (
-            f'sum(vllm:num_requests_waiting{{namespace="{NAMESPACE}",'
-            f'model_name="{model["servedModelName"]}"}})'
-        )
+        selector = f'namespace="{NAMESPACE}",model="{model["servedModelName"]}"'
+        assert meta["query"] == f"max(pagoda_router_requests_waiting{{{selector}}})"
         assert meta["threshold"] == "3"  # KEDA wants a string
+        assert arrivals["metadata"]["query"] == f"sum(pagoda_router_arrival_rate{{{selector}}})"
+        behavior = so["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+        assert behavior["scaleDown"]["stabilizationWindowSeconds"] == 300
     # ServiceMonitor: gateway, router and each model's engines, each exactly once.
     (sm,) = r.of_kind("ServiceMonitor")
     assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
@@ -720,6 +754,17 @@ BAD_VALUES = {
             ]
         },
         "set claimName (an existing claim) or create (a new one), not both",
+    ),
+    "draft-without-source": (
+        {"models": [{"name": "m", "source": {"type": "builtin"},
+                     "speculativeConfig": {"method": "draft_model",
+                                           "num_speculative_tokens": 2}}]},
+        "models[m].speculativeConfig: method draft_model needs a draftSource",
+    ),
+    "speculative-typo": (
+        {"models": [{"name": "m", "source": {"type": "builtin"},
+                     "speculativeConfig": {"method": "ngram", "num_speculative_token": 2}}]},
+        "at '/models/0/speculativeConfig'",
     ),
     "ca-without-tls": (
         {"redis": {"url": "redis://r:6379/0", "tls": {"caSecret": "ca"}}},

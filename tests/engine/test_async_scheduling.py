@@ -230,9 +230,9 @@ def test_the_next_step_is_scheduled_and_prepared_while_a_step_runs(engines) -> N
         assert overlapped, f"step {n + 1} was not prepared while step {n} ran"
         return real[2](*args, **kw)
 
-    def update(sched, tokens):
+    def update(sched, tokens, *runs):
         note("update")
-        return real[3](sched, tokens)
+        return real[3](sched, tokens, *runs)
 
     def launch(*args, **kw):
         real[4](*args, **kw)

@@ -8,6 +8,7 @@ import dataclasses
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from services.engine.config import EngineConfig
@@ -99,6 +100,29 @@ def test_gathered_rows_equal_the_reference_as_requests_come_and_go() -> None:
         assert _same(got, _reference(order)), i
 
 
+def test_drafts_and_the_draft_models_progress_move_with_their_rows() -> None:
+    batch = InputBatch(6, 4, VOCAB, torch.device("cpu"), num_spec_tokens=3)
+    reqs = [_request(f"d{i}", i, temperature=0.0) for i in range(5)]
+    for i, req in enumerate(reqs):
+        batch.add(req, [i])
+        assert batch.draft_computed[req.batch_row] == -1  # joined: the draft has seen nothing
+        batch.draft_tokens[req.batch_row] = [10 * i, 10 * i + 1, 10 * i + 2]
+        batch.draft_computed[req.batch_row] = 7 + i
+    batch.remove(reqs[1])  # the last row moves into its place
+    batch.remove(reqs[3])
+    for i in (0, 2, 4):
+        row = reqs[i].batch_row
+        assert batch.draft_tokens[row].tolist() == [10 * i, 10 * i + 1, 10 * i + 2]
+        assert batch.draft_computed[row] == 7 + i
+    # min_tokens at a verified position counts the drafts before it as output
+    req = _request("m", 99, temperature=0.0, min_tokens=7, stop_token_ids=[7])
+    batch.add(req, [9])
+    n = len(req.output_token_ids)
+    rows = np.full(4, req.batch_row)
+    banned = batch.sampling_batch(rows, ahead=np.arange(4)).banned
+    assert sorted(set(banned[0])) == [i for i in range(4) if n + i < 7]
+
+
 def test_rows_of_a_batch_without_options_cost_nothing_to_gather() -> None:
     batch = InputBatch(4, 2, VOCAB, torch.device("cpu"))
     for i in range(3):
@@ -145,14 +169,21 @@ def _reachable(obj: object, seen: set[int] | None = None):
             yield from _reachable(item, seen)
 
 
-def test_the_step_thread_gets_nothing_the_engine_thread_appends_to(tiny_model_dir,
+@pytest.mark.parametrize("spec", ["off", "ngram", "draft_model"])
+def test_the_step_thread_gets_nothing_the_engine_thread_appends_to(spec, tiny_model_dir,
                                                                    monkeypatch) -> None:
     """Async scheduling: what ``run`` (the step thread) is handed holds no request and no list
-    a request owns, whatever the features in use; it would fail if the sampler were given a
-    request's output list again."""
+    a request owns, whatever the features in use (speculative decoding's drafts, verification
+    inputs and draft passes too); it would fail if the sampler were given a request's output
+    list again."""
     path = tiny_model_dir("LlamaForCausalLM")
+    speculative = {"off": None,
+                   "ngram": {"method": "ngram", "num_speculative_tokens": 2,
+                             "prompt_lookup_min": 1},
+                   "draft_model": {"method": "draft_model", "model": str(path),
+                                   "num_speculative_tokens": 2}}[spec]
     engine = LLMEngine(EngineConfig(model=str(path), num_blocks=64, async_scheduling=True,
-                                    max_num_seqs=8))
+                                    max_num_seqs=8, speculative_config=speculative))
     handed: list[object] = []
     run = ModelRunner.run
 
@@ -163,13 +194,16 @@ def test_the_step_thread_gets_nothing_the_engine_thread_appends_to(tiny_model_di
     monkeypatch.setattr(ModelRunner, "run", spying)
     kinds = KINDS + [{"temperature": 0.0, "prompt_logprobs": 2}]
     for i, params in enumerate(kinds * 2):
-        engine.add_request(f"r{i}", [3 + i, 4, 5, 6, 7, 8][: 2 + i % 5],
+        engine.add_request(f"r{i}", [3 + i, 4, 5, 6, 7, 8, 3 + i, 4, 5][: 2 + i % 8],
                            SamplingParams(max_tokens=14, ignore_eos=True, **params))
     everyone = list(engine.requests.values())
     owned = _lists_of(everyone)
     while engine.has_unfinished_requests():
         engine.step()
     assert handed
+    if speculative is not None:
+        assert engine.stats().spec_decode.num_drafts > 0
+        assert any(step.spec is not None for step in handed)
     for step in handed:
         for obj in _reachable(step):
             assert not isinstance(obj, Request), "a request reached the step thread"

@@ -94,7 +94,7 @@ def softmax(x: np.ndarray) -> np.ndarray:
 
 
 def test_all_greedy_is_argmax_and_draws_no_noise(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sampler_module, "_gumbel_argmax", _fail)
+    monkeypatch.setattr(sampler_module, "gumbel_argmax", _fail)
     logits = torch.randn(16, 100, generator=make_generator(0))
     out = sample(logits, [row(temperature=0) for _ in range(16)])
     assert out.token_ids == logits.argmax(-1).tolist()

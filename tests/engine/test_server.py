@@ -203,7 +203,7 @@ def test_sigterm_leaves_routing_first_then_drains(default_model_path, redis_serv
         "services.engine.serving.server",
         ["--model", str(default_model_path), "--engine-id", "e-drain",
          "--redis-url", redis_server.url, "--heartbeat-interval-s", "0.2",
-         "--num-blocks", "128", "--drain-timeout-s", "60"],
+         "--num-blocks", "128", "--shutdown-timeout", "60"],
     ).start()
 
     async def live_ids(reader: KVIndexReader) -> set[str]:

@@ -21,6 +21,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -176,6 +177,12 @@ def test_step_batch_round_trip() -> None:
         assert decode(encode(step)).same_as(step)
     empty_rows = StepBatch.of([5], [[2, 4, 6]], [33], [1], [])
     assert decode(encode(empty_rows)).same_as(empty_rows)
+    # speculative decoding: request 1 verifies 3 drafts, its last 4 tokens get logits
+    drafts = StepBatch.of([5, 6, 7, 8, 9, 1], [[2], [3, 4]], [9, 20], [2, 4], [0, 1])
+    drafts.draft_lens = np.array([0, 3])
+    back = decode(encode(drafts))
+    assert back.same_as(drafts) and back.draft_lens.tolist() == [0, 3]
+    assert back.logits_rows().tolist() == [1, 2, 3, 4, 5]
 
 
 @pytest.mark.parametrize(

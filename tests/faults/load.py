@@ -31,6 +31,8 @@ class Outcome:
     error: str | None = None
     cached_tokens: int = 0
     completion_tokens: int = 0
+    text: str = ""  # the streamed completion, whole
+    finish_reason: str | None = None
 
     def streaming_during(self, t: float) -> bool:
         """Whether this stream was in progress at ``t``: sent before it, ended after it, and
@@ -149,6 +151,9 @@ async def _one(session: aiohttp.ClientSession, base_url: str, body: dict, o: Out
                     o.disconnected = True
                     resp.close()  # mid-stream: the gateway must abort the engine request
                     return
+                for choice in event.get("choices") or []:
+                    o.text += choice.get("text") or ""
+                    o.finish_reason = choice.get("finish_reason") or o.finish_reason
                 usage = event.get("usage")
                 if usage:
                     o.completion_tokens = usage.get("completion_tokens", 0)
@@ -160,6 +165,20 @@ async def _one(session: aiohttp.ClientSession, base_url: str, body: dict, o: Out
             o.ok = True
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         o.error = f"{type(exc).__name__}: {exc}"[:200]
+
+
+async def stream_completion(session: aiohttp.ClientSession, base_url: str, model: str,
+                            prompt: str, max_tokens: int, timeout_s: float = 60.0,
+                            outcome: Outcome | None = None) -> Outcome:
+    """One streamed completion (greedy, ``ignore_eos``), recorded in ``outcome`` (pass one in
+    to watch it live: ``streaming_at`` is set at the first token)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True, "temperature": 0.0, "stream_options": {"include_usage": True}}
+    o = outcome or Outcome(started=0.0)
+    o.started = time.monotonic()
+    await _one(session, base_url, body, o, False, {}, aiohttp.ClientTimeout(total=timeout_s))
+    o.ended = time.monotonic()
+    return o
 
 
 def word_prompt(seed: int, words: int) -> str:

@@ -29,7 +29,7 @@ def test_engine_sigterm_drains_under_load(fast_model_dir: Path) -> None:
     # Both engines decode at under 20 steps/s: the victim's requests are still streaming when
     # the gateway notices it left the routing set, and the load spreads over both engines.
     slow = ["--debug-step-delay-s", "0.05"]
-    drain_args = ["--drain-timeout-s", str(DRAIN_S), *slow]
+    drain_args = ["--shutdown-timeout", str(DRAIN_S), *slow]
     with PagodaStack(fast_model_dir, engines=2, engine_args=[drain_args, slow]) as stack:
         router = stack.routers[0].url
         victim = stack.engine_id(0)
@@ -86,7 +86,8 @@ def test_engine_sigterm_drains_under_load(fast_model_dir: Path) -> None:
         assert not result.failed, result.summary()  # drained, and new requests went elsewhere
         assert medium == ["finished"]  # it was streaming at SIGTERM and was drained
         assert left_s < 1.0
-        assert exit_s < DRAIN_S + 3.0
+        # Half a second of late arrivals after leaving, the grace period, then the exit.
+        assert exit_s < DRAIN_S + 3.5
         late = [o for o in result.outcomes if o.started > t + 0.5]
         assert late and {o.engine for o in late} == {stack.engine_id(1)}
         assert long == ["cut"]  # ended at the deadline: neither finished nor left hanging

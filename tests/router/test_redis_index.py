@@ -115,9 +115,10 @@ async def test_dead_engine_is_not_live(publisher: KVIndexPublisher, reader: KVIn
     # A router's write-back forgets it from the engine set.
     await reader.mark(MODEL, "b", prompt, forget=result.dead)
     assert (await reader.lookup(MODEL, prompt)).dead == []
-    # Graceful shutdown removes an engine at once.
+    # Graceful shutdown removes an engine at once; it stays listed, dead, until forgotten.
     await publisher.remove_engine("b", MODEL)
-    assert (await reader.lookup(MODEL, prompt)).engines == []
+    result = await reader.lookup(MODEL, prompt)
+    assert (result.engines, result.dead) == ([], ["b"])
 
 
 async def test_mark_is_provisional_and_never_shortens_stored_entries(

@@ -47,6 +47,13 @@ class ServiceProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> Self:
+        self.launch()
+        self.wait_healthy()
+        return self
+
+    def launch(self) -> Self:
+        """Starts the process without waiting for it (several start side by side, then each
+        ``wait_healthy()``)."""
         self.proc = subprocess.Popen(
             [sys.executable, "-m", self.module, *self.args],
             cwd=REPO,
@@ -54,7 +61,6 @@ class ServiceProcess:
             stdout=subprocess.DEVNULL,
             stderr=self._log,
         )
-        self.wait_healthy()
         return self
 
     def wait_healthy(self) -> None:

@@ -79,7 +79,10 @@ class PagodaStack:
     def start(self) -> Self:
         try:
             self.redis.start()
-            self.engines = [self._engine(i).start() for i in range(self.options.engines)]
+            # Engines load side by side (their start is most of a stack's).
+            self.engines = [self._engine(i).launch() for i in range(self.options.engines)]
+            for engine in self.engines:
+                engine.wait_healthy()
             self.routers = [self._router().start() for _ in range(self.options.routers)]
             self.gateway = ServiceProcess(
                 "services.gateway",
@@ -114,6 +117,13 @@ class PagodaStack:
 
     def engine_id(self, index: int) -> str:
         return f"engine-{index}"
+
+    def add_engine(self) -> ServiceProcess:
+        """Starts one more engine (the next index; a scale-up, or the first from zero) and
+        returns it once it is healthy."""
+        engine = self._engine(len(self.engines)).start()
+        self.engines.append(engine)
+        return engine
 
     def restart_engine(self, index: int) -> ServiceProcess:
         """Starts engine ``index`` again on its old port (after ``kill()`` or ``stop()``)."""

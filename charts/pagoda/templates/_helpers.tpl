@@ -273,6 +273,21 @@ Models
 {{- end -}}
 {{- end -}}
 
+{{/* A model's speculativeConfig as the engine's --speculative-config JSON; with a
+draftSource, the draft is that source's directory (mounted at /models/<name>-draft). */}}
+{{- define "pagoda.speculativeConfig" -}}
+{{- $spec := deepCopy .speculativeConfig -}}
+{{- if .draftSource -}}
+{{- $_ := set $spec "model" (include "pagoda.model.dir" (dict "model" (include "pagoda.draftModel" . | fromYaml) "source" .draftSource)) -}}
+{{- end -}}
+{{- toJson $spec -}}
+{{- end -}}
+
+{{/* The model entry its draft's volume helpers take: named <name>-draft. */}}
+{{- define "pagoda.draftModel" -}}
+name: {{ printf "%s-draft" .name }}
+{{- end -}}
+
 {{- define "pagoda.model.servedName" -}}
 {{- default .name .servedModelName -}}
 {{- end -}}

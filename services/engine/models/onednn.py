@@ -14,22 +14,12 @@ activations are multiplied in float32 (rounded back to bf16 after), as a float32
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-
-@functools.cache
-def cpu_has_native_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
+from services.engine.cpu_ops.isa import has_native_bf16
 
 # A packed product costs ~13 us on top of its math, a float32 ``F.linear`` ~2 us: below this many
 # weight elements that is more than the whole product (64 x 512 at 256 rows: 49 against 65 us;
@@ -67,7 +57,7 @@ _PACK_BATCH_HINT = 64
 def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight:
     assert can_pack(weight), (weight.device, weight.dtype, weight.shape)
     compute = weight.dtype
-    if compute == torch.bfloat16 and not cpu_has_native_bf16():
+    if compute == torch.bfloat16 and not has_native_bf16():
         compute = torch.float32
     w = weight.detach().to(compute).contiguous()
     packed = torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH_HINT)

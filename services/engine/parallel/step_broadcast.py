@@ -33,7 +33,9 @@ class StepBatch:
     ``query_lens[i]`` of its ``seq_lens[i]``, in blocks ``block_tables[i, :num_blocks[i]]``;
     ``rows``: the requests (indices) whose last new token gets logits, in order; ``scored``:
     (first hidden row, count) pairs, flattened, of the slices whose logits score prompt
-    positions (prompt_logprobs), in order."""
+    positions (prompt_logprobs), in order; ``draft_lens`` (speculative decoding, one per
+    ``rows`` entry): how many drafts end that request's new tokens, whose positions get
+    logits too (the request's last ``1 + draft_lens[i]`` tokens)."""
 
     input_ids: np.ndarray  # [T] int64
     block_tables: np.ndarray  # [S, W] int32, zero-padded rows
@@ -47,6 +49,18 @@ class StepBatch:
     # the weights on rank 0 only (the other ranks read the path and check the version).
     lora_slots: np.ndarray | None = None
     lora_installs: list[tuple[int, str, str, Any]] = field(default_factory=list)
+    draft_lens: np.ndarray | None = None  # [R] int64
+
+    def logits_rows(self) -> np.ndarray:
+        """The hidden rows that get logits, in order: each of ``rows``' last new token, or with
+        drafts its last ``1 + draft_lens[i]``."""
+        ends = np.cumsum(self.query_lens) - 1
+        last = ends[self.rows]
+        if self.draft_lens is None:
+            return last
+        counts = 1 + self.draft_lens
+        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        return np.repeat(last - self.draft_lens, counts) + within
 
     @classmethod
     def of(
@@ -70,7 +84,9 @@ class StepBatch:
 
 def encode(batch: StepBatch) -> np.ndarray:
     num_seqs, width = batch.block_tables.shape
-    sizes = [len(batch.input_ids), num_seqs, width, len(batch.rows), len(batch.scored)]
+    drafts = batch.draft_lens if batch.draft_lens is not None else np.zeros(0, np.int64)
+    sizes = [len(batch.input_ids), num_seqs, width, len(batch.rows), len(batch.scored),
+             len(drafts)]
     return np.concatenate(
         [
             np.asarray(sizes, dtype=np.int64),
@@ -79,6 +95,7 @@ def encode(batch: StepBatch) -> np.ndarray:
             batch.query_lens.astype(np.int64, copy=False),
             batch.rows.astype(np.int64, copy=False),
             np.asarray(batch.scored, dtype=np.int64),
+            drafts.astype(np.int64, copy=False),
             batch.num_blocks.astype(np.int64, copy=False),
             batch.block_tables.reshape(-1).astype(np.int64),
             *_encode_lora(batch),
@@ -87,8 +104,8 @@ def encode(batch: StepBatch) -> np.ndarray:
 
 
 def decode(data: np.ndarray) -> StepBatch:
-    num_tokens, num_seqs, width, num_rows, num_scored = (int(v) for v in data[:5])
-    at = 5
+    num_tokens, num_seqs, width, num_rows, num_scored, num_drafts = (int(v) for v in data[:6])
+    at = 6
 
     def take(n: int) -> np.ndarray:
         nonlocal at
@@ -96,7 +113,8 @@ def decode(data: np.ndarray) -> StepBatch:
         return data[at - n : at]
 
     input_ids, seq_lens, query_lens = take(num_tokens), take(num_seqs), take(num_seqs)
-    rows, scored, num_blocks = take(num_rows), take(num_scored), take(num_seqs)
+    rows, scored, drafts = take(num_rows), take(num_scored), take(num_drafts)
+    num_blocks = take(num_seqs)
     tables = take(num_seqs * width).reshape(num_seqs, width).astype(np.int32)
     batch = StepBatch(
         input_ids=input_ids.copy(),
@@ -106,6 +124,7 @@ def decode(data: np.ndarray) -> StepBatch:
         query_lens=query_lens.copy(),
         rows=rows.copy(),
         scored=scored.tolist(),
+        draft_lens=drafts.copy() if num_drafts else None,
     )
     if at < len(data):
         _decode_lora(batch, data[at:])

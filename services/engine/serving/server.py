@@ -40,10 +40,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class Lifecycle:
-    """Shutdown state: SIGTERM makes the engine leave the routing set first, then drain."""
+    """Shutdown state. SIGTERM (or SIGINT): the engine leaves the routing set first (``leaving``:
+    /health turns 503, the heartbeat leaves Redis, so no router chooses it any more) while it
+    still accepts the requests routed to it just before; then the listener closes and the
+    requests in flight get ``shutdown_timeout`` to finish (``draining``); then it exits."""
 
+    leaving: bool = False
     draining: bool = False
     publisher: asyncio.Task | None = None
+    stopping: asyncio.Task | None = None  # the signal's leave-then-exit task
     # The caller's request id -> the engine's own (made unique), so /internal/abort can name
     # a request by the id its caller gave.
     active: dict[str, str] = field(default_factory=dict)
@@ -52,6 +57,8 @@ class Lifecycle:
 
 
 _MIN_HEARTBEAT_GAP_S = 0.05
+_LEAVE_TIMEOUT_S = 2.0  # leaving Redis on SIGTERM, bounded: a Redis outage must not hold it
+_LATE_ARRIVALS_S = 0.5  # after leaving: requests routed just before still arrive, and are served
 _CUT_AFTER_DRAIN_S = 0.5  # early heartbeats are at most 20 per second
 _CORE_DEATH_EXIT_S = 5.0  # the shutdown after a core death, bounded: never a hang
 _EXIT_ON_CORE_DEATH = False  # set by main(): an app embedded in tests only reports it
@@ -134,17 +141,53 @@ async def _stop_publishing(app: web.Application) -> None:
             await task
 
 
+async def _leave_first_on_stop_signals(app: web.Application) -> None:
+    """``on_startup`` of the server's own process (``main``): SIGTERM and SIGINT start
+    ``_leave_then_exit`` instead of aiohttp's immediate graceful exit, which would close the
+    listener while routers still chose this engine (a gateway would meet a refused
+    connection and retry elsewhere)."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, _on_stop_signal, app)
+
+
+def _on_stop_signal(app: web.Application) -> None:
+    lifecycle = app[LIFECYCLE]
+    if lifecycle.leaving:
+        return
+    lifecycle.leaving = True
+    lifecycle.stopping = asyncio.get_running_loop().create_task(_leave_then_exit(app))
+
+
+async def _leave_then_exit(app: web.Application) -> None:
+    logger.info("stop signal: leaving the routing set, then draining (shutdown_timeout=%.1fs)",
+                app[SERVER_CONFIG].shutdown_timeout)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(_stop_publishing(app), _LEAVE_TIMEOUT_S)
+    await asyncio.sleep(_LATE_ARRIVALS_S)
+    # GracefulExit from a loop callback ends run_app as its own signal handler would: the
+    # listener closes, on_shutdown (_drain) waits for the requests in flight, cleanup runs.
+    asyncio.get_running_loop().call_soon(_graceful_exit)
+
+
+def _graceful_exit() -> None:
+    raise web.GracefulExit()
+
+
 async def _drain(app: web.Application) -> None:
     """SIGTERM: stop being routable (health 503, heartbeat removed), then let the requests in
-    flight finish, bounded by ``drain_timeout_s``; aiohttp then closes what remains."""
-    app[LIFECYCLE].draining = True
+    flight finish, bounded by ``shutdown_timeout``; aiohttp then closes what remains."""
+    lifecycle = app[LIFECYCLE]
+    lifecycle.draining = True
     await _stop_publishing(app)
     core = app[CORE]
-    deadline = time.monotonic() + app[SERVER_CONFIG].drain_timeout_s
+    deadline = time.monotonic() + app[SERVER_CONFIG].shutdown_timeout
     logger.info("draining: in_flight=%d", core.num_in_flight)
-    while core.num_in_flight and time.monotonic() < deadline:
+    # A request the core has finished still has its last frames to write: wait for its
+    # handler too (``active``), or the shutdown would cut the stream before its end.
+    while (core.num_in_flight or lifecycle.active) and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    logger.info("drained: in_flight=%d", core.num_in_flight)
+    logger.info("drained: in_flight=%d streams=%d", core.num_in_flight, len(lifecycle.active))
 
 
 # -- handlers ---------------------------------------------------------------------------------
@@ -160,7 +203,8 @@ async def _read_body(request: web.Request) -> bytes | web.Response:
 
 async def handle_health(request: web.Request) -> web.Response:
     core = request.app[CORE]
-    if request.app[LIFECYCLE].draining:
+    lifecycle = request.app[LIFECYCLE]
+    if lifecycle.leaving or lifecycle.draining:
         return web.json_response({"status": "draining"}, status=503)
     if core.load_error is not None:
         return web.json_response({"status": "error", "error": str(core.load_error)}, status=503)
@@ -431,10 +475,12 @@ def main(argv: list[str] | None = None) -> None:
     global _EXIT_ON_CORE_DEATH
     _EXIT_ON_CORE_DEATH = True
     app = create_app(engine_config, server_config)
+    app.on_startup.append(_leave_first_on_stop_signals)
     # handler_cancellation: a client that goes away cancels its handler at once (even during
     # prefill), and the handler's finally-block aborts the request and frees its KV blocks.
     # The grace period is spent in _drain (on_shutdown); whatever still runs after it is cut
-    # at once, so SIGTERM-to-exit stays within drain_timeout_s plus about a second.
+    # at once, so SIGTERM-to-exit stays within shutdown_timeout plus about a second and a half
+    # (leaving Redis and taking the late arrivals first: _leave_then_exit).
     web.run_app(app, host=server_config.host, port=server_config.port, print=None,
                 shutdown_timeout=_CUT_AFTER_DRAIN_S, handler_cancellation=True)
     if app[LIFECYCLE].core_died:

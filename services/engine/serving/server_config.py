@@ -32,8 +32,10 @@ class ServerConfig:
     heartbeat_interval_s: float = flag(
         1.0, help="seconds between heartbeats (sooner when requests arrive or finish)")
     heartbeat_ttl_s: float = flag(5.0, help="seconds a heartbeat stays live in Redis")
-    drain_timeout_s: float = flag(
-        30.0, help="on SIGTERM, seconds the requests in flight get to finish"
+    shutdown_timeout: float = flag(
+        30.0,
+        help="on SIGTERM (or SIGINT), seconds the requests in flight get to finish once the "
+        "engine has left the routing set (vLLM's --shutdown-timeout; 0: cut them at once)",
     )
     debug_step_delay_s: float = flag(
         0.0, help="fault injection for tests and drills: seconds slept before every step"
@@ -60,7 +62,7 @@ class ServerConfig:
         for name in ("heartbeat_interval_s", "heartbeat_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("drain_timeout_s", "debug_step_delay_s"):
+        for name in ("shutdown_timeout", "debug_step_delay_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.engine_core not in ENGINE_CORES:

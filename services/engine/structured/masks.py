@@ -60,9 +60,14 @@ class TokenMasker:
         rows = [i for i, g in enumerate(grammars) if g is not None]
         if not rows:
             return
-        bitmask = self.bitmask[: len(rows)]
         for j, i in enumerate(rows):
-            grammars[i].fill(bitmask, j)
+            grammars[i].fill(self.bitmask, j)
+        self.mask(logits, rows)
+
+    def mask(self, logits: torch.Tensor, rows: Sequence[int]) -> None:
+        """Applies bitmask rows ``0 .. len(rows) - 1`` (filled by the caller) to the logits rows
+        ``rows``, in place."""
+        bitmask = self.bitmask[: len(rows)]
         vocab = logits.shape[1]
         bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")
         forbidden = torch.from_numpy(bits[:, :vocab] == 0).to(logits.device, non_blocking=True)

@@ -1,0 +1,98 @@
+"""A model with no ready engine (scale from zero): the gateway holds its requests, bounded in
+count (then 429) and in seconds (then 503), both with Retry-After and OpenAI's error body, and
+serves the held ones as soon as an engine is there."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import pytest
+
+from services.gateway.admission import RETRY_AFTER_S
+from tests.gateway.conftest import MODEL, Stack, StackFactory
+from tests.gateway.fakes import EngineEntry, FakeEngine
+
+pytestmark = pytest.mark.asyncio
+
+BODY = {"model": MODEL, "prompt": "hello there", "max_tokens": 4}
+
+
+async def post(stack: Stack, body: dict = BODY) -> tuple[int, dict, dict[str, str]]:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(f"{stack.url}/v1/completions", json=body) as resp,
+    ):
+        return resp.status, await resp.json(), dict(resp.headers)
+
+
+async def add_engine(stack: Stack, engine_id: str) -> None:
+    engine = FakeEngine(engine_id)
+    stack.engines[engine_id] = engine
+    stack.router.engines.append(EngineEntry(engine_id, await engine.start(), MODEL))
+
+
+async def held(stack: Stack, n: int) -> None:
+    state = stack.app_state
+    while state.upstreams.engine_wait.held(MODEL) != n:
+        await asyncio.sleep(0.01)
+
+
+async def test_held_requests_are_served_when_an_engine_starts(make_stack: StackFactory) -> None:
+    stack = await make_stack(engines=[], engine_wait_timeout=10.0, engine_wait_max_requests=4)
+    tasks = [asyncio.create_task(post(stack)) for _ in range(4)]
+    await asyncio.wait_for(held(stack, 4), 5)
+    async with aiohttp.ClientSession() as s, s.get(f"{stack.url}/metrics") as resp:
+        text = await resp.text()
+    assert f'pagoda_gateway_requests_waiting_for_engine{{model="{MODEL}"}} 4.0' in text
+    # A fifth is past the count bound: 429 at once, with Retry-After and the OpenAI body.
+    status, body, headers = await post(stack)
+    assert status == 429 and headers["Retry-After"] == str(RETRY_AFTER_S)
+    assert body["error"]["type"] == "rate_limit_error"
+    assert body["error"]["code"] == "no_engine_available"
+    await asyncio.sleep(1.0)  # the held ones keep asking the router meanwhile
+    await add_engine(stack, "late")
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    assert [r[0] for r in results] == [200] * 4
+    assert all(r[1]["choices"][0]["finish_reason"] for r in results)
+    asks = stack.router.requests
+    first = [r for r in asks if r.waited_s == 0]
+    again = [r for r in asks if r.waited_s > 0]
+    assert len(first) == 5  # 4 held + the refused one, each asked once without waiting
+    assert len(again) >= 4 and max(r.waited_s for r in again) >= 1.0
+    assert stack.app_state.upstreams.engine_wait.held(MODEL) == 0
+
+
+async def test_a_request_held_too_long_gets_503_with_retry_after(
+    make_stack: StackFactory,
+) -> None:
+    stack = await make_stack(engines=[], engine_wait_timeout=0.8)
+    started = time.monotonic()
+    status, body, headers = await post(stack)
+    waited = time.monotonic() - started
+    assert status == 503 and headers["Retry-After"] == str(RETRY_AFTER_S)
+    assert body["error"]["code"] == "no_engine_available"
+    assert body["error"]["type"] == "server_error"
+    assert "0.8 seconds" in body["error"]["message"]
+    assert 0.8 <= waited < 3.0
+
+
+async def test_without_holding_no_engine_is_503_at_once(make_stack: StackFactory) -> None:
+    stack = await make_stack(engines=[])  # engine_wait_timeout defaults to 0
+    started = time.monotonic()
+    status, body, headers = await post(stack)
+    assert time.monotonic() - started < 1.0
+    assert status == 503 and headers["Retry-After"] == str(RETRY_AFTER_S)
+    assert body["error"]["code"] == "no_engine_available"
+    assert [r.waited_s for r in stack.router.requests] == [0.0]
+
+
+async def test_a_client_that_hangs_up_while_held_leaves_the_count(
+    make_stack: StackFactory,
+) -> None:
+    stack = await make_stack(engines=[], engine_wait_timeout=10.0)
+    task = asyncio.create_task(post(stack))
+    await asyncio.wait_for(held(stack, 1), 5)
+    task.cancel()
+    await asyncio.wait_for(held(stack, 0), 5)
