@@ -2,7 +2,8 @@
 adapters, in one engine, one run; optionally vLLM-CPU beside it with the same adapters.
 
     .venv/bin/python benchmarks/lora_throughput.py                      # ~3 minutes on 2 cores
-    .venv/bin/python benchmarks/lora_throughput.py --peer vllm --vllm-python /work/vllm-venv/bin/python
+    .venv/bin/python benchmarks/lora_throughput.py --peer vllm \
+        --vllm-python /work/vllm-venv/bin/python
 
 The default model (fp32), 64 requests (engine_throughput's workload: prompts of 32-512 tokens,
 outputs of 16-256, ignore_eos, greedy). Adapters: ``--adapters`` of rank ``--rank`` on q/k/v/o

@@ -15,8 +15,8 @@ tensor-parallel rank ``in``/``out`` are the rank's, A's columns (row-parallel) o
 Per step a projection reads ``state.step`` (``step.LoRAStep``): None does nothing; one adapter
 for every token is two matmuls; otherwise the rows under adapters are gathered once, padded per
 slot into one batched matmul each way (or, when padding would cost more, two matmuls per
-adapter), and each token's row of the result is gathered back and added. With ``segments`` (the Triton kernels),
-shrink and expand kernels over per-request segments instead.
+adapter), and each token's row of the result is gathered back and added. With ``segments``
+(the Triton kernels), shrink and expand kernels over per-request segments instead.
 """
 
 from __future__ import annotations
