@@ -122,11 +122,12 @@ def test_the_router_follows_the_adapter_and_spreads_a_burst(stack: PagodaStack) 
     assert _engine_adapters(stack, "engine-0")["static2"] == 1
     c = _client(stack)
     engines = []
-    for i in range(6):  # paced traffic; prompts under a block: no prefix to follow
+    for i in range(5):  # paced traffic; prompts under a block: no prefix to follow
         raw = c.completions.with_raw_response.create(model="static2", prompt=f"Hi {i}",
                                                      max_tokens=2, temperature=0)
         engines.append(raw.headers["x-pagoda-engine"])
-        time.sleep(0.3)
+        # Paced past a heartbeat (0.5 s): the last request no longer counts as pending load.
+        time.sleep(0.7)
     assert set(engines) == {"engine-1"}, engines
 
     def one(i: int) -> str:
@@ -172,6 +173,9 @@ def test_unload_removes_it_everywhere_and_the_metric_says_what_runs(stack: Pagod
     assert (status, text) == (200, "Success: LoRA adapter 'dyn' removed successfully.")
     for engine_id in ("engine-0", "engine-1"):
         wait_for(lambda e=engine_id: "dyn" not in _engine_adapters(stack, e), 10, engine_id)
+    # The gateway's catalog follows the engines' heartbeats (through the router) at its next
+    # refresh; from then on the name is an unknown model, vLLM's 404.
+    wait_for(lambda: "dyn" not in _model_ids(stack), 10, "the gateway no longer lists dyn")
     with pytest.raises(openai.NotFoundError):
         _client(stack).completions.create(model="dyn", prompt=PROMPT, max_tokens=2)
     metrics = scrape(stack.engines[0].url)
