@@ -115,12 +115,12 @@ class RouteRequest(Message):
     request_id: str | None = field(
         metadata=bounds(MAX_REQUEST_ID_CHARS, min_len=1), default=None
     )
-    # the LoRA adapter the request runs under (its block hashes are that adapter's chain)
-    lora_name: str | None = field(metadata=bounds(MAX_NAME_CHARS, min_len=1), default=None)
     # Seconds the gateway has held this request so far for want of a ready engine of the
     # model (0: its first ask). The router counts arrivals on first asks and the requests
     # held at gateways in its demand metrics (``services.router.demand``).
     waited_s: float = 0.0
+    # the LoRA adapter the request runs under (its block hashes are that adapter's chain)
+    lora_name: str | None = field(metadata=bounds(MAX_NAME_CHARS, min_len=1), default=None)
 
     def _check(self) -> None:
         _check_non_negative("RouteRequest.prompt_len", self.prompt_len)
