@@ -381,3 +381,20 @@ def test_runtime_loads_stay_inside_the_adapter_roots(llama: Path, adapters: Path
     assert commands.run(manager, unload).status == 404
     no_roots = commands.run(manager, commands.AdapterCommand(commands.LOAD, "x", str(good)))
     assert (no_roots.status, no_roots.param) == (400, "lora_path")
+
+
+def test_speculative_decoding_under_adapters_gives_the_same_tokens(llama: Path,
+                                                                   adapters: Path) -> None:
+    """Prompt lookup (ngram) verifies several tokens per step; the adapter layout covers the
+    verified rows too, so each request's greedy tokens are what they are without drafts."""
+    from tests.support.spec_decode import ngram, repetitive_prompts
+
+    paths = [write_adapter(llama, adapters / f"spec{i}", seed=40 + i) for i in range(2)]
+    loras = [LoRARequest(f"spec{i}", i + 1, str(p)) for i, p in enumerate(paths)]
+    prompts = repetitive_prompts(4, 256, seed=3)
+    jobs = [(prompts[0], loras[0]), (prompts[1], None), (prompts[2], loras[1]),
+            (prompts[3], loras[0])]
+    plain = _run(_engine(llama, max_loras=2), jobs, logprobs=False)
+    drafted = _engine(llama, max_loras=2, speculative_config=ngram())
+    assert _run(drafted, jobs, logprobs=False) == plain
+    assert drafted.speculator.stats.snapshot().num_accepted_tokens > 0  # drafts accepted
