@@ -8,12 +8,11 @@ From each scheduled request's slot (-1: the base model) and its number of new to
   longest (``width``; ``gather`` is ``[slots * width]``, padding rows repeat row 0): each
   projection gathers them once, does one batched matmul for every slot at once and one
   back, into rows whose last one is zero, then gathers each token's row of that (``scatter``:
-  the zero row for base-model tokens) and adds it: five ops whatever the adapters, and no
-  scatter-add (``index_add_``, which is slow on the CPU and slower still with threads);
+  the zero row for base-model tokens) and adds it: five ops whatever the adapters;
 * grouped: the rows under adapters grouped by slot, unpadded (``gather``, and ``groups``:
   (slot, start, end) into it), two matmuls per adapter in the step (at most ``max_loras``,
-  never one per request), added back the same way (``scatter``); for steps where padding
-  would cost more than twice the rows (a long prompt beside decodes);
+  never one per request), added back with one ``index_add_`` over those rows; for steps
+  where padding would cost more than twice the rows (a long prompt beside decodes);
 * for the Triton kernels, ``segments``: (first token, tokens, slot) per request under an
   adapter, on the device.
 
@@ -39,7 +38,7 @@ class LoRAStep:
     # PADDED: [slots * width] rows (padding: row 0); GROUPED: [N] rows under an adapter,
     # grouped by slot
     gather: torch.Tensor | None = None
-    # [T]: each token's row in that layout; base-model tokens: one past it (a zero row)
+    # PADDED: [T] each token's row in that layout; base-model tokens: one past it (a zero row)
     scatter: torch.Tensor | None = None
     width: int = 0
     groups: tuple[tuple[int, int, int], ...] = ()  # GROUPED: (slot, start, end) into gather
@@ -87,10 +86,7 @@ def build(seq_slots: np.ndarray, query_lens: np.ndarray, num_slots: int,
     starts = np.concatenate(([0], bounds))
     ends = np.concatenate((bounds, [len(perm)]))
     groups = tuple((int(slots[s]), int(s), int(e)) for s, e in zip(starts, ends, strict=True))
-    scatter = np.full(len(token_slots), len(perm), dtype=np.int64)
-    scatter[perm] = np.arange(len(perm))
-    return LoRAStep(GROUPED, gather=torch.from_numpy(perm).to(device),
-                    scatter=torch.from_numpy(scatter).to(device), groups=groups)
+    return LoRAStep(GROUPED, gather=torch.from_numpy(perm).to(device), groups=groups)
 
 
 def _padded(perm: np.ndarray, counts: np.ndarray, width: int, num_tokens: int,
