@@ -48,9 +48,27 @@ test-gpu:
 	PYTHONPATH=. $(PY) benchmarks/gpu_throughput.py
 
 # Speculative decoding: make serve SPECULATIVE_CONFIG='{"method": "ngram", "num_speculative_tokens": 4}'
+# Multi-LoRA (vLLM's flags): make serve LORA_MODULES='sql=/adapters/sql chat=/adapters/chat'
+#   [MAX_LORAS=2 MAX_LORA_RANK=16 MAX_CPU_LORAS=4]; adapters loaded at run time (POST
+#   /v1/load_lora_adapter, paths inside LORA_ROOTS, admin keys only): LORA_ROOTS=/adapters
+#   ADMIN_API_KEY=sk-ops (VLLM_ALLOW_RUNTIME_LORA_UPDATING=true turns the routes on too).
+LORA_MODULES ?=
+LORA_ROOTS ?=
+MAX_LORAS ?=
+MAX_LORA_RANK ?=
+MAX_CPU_LORAS ?=
+ADMIN_API_KEY ?=
+LORA_FLAGS = $(if $(LORA_MODULES)$(LORA_ROOTS),--enable-lora,) \
+	$(if $(LORA_MODULES),--lora-modules $(foreach m,$(LORA_MODULES),'$(m)'),) \
+	$(if $(MAX_LORAS),--max-loras $(MAX_LORAS),) \
+	$(if $(MAX_LORA_RANK),--max-lora-rank $(MAX_LORA_RANK),) \
+	$(if $(MAX_CPU_LORAS),--max-cpu-loras $(MAX_CPU_LORAS),) \
+	$(if $(LORA_ROOTS),--lora-roots '$(LORA_ROOTS)' --allow-runtime-lora-updating,) \
+	$(if $(ADMIN_API_KEY),--admin-api-key '$(ADMIN_API_KEY)',)
 serve: install
 	$(PY) -m services.serve --port $(PORT) --engines $(ENGINES) $(if $(MODEL),--model $(MODEL),) \
-		$(if $(SPECULATIVE_CONFIG),--speculative-config '$(SPECULATIVE_CONFIG)',)
+		$(if $(SPECULATIVE_CONFIG),--speculative-config '$(SPECULATIVE_CONFIG)',) \
+		$(strip $(LORA_FLAGS))
 
 bench: install
 	$(PY) benchmarks/engine_throughput.py

@@ -106,6 +106,14 @@ class ServeConfig:
         (), name="api-key", repeat=True, metavar="KEY",
         help="require this API key (repeat for several)",
     )
+    admin_api_keys: tuple[str, ...] = flag(
+        (), name="admin-api-key", repeat=True, metavar="KEY",
+        help="an API key that may also load and unload LoRA adapters (repeat for several)",
+    )
+    allow_runtime_lora_updating: bool = flag(
+        False, help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (or "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true); engines read adapters from --lora-roots",
+    )
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -190,6 +198,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "--model", f"{model_name}={model_dir}"]
         for key in args.api_keys:
             gw_cmd += ["--api-key", key]
+        for key in args.admin_api_keys:
+            gw_cmd += ["--admin-api-key", key]
+        if args.allow_runtime_lora_updating:
+            gw_cmd.append("--allow-runtime-lora-updating")
         p = start("gateway", gw_cmd)
         wait_http(f"http://127.0.0.1:{args.port}/health", 120, p)
         logger.info("Pagoda is serving %s at http://127.0.0.1:%d/v1 (Ctrl-C stops)",

@@ -28,7 +28,7 @@ from services.gateway.responses import ResponseBuilder, ToolOutput
 from services.gateway.sse import SSEWriter
 from services.gateway.state import MODEL_LABEL, STATE, GatewayState
 from services.protocol import openai as oa
-from services.protocol.block_hash import BlockHasher
+from services.protocol.block_hash import AdapterKey, BlockHasher
 from services.protocol.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,12 @@ class _Plan:
     jobs: list[ChoiceJob]
     salt: str | None
     rid: str
+    adapter: AdapterKey | None = None  # the LoRA adapter the request's model names
+
+    @property
+    def served_name(self) -> str:
+        """The model name responses carry: the adapter's, when the request named one."""
+        return self.model.name if self.adapter is None else self.adapter.name
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -66,16 +72,18 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     parse = oa.parse_chat_request if kind == "chat" else oa.parse_completion_request
     req = parse(body, state.config.max_n)
     model = state.models.resolve_optional(req.model, state.config.default_model)
+    adapter = state.models.adapter(req.model)
     request[MODEL_LABEL] = model.name
     _check_tool_choice(req, state.config.tool_call_parser)
-    plan = await _plan(request, state, req, model, body)
+    plan = await _plan(request, state, req, model, body, adapter)
     if span.is_recording():
         _trace_request(span, plan)
     endpoint = request.path
     loop = asyncio.get_running_loop()
     deadline = loop.time() + state.config.request_timeout
     timed_out = oa.OpenAIError("the request timed out", status=504)
-    gen = Generation(state.upstreams, model, plan.rid, plan.jobs, plan.salt)
+    gen = Generation(state.upstreams, model, plan.rid, plan.jobs, plan.salt,
+                     None if adapter is None else adapter.name)
     timer: asyncio.TimerHandle | None = None
     state.metrics.in_flight.labels(endpoint, model.name).inc()
     try:
@@ -107,6 +115,7 @@ async def _plan(
     req: oa.GenerationRequest,
     model: ServedModel,
     body: dict[str, Any],
+    adapter: AdapterKey | None = None,
 ) -> _Plan:
     choices = max(len(req.prompts), 1) * req.params.n
     if choices > oa.MAX_CHOICES:
@@ -120,7 +129,8 @@ async def _plan(
         check_length(model, len(p.token_ids), req.params.max_tokens, prompt_param, max_param)
     check_logit_bias(model, req.params.logit_bias)
     salt = cache_salt_for(request.get(TENANT_KEY), req.cache_salt)
-    hasher = BlockHasher(model.name, model.block_size, salt, model.hash_algorithm)
+    # The adapter is in the chain as the engine puts it there (one contract: block_hash).
+    hasher = BlockHasher(model.name, model.block_size, salt, model.hash_algorithm, adapter)
     rid = oa.new_id("chatcmpl" if req.kind == "chat" else "cmpl")
     n = req.params.n
     jobs = []
@@ -137,7 +147,7 @@ async def _plan(
                     client_params=req.params,
                 )
             )
-    return _Plan(req, model, prompts, jobs, salt, rid)
+    return _Plan(req, model, prompts, jobs, salt, rid, adapter)
 
 
 def _engine_params(req: oa.GenerationRequest, i: int) -> SamplingParams:
@@ -181,7 +191,7 @@ def _builder(state: GatewayState, plan: _Plan) -> ResponseBuilder:
     return ResponseBuilder(
         req.kind,
         plan.rid,
-        plan.model.name,
+        plan.served_name,
         {j.index: j.prompt_index for j in plan.jobs},
         want_logprobs=req.params.logprobs is not None,
         echo_texts=echo,

@@ -1,7 +1,9 @@
 """Gateway configuration: one validated dataclass; every field is one CLI flag.
 
 ``--api-key`` and ``--model`` repeat; ``PAGODA_API_KEYS`` (comma separated) adds keys from the
-environment so they need not appear on a command line.
+environment so they need not appear on a command line, as ``PAGODA_ADMIN_API_KEYS`` does for
+``--admin-api-key``; ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=true`` turns on
+``--allow-runtime-lora-updating``, as in vLLM.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from services.common.logs import check_log_level
 from services.protocol.openai import MAX_CHOICES, MAX_N
 
 API_KEYS_ENV = "PAGODA_API_KEYS"
+ADMIN_KEYS_ENV = "PAGODA_ADMIN_API_KEYS"
+# vLLM's switch for /v1/load_lora_adapter and /v1/unload_lora_adapter, accepted as it is.
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 PROG = "python -m services.gateway"
 DESCRIPTION = (
     "Pagoda OpenAI-compatible gateway: auth, templating, tokenizing, routing, streaming."
@@ -110,6 +115,19 @@ class GatewayConfig:
         "with Retry-After",
     )
     log_level: str = flag("INFO", help="logging level")
+    admin_api_keys: tuple[str, ...] = flag(
+        (),
+        name="admin-api-key",
+        repeat=True,
+        metavar="KEY",
+        help=f"a bearer key that may also load and unload LoRA adapters (repeatable; also "
+        f"${ADMIN_KEYS_ENV}); admin keys are accepted wherever --api-key keys are",
+    )
+    allow_runtime_lora_updating: bool = flag(
+        False,
+        help=f"serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (admin keys only "
+        f"when keys are configured); ${RUNTIME_LORA_ENV}=true turns it on too, as in vLLM",
+    )
     tool_call_parser: str | None = flag(
         None,
         help="how tool calls are read from the output of tool_choice auto (as vLLM's flag): "
@@ -135,6 +153,8 @@ class GatewayConfig:
         object.__setattr__(self, "router_url", ",".join(urls))
         keys = tuple(k.strip() for k in self.api_keys if k.strip())
         object.__setattr__(self, "api_keys", tuple(dict.fromkeys(keys)))
+        admin = tuple(k.strip() for k in self.admin_api_keys if k.strip())
+        object.__setattr__(self, "admin_api_keys", tuple(dict.fromkeys(admin)))
         names = [m.name for m in self.models]
         if len(names) != len(set(names)):
             raise ValueError(f"--model names must be unique, got {names}")
@@ -167,7 +187,11 @@ class GatewayConfig:
         ns = parser.parse_args(argv)
         env = os.environ if environ is None else environ
         keys = (*getattr(ns, "api_keys", ()), *env.get(API_KEYS_ENV, "").split(","))
-        return cli.from_namespace(cls, ns, parser, api_keys=keys)
+        admin = (*getattr(ns, "admin_api_keys", ()), *env.get(ADMIN_KEYS_ENV, "").split(","))
+        runtime = getattr(ns, "allow_runtime_lora_updating", False) or env.get(
+            RUNTIME_LORA_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+        return cli.from_namespace(cls, ns, parser, api_keys=keys, admin_api_keys=admin,
+                                  allow_runtime_lora_updating=runtime)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -84,8 +84,11 @@ class Generation:
         request_id: str,
         jobs: Sequence[ChoiceJob],
         cache_salt: str | None,
+        lora_name: str | None = None,
     ) -> None:
+        """``lora_name``: the LoRA adapter every choice runs under (None: the base model)."""
         self._up = up
+        self._lora = lora_name
         self._model = model
         self.request_id = request_id
         self._jobs = list(jobs)
@@ -204,7 +207,7 @@ class Generation:
         for attempt in range(attempts):
             route = await self._route(job, exclude)
             rid = f"{self.request_id}-{job.index}" + (f"-r{attempt}" if attempt else "")
-            req = GenerateRequest(rid, job.prompt_ids, job.engine_params, self._salt)
+            req = GenerateRequest(rid, job.prompt_ids, job.engine_params, self._salt, self._lora)
             guard = (up.watch.guard(route.engine_id, route.url) if up.watch is not None
                      else contextlib.nullcontext())
             try:
@@ -246,6 +249,7 @@ class Generation:
                     exclude=list(exclude),
                     request_id=self.request_id,
                     waited_s=waited_s,
+                    lora_name=self._lora,
                 )
             )
 

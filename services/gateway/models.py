@@ -5,6 +5,10 @@ Tokenizers come from ``--model NAME=HF_DIR``. The context length is the director
 the block size is ``--block-size`` until the engines report theirs. Which models are *live*
 (have engines) is what the router's ``/engines`` said last. A model's ``system_fingerprint`` is
 recomputed whenever its block size or context length changes.
+
+A model's LoRA adapters are what its live engines report (``/engines``); a request whose
+``model`` names one runs on its base model's engines under that adapter, and hashes its prompt
+with the adapter in the chain.
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ from pathlib import Path
 from services.common.model_files import ModelFiles
 from services.gateway.config import ModelSpec
 from services.gateway.fingerprint import system_fingerprint
-from services.gateway.router_client import EngineInfo
-from services.protocol.block_hash import HashAlgorithm
+from services.gateway.router_client import AdapterInfo, EngineInfo
+from services.protocol.block_hash import AdapterKey, HashAlgorithm
 from services.protocol.openai import OpenAIError
 from services.text.tokenizer import Tokenizer
 
@@ -39,6 +43,8 @@ class ServedModel:
     engine_ids: tuple[str, ...] = ()
     created: int = 0
     fingerprint: str = ""  # set by refresh_fingerprint
+    # LoRA adapters its engines serve, by name (the version most of them report)
+    adapters: dict[str, AdapterInfo] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.refresh_fingerprint()
@@ -99,6 +105,8 @@ class ModelRegistry:
     def get(self, name: str) -> ServedModel:
         model = self.models.get(name)
         if model is None:
+            model = self._base_of(name)
+        if model is None:
             raise OpenAIError(
                 f"the model {name!r} does not exist",
                 status=404,
@@ -124,6 +132,18 @@ class ModelRegistry:
             raise OpenAIError("model must be a non-empty string", param="model")
         return self.get(name)
 
+    def _base_of(self, adapter: str) -> ServedModel | None:
+        return next((m for m in self.models.values() if adapter in m.adapters), None)
+
+    def adapter(self, name: object) -> AdapterKey | None:
+        """The adapter a request's ``model`` names (None: a base model, or no model named)."""
+        if not isinstance(name, str) or name in self.models:
+            return None
+        base = self._base_of(name)
+        if base is None:
+            return None
+        return AdapterKey(name, base.adapters[name].version)
+
     def live(self) -> list[ServedModel]:
         return [m for m in self.models.values() if m.engine_ids]
 
@@ -135,6 +155,7 @@ class ModelRegistry:
         for name, model in self.models.items():
             mine = by_model.get(name, [])
             model.engine_ids = tuple(sorted(e.engine_id for e in mine))
+            model.adapters = _adapters(name, mine)
             if not mine:
                 continue
             sizes = Counter(e.block_size for e in mine)
@@ -154,6 +175,21 @@ class ModelRegistry:
             limits = [e.max_model_len for e in mine if e.max_model_len]
             model.engine_context = min(limits) if limits else None
             model.refresh_fingerprint()
+
+
+def _adapters(model: str, engines: list[EngineInfo]) -> dict[str, AdapterInfo]:
+    """Every adapter some engine of ``model`` serves; the version most of them report."""
+    seen: dict[str, Counter] = {}
+    for e in engines:
+        for a in e.adapters:
+            seen.setdefault(a.name, Counter())[a] += 1
+    out = {}
+    for name, versions in seen.items():
+        if len({a.version for a in versions}) > 1:
+            logger.warning("engines of model=%s serve different weights as adapter %s: %s",
+                           model, name, sorted({a.version for a in versions}))
+        out[name] = versions.most_common(1)[0][0]
+    return out
 
 
 def _agreed(model: str, what: str, seen: Counter) -> HashAlgorithm:

@@ -38,6 +38,29 @@ def _errors(*statuses: int) -> dict[str, Any]:
                      **_json(_ERROR)} for s in statuses}
 
 
+def _lora_admin(summary: str, required: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's runtime adapter routes (services.gateway.lora_admin): a plain-text answer."""
+    errors = _errors(400, 401, 404, 413, 503)
+    errors["403"] = {"description": "not an admin API key", **_json(_ERROR)}
+    errors["404"]["description"] = "runtime loading is off, or (unload) an unknown adapter"
+    errors["502"] = {"description": "some engines failed (named in the message)",
+                     **_json(_ERROR)}
+    body = {"type": "object", "required": list(required),
+            "properties": {**required, "base_model_name": {"type": "string"}}}
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, **_json(body)},
+            "responses": {
+                "200": {"description": "done on every live engine of the model",
+                        "content": {"text/plain": {"schema": {"type": "string"}}}},
+                **errors,
+            },
+        }
+    }
+
+
+_NAME = {"type": "string", "minLength": 1}
 _BODY_ERRORS = (400, 401, 404, 408, 413, 500)
 _GEN_ERRORS = (*_BODY_ERRORS, 429, 502, 503, 504)
 
@@ -401,6 +424,12 @@ def openapi_document() -> dict[str, Any]:
                     },
                 }
             },
+            "/v1/load_lora_adapter": _lora_admin(
+                "Load a LoRA adapter on every engine of its base model (admin keys)",
+                {"lora_name": _NAME, "lora_path": _NAME}),
+            "/v1/unload_lora_adapter": _lora_admin(
+                "Unload a LoRA adapter from every engine of its base model (admin keys)",
+                {"lora_name": _NAME}),
             "/tokenize": {
                 "post": {
                     "summary": "Tokenize a prompt or a conversation (vLLM's shape)",

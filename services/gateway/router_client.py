@@ -38,6 +38,25 @@ MSGPACK = "application/msgpack"
 
 
 @dataclass(frozen=True, slots=True)
+class AdapterInfo:
+    """A LoRA adapter an engine serves (from its heartbeat)."""
+
+    name: str
+    version: str
+    path: str
+
+    @classmethod
+    def from_dict(cls, d: Any) -> AdapterInfo | None:
+        if not isinstance(d, dict):
+            return None
+        name, version, path = d.get("name"), d.get("version"), d.get("path", "")
+        if not (isinstance(name, str) and name and isinstance(version, str) and version
+                and isinstance(path, str)):
+            return None
+        return cls(name, version, path)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineInfo:
     engine_id: str
     url: str
@@ -45,6 +64,7 @@ class EngineInfo:
     block_size: int
     max_model_len: int | None = None
     hash_algorithm: HashAlgorithm = HashAlgorithm.XXH3_128
+    adapters: tuple[AdapterInfo, ...] = ()
 
     @classmethod
     def from_dict(cls, d: Any) -> EngineInfo | None:
@@ -62,7 +82,10 @@ class EngineInfo:
             algorithm = HashAlgorithm(d.get("hash_algorithm", HashAlgorithm.XXH3_128.value))
         except ValueError:
             return None
-        return cls(eid, url, model, bs, mml, algorithm)
+        raw = d.get("adapters")
+        adapters = tuple(a for a in (AdapterInfo.from_dict(x) for x in raw) if a is not None) \
+            if isinstance(raw, list) else ()
+        return cls(eid, url, model, bs, mml, algorithm, adapters)
 
 
 class RouterUnavailable(Exception):
@@ -167,6 +190,24 @@ class RouterClient:
             return RouteResponse.from_msgpack(body)
         except ValueError as exc:
             raise _RouterDown(f"malformed RouteResponse: {exc}") from None
+
+    async def call_json(self, method: str, path: str, body: Any = None
+                        ) -> tuple[int, dict[str, Any]]:
+        """(status, JSON body) of ``method path`` on the first replica that answers (the
+        adapter registry). Raises RouterUnavailable when none does."""
+        why = "no router"
+        for i in self._order():
+            try:
+                async with self._session.request(method, self._bases[i] + path, json=body,
+                                                 timeout=self._timeout) as resp:
+                    data = await resp.json(content_type=None)
+                    if resp.status >= 500 and resp.status != 503:
+                        raise RouterUnavailable(f"{path} answered {resp.status}")
+                    return resp.status, data if isinstance(data, dict) else {}
+            except (TimeoutError, aiohttp.ClientError, ValueError, RouterUnavailable) as exc:
+                why = str(exc) or type(exc).__name__
+                self._mark_down(i, why)
+        raise RouterUnavailable(why)
 
     async def engines(self) -> list[EngineInfo]:
         """The live engines, from the first replica that answers. Raises RouterUnavailable."""

@@ -1,6 +1,7 @@
 """The gateway's aiohttp app: ``create_app(config) -> web.Application``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (``lora_admin``),
 ``POST /tokenize``, ``POST /detokenize``, ``GET /health`` (liveness), ``GET /ready`` (the router
 answers), ``GET /metrics``, ``GET /metrics/engines`` (every live engine's metrics, federated),
 ``GET /openapi.json``, ``GET /version``.
@@ -25,7 +26,7 @@ from aiohttp import web
 
 from services.common import tracing
 from services.common.http_errors import error_middleware
-from services.gateway import api, tokenization
+from services.gateway import api, lora_admin, tokenization
 from services.gateway.admission import EngineWait
 from services.gateway.auth import ApiKeyAuth, auth_middleware
 from services.gateway.config import GatewayConfig
@@ -70,7 +71,7 @@ def create_app(
             tracing.server_span_middleware(_TRACED_PATHS),  # outermost: sees the final status
             _metrics_middleware,
             error_middleware,
-            auth_middleware(ApiKeyAuth(config.api_keys)),
+            auth_middleware(ApiKeyAuth((*config.api_keys, *config.admin_api_keys))),
         ],
     )
     app[_METRICS] = metrics
@@ -93,6 +94,7 @@ def create_app(
     app.router.add_get("/metrics/engines", engine_metrics)
     app.router.add_get("/openapi.json", _openapi)
     app.router.add_get("/version", _version)
+    lora_admin.add_routes(app)
     return app
 
 
@@ -190,19 +192,19 @@ async def _list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if not await _refresh_engines(state):
         raise OpenAIError("the router is unavailable", status=503)
-    data = [
-        {
-            "id": m.name,
-            "object": "model",
-            "created": m.created,
-            "owned_by": "pagoda",
-            "root": m.name,
-            "parent": None,
-            "max_model_len": m.max_model_len,
-        }
-        for m in state.models.live()
-    ]
+    data = []
+    for m in state.models.live():
+        data.append(_model_card(m.name, m.created, m.name, None, m.max_model_len))
+        # Its LoRA adapters, as vLLM lists them: parent the base model, root the path.
+        data.extend(_model_card(a.name, m.created, a.path, m.name, m.max_model_len)
+                    for a in sorted(m.adapters.values(), key=lambda a: a.name))
     return web.json_response({"object": "list", "data": data})
+
+
+def _model_card(name: str, created: int, root: str, parent: str | None,
+                max_model_len: int | None) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "pagoda",
+            "root": root, "parent": parent, "max_model_len": max_model_len}
 
 
 async def _health(request: web.Request) -> web.Response:

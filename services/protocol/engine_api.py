@@ -33,6 +33,7 @@ import msgpack
 from services.protocol.sampling_params import SamplingParams
 from services.protocol.wire import (
     MAX_CACHE_SALT_CHARS,
+    MAX_NAME_CHARS,
     MAX_PROMPT_TOKENS,
     MAX_REQUEST_ID_CHARS,
     BadRequest,
@@ -93,6 +94,8 @@ class GenerateRequest(Message):
         metadata=codec(_params_from_wire, _params_to_wire), default_factory=SamplingParams
     )
     cache_salt: str | None = field(metadata=bounds(MAX_CACHE_SALT_CHARS), default=None)
+    # a LoRA adapter the engine has loaded (None: the base model)
+    lora_name: str | None = field(metadata=bounds(MAX_NAME_CHARS, min_len=1), default=None)
 
     def _check(self) -> None:
         if min(self.prompt_token_ids) < 0:

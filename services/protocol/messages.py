@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from services.protocol.block_hash import BlockHash, HashAlgorithm
+from services.protocol.lora_api import MAX_ADAPTERS, AdapterStatus
 from services.protocol.wire import (
     BLOCK_HASH_BYTES,
     MAX_EXCLUDE,
@@ -71,6 +72,9 @@ class EngineHeartbeat(Message):
     # The engine's block-hash function (a ``HashAlgorithm`` value): the gateway hashes prompts
     # with the same one, or no prefix would ever match.
     hash_algorithm: str = HashAlgorithm.XXH3_128.value
+    # LoRA adapters the engine serves (registered), with where each one is: the router
+    # prefers an engine holding a request's adapter, and the gateway lists them.
+    adapters: list[AdapterStatus] = field(metadata=bounds(MAX_ADAPTERS), default_factory=list)
 
     def _check(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -115,6 +119,8 @@ class RouteRequest(Message):
     # model (0: its first ask). The router counts arrivals on first asks and the requests
     # held at gateways in its demand metrics (``services.router.demand``).
     waited_s: float = 0.0
+    # the LoRA adapter the request runs under (its block hashes are that adapter's chain)
+    lora_name: str | None = field(metadata=bounds(MAX_NAME_CHARS, min_len=1), default=None)
 
     def _check(self) -> None:
         _check_non_negative("RouteRequest.prompt_len", self.prompt_len)

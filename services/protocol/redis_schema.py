@@ -16,6 +16,10 @@ one model lives in one slot and the Lua scripts below may touch them together)::
     ns:{model}:pend:<engine_id>       STRING  router write-back pending TTL; deleted by the
                                               (INCR)            engine's next heartbeat
     ns:{model}:rr                     STRING  round-robin INCR  never (one integer per model)
+    ns:{model}:lora                   HASH    router (gateway's never (the runtime LoRA adapters:
+                                              load/unload)               name -> JSON {"path"})
+    ns:{model}:lora-gen               STRING  router (INCR on   never (engines re-read the hash
+                                              each change)               when it moves)
     ns:{model}:held                   ZSET    router, for       member = request id held at a
                                               gateways waiting  gateway for want of an engine,
                                               for an engine     score = when it stops counting
@@ -103,6 +107,11 @@ class RedisKeys:
     def round_robin(self, model: str) -> str:
         return self.model_prefix(model) + "rr"
 
+    def lora_adapters(self, model: str) -> str:
+        return self.model_prefix(model) + "lora"
+
+    def lora_generation(self, model: str) -> str:
+        return self.model_prefix(model) + "lora-gen"
     def held(self, model: str) -> str:
         return self.model_prefix(model) + "held"
 

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
+from services.router.adapters import ADAPTER_WEIGHT, affinity
 from services.router.config import PolicyName, RouterConfig
 
 
@@ -26,6 +27,9 @@ class Candidate:
     kv_usage: float
     step_ms: float = 0.0  # the engine's recent step time (0: unknown)
     heartbeat_ts: float = 0.0  # the heartbeat's timestamp, by the engine's own clock
+    # Where it holds the request's LoRA adapter (services.protocol.lora_api residency codes);
+    # -1: not held, or the request names none.
+    adapter: int = -1
 
     @property
     def load(self) -> int:
@@ -111,7 +115,8 @@ class RoundRobinPolicy:
 class PrefixPolicy:
     """Longest cached prefix weighed against load, with a hot-spot guard.
 
-    score = matched_blocks / prompt_blocks - load_weight * cost / max(1, busiest cost)
+    score = matched_blocks / prompt_blocks + adapter_weight * adapter affinity
+            - load_weight * cost / max(1, busiest cost)
 
     where cost is the load scaled by how much slower than the fastest candidate an engine steps
     (``load_cost``; the plain load when speeds are alike). The best score wins (ties: lower
@@ -124,17 +129,23 @@ class PrefixPolicy:
     load_weight: float = 0.5
     hot_spot_ratio: float = 2.0
     hot_spot_min_load: int = 6
+    # LoRA: how much an engine holding the request's adapter counts (services.router.adapters)
+    adapter_weight: float = ADAPTER_WEIGHT
     name: ClassVar[PolicyName] = PolicyName.PREFIX
 
     async def choose(self, candidates: Sequence[Candidate], ctx: PolicyContext) -> Decision:
         cost = load_cost(candidates)
         least = _least_loaded(candidates, cost)
-        if ctx.num_blocks == 0 or all(c.matched_blocks == 0 for c in candidates):
+        adapter = any(c.adapter >= 0 for c in candidates)
+        if not adapter and (ctx.num_blocks == 0 or all(c.matched_blocks == 0
+                                                       for c in candidates)):
             return Decision(least, "least-loaded")
         busiest = max(1.0, max(cost(c) for c in candidates))
 
         def rank(c: Candidate) -> tuple[float, float, float, str]:
-            score = c.matched_blocks / ctx.num_blocks - self.load_weight * cost(c) / busiest
+            prefix = c.matched_blocks / ctx.num_blocks if ctx.num_blocks else 0.0
+            score = (prefix + self.adapter_weight * affinity(c.adapter)
+                     - self.load_weight * cost(c) / busiest)
             return (-score, cost(c), c.kv_usage, c.engine_id)
 
         best = min(candidates, key=rank)
@@ -144,7 +155,10 @@ class PrefixPolicy:
             and best.load > self.hot_spot_ratio * least.load
         ):
             return Decision(least, "hot-spot")
-        return Decision(best, "prefix-hit" if best.matched_blocks > 0 else "least-loaded")
+        if best.matched_blocks > 0:
+            return Decision(best, "prefix-hit")
+        return Decision(best, "adapter-affinity" if adapter and best is not least
+                        else "least-loaded")
 
 
 PolicyFactory = Callable[[RouterConfig], RoutingPolicy]

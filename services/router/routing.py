@@ -13,6 +13,7 @@ from opentelemetry import trace
 
 from services.common import tracing
 from services.protocol.messages import RouteRequest, RouteResponse
+from services.router.adapters import with_adapter
 from services.router.discovery import Discovery, normalize_url
 from services.router.index import EngineView, IndexSnapshot, RouterIndex
 from services.router.metrics import RouterMetrics
@@ -76,6 +77,7 @@ class EngineStatus:
     max_model_len: int | None
     discovered: bool
     hash_algorithm: str
+    adapters: list[dict[str, Any]]  # the engine's LoRA adapters (lora_api.AdapterStatus)
 
 
 class Router:
@@ -120,6 +122,8 @@ class Router:
             if c.engine_id not in excluded and normalize_url(c.url) not in excluded
         ]
         candidates = self._avoid_suspects(req.exclude, eligible, candidates)
+        if req.lora_name is not None and candidates:
+            candidates = with_adapter(candidates, snapshot, req.lora_name)
         if span.is_recording():
             _trace_lookup(span, req, self.policy.name.value, snapshot.degraded, lookup_s,
                           len(eligible), candidates)
@@ -298,6 +302,7 @@ def _status(model: str, view: EngineView, discovered: bool) -> EngineStatus:
         max_model_len=hb.max_model_len,
         discovered=discovered,
         hash_algorithm=hb.hash_algorithm,
+        adapters=[a.to_dict() for a in hb.adapters],
     )
 
 

@@ -9,6 +9,7 @@ GET  /health    JSON liveness, with Redis and discovery state (always 200)
 GET  /ready     200 once engine discovery has synced, else 503 (Redis does not gate it:
                 without Redis the router still routes, by load)
 GET  /metrics   Prometheus text, with the per-model demand (``services.router.demand``)
+GET/POST/DELETE /adapters   the registry of runtime-loaded LoRA adapters (router.adapters)
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from services.common import tracing
 from services.common.http_errors import error_middleware, json_error
+from services.common.lora_registry import AdapterRegistry
 from services.common.redis_index import KVIndexReader, connect, redact_url
 from services.protocol.messages import RouteRequest
 from services.protocol.redis_schema import RedisKeys
 from services.protocol.wire import BadRequest
+from services.router import adapters
 from services.router.config import RouterConfig
 from services.router.deletion_cost import DeletionCost, HitWindow, PodAnnotator, PrefixHits
 from services.router.demand import Demand
@@ -67,6 +70,7 @@ def create_app(config: RouterConfig) -> web.Application:
     app.router.add_get("/health", handle_health)
     app.router.add_get("/ready", handle_ready)
     app.router.add_get("/metrics", handle_metrics)
+    adapters.add_routes(app)  # the LoRA adapter registry
     return app
 
 
@@ -94,6 +98,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     metrics = app[METRICS_KEY]
     redis = connect(config.redis_url, timeout_s=config.redis_timeout_s)
     keys = RedisKeys(config.redis_namespace)
+    app[adapters.REGISTRY] = AdapterRegistry(redis, keys)
     reader = KVIndexReader(
         redis,
         keys,

@@ -137,6 +137,36 @@ SPECULATIVE: dict[str, Any] = {
     ]
 }
 
+# Multi-LoRA: adapters from the model's own claim (runtime loading on, admin keys in their own
+# Secret) and, on a CPU engine of the builtin model, from a volume of their own.
+LORA: dict[str, Any] = {
+    "gateway": {"apiKeys": {"keys": ["sk-user"]}, "adminApiKeys": {"keys": ["sk-admin"]}},
+    "models": [
+        {
+            "name": "tuned",
+            "servedModelName": "meta-llama/Llama-3.1-8B-Instruct",
+            "source": {"type": "pvc", "pvc": {"claimName": "weights", "subPath": "llama-8b"}},
+            "gpus": 1,
+            "lora": {
+                "modules": [{"name": "sql", "path": "adapters/sql"},
+                            {"name": "chat-v2", "path": "adapters/chat/v2/"}],
+                "maxLoras": 2, "maxLoraRank": 32, "maxCpuLoras": 8, "runtimeLoading": True,
+            },
+        },
+        {
+            "name": "small",
+            "source": {"type": "builtin"},
+            "gpus": 0,
+            "lora": {
+                "modules": [{"name": "summarize", "path": "summarize"}],
+                "source": {"type": "image",
+                           "image": {"repository": "registry.example.com/adapters/smol",
+                                     "tag": "3", "path": "/adapters"}},
+            },
+        },
+    ],
+}
+
 SCENARIOS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "two-models": TWO_MODELS,
@@ -146,6 +176,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "other-sources": OTHER_SOURCES,
     "scale-to-zero": SCALE_TO_ZERO,
     "speculative": SPECULATIVE,
+    "lora": LORA,
 }
 
 

@@ -338,3 +338,63 @@ def test_lora_request_lists_in_generate(tiny_model_dir, default_model_path, adap
     assert both[0].outputs[0].token_ids == one[0].outputs[0].token_ids
     assert both[1].outputs[0].token_ids == base[0].outputs[0].token_ids
     assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 8
+
+
+# --------------------------------------------------------------------------- runtime loads
+
+
+def test_runtime_loads_stay_inside_the_adapter_roots(llama: Path, adapters: Path,
+                                                     tmp_path: Path, monkeypatch) -> None:
+    """``../``, absolute paths and symlinks (of the directory or of a file in it) that leave
+    the roots are a 400 naming lora_path, and no file outside the roots is opened."""
+    from services.engine.lora import commands
+
+    good = write_adapter(llama, adapters / "good", seed=3)
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    shutil.copytree(good, root / "ok")
+    shutil.copytree(good, outside / "secret")
+    (root / "dir-link").symlink_to(outside / "secret")
+    (root / "file-link").mkdir()
+    (root / "file-link" / "adapter_config.json").symlink_to(
+        outside / "secret" / "adapter_config.json")
+    shutil.copy(good / "adapter_model.safetensors", root / "file-link")
+    (root / "inner-link").symlink_to(root / "ok")  # a symlink that stays inside is fine
+    opened: list[Path] = []
+    read_bytes = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda p: opened.append(p) or read_bytes(p))
+    engine = _engine(llama, max_loras=2, max_cpu_loras=2)
+    manager, roots = engine.lora, (str(root),)
+
+    def load(name: str, path: str) -> commands.AdapterReply:
+        return commands.run(manager, commands.AdapterCommand(commands.LOAD, name, path, roots))
+
+    for path in ("../outside/secret", str(outside / "secret"), "ok/../../outside/secret",
+                 "dir-link", "file-link"):
+        reply = load("bad", path)
+        assert (reply.status, reply.param) == (400, "lora_path"), (path, reply)
+    assert not [p for p in opened if outside in p.resolve().parents]
+    assert load("ok", "ok").status == 200  # relative to the first root
+    assert load("ok", "ok").status == 200  # the same again: nothing changes
+    assert load("ok", "inner-link").status == 409  # the name holds another path
+    assert load("inner", "inner-link").status == 200
+    unload = commands.AdapterCommand(commands.UNLOAD, "nope")
+    assert commands.run(manager, unload).status == 404
+    no_roots = commands.run(manager, commands.AdapterCommand(commands.LOAD, "x", str(good)))
+    assert (no_roots.status, no_roots.param) == (400, "lora_path")
+
+
+def test_speculative_decoding_under_adapters_gives_the_same_tokens(llama: Path,
+                                                                   adapters: Path) -> None:
+    """Prompt lookup (ngram) verifies several tokens per step; the adapter layout covers the
+    verified rows too, so each request's greedy tokens are what they are without drafts."""
+    from tests.support.spec_decode import ngram, repetitive_prompts
+
+    paths = [write_adapter(llama, adapters / f"spec{i}", seed=40 + i) for i in range(2)]
+    loras = [LoRARequest(f"spec{i}", i + 1, str(p)) for i, p in enumerate(paths)]
+    prompts = repetitive_prompts(4, 256, seed=3)
+    jobs = [(prompts[0], loras[0]), (prompts[1], None), (prompts[2], loras[1]),
+            (prompts[3], loras[0])]
+    plain = _run(_engine(llama, max_loras=2), jobs, logprobs=False)
+    drafted = _engine(llama, max_loras=2, speculative_config=ngram())
+    assert _run(drafted, jobs, logprobs=False) == plain
+    assert drafted.speculator.stats.snapshot().num_accepted_tokens > 0  # drafts accepted

@@ -27,12 +27,14 @@ INTERPRETED, DEVICE = kernel_device((kernels._shrink_kernel, kernels._expand_ker
 needs_kernels = pytest.mark.skipif(
     DEVICE is None, reason="kernels compiled here and no GPU: the interpreter child runs them")
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
-# (slot per request, new tokens per request): a mixed prefill/decode step with base rows, a
-# decode step, one adapter over the whole step.
+# (slot per request, new tokens per request) and the layout the batched torch path takes: a
+# mixed prefill/decode step with base rows, a decode step, a long prompt beside decodes (more
+# padding than rows: grouped), one adapter over the whole step.
 LAYOUTS = {
-    "mixed": ([1, -1, 0, 1, 2], [13, 4, 1, 1, 7]),
-    "decode": ([0, 2, -1, 2, 0, 1], [1, 1, 1, 1, 1, 1]),
-    "one-adapter": ([2, 2, 2], [5, 1, 1]),
+    "mixed": ([1, -1, 0, 1, 2], [13, 4, 1, 1, 7], lora_step.PADDED),
+    "decode": ([0, 2, -1, 2, 0, 1], [1, 1, 1, 1, 1, 1], lora_step.PADDED),
+    "long-prompt": ([0, 1, -1, 2], [40, 1, 3, 1], lora_step.GROUPED),
+    "one-adapter": ([2, 2, 2], [5, 1, 1], lora_step.DENSE),
 }
 
 
@@ -43,12 +45,11 @@ def test_lora_kernels_under_the_interpreter() -> None:
 
 
 def _projection(sizes: tuple[int, ...], in_features: int, slots: int, rank: int,
-                segments: bool, dtype: torch.dtype, device: str) -> LoRAProjection:
+                dtype: torch.dtype, device: str) -> LoRAProjection:
     linear = Linear(in_features, sizes, False, dtype)
     linear.weight = torch.nn.Parameter(torch.empty(sum(sizes), in_features, dtype=dtype,
                                                    device=device), requires_grad=False)
-    proj = LoRAProjection(linear, len(sizes), LoRAState(), slots, rank, torch.device(device),
-                          segments)
+    proj = LoRAProjection(linear, len(sizes), LoRAState(), slots, rank, torch.device(device))
     gen = torch.Generator().manual_seed(3)
     for s in range(slots):  # each slot its own adapter of ranks up to the max
         tensors = {}
@@ -73,12 +74,12 @@ def _reference(proj: LoRAProjection, x: torch.Tensor, y: torch.Tensor,
 @pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
 @pytest.mark.parametrize("sizes", [(48,), (32, 16, 16)], ids=["one-slice", "qkv"])
 def test_batched_torch_path_matches_einsum(layout: str, sizes: tuple[int, ...]) -> None:
-    slots, lens = (np.array(v, dtype=np.int64) for v in LAYOUTS[layout])
-    proj = _projection(sizes, 40, 3, 8, False, torch.float32, "cpu")
+    slots, lens = (np.array(v, dtype=np.int64) for v in LAYOUTS[layout][:2])
+    proj = _projection(sizes, 40, 3, 8, torch.float32, "cpu")
     tokens = int(lens.sum())
     x, y = torch.randn(tokens, 40), torch.randn(tokens, sum(sizes))
-    proj.state.step = lora_step.build(slots, lens, torch.device("cpu"))
-    assert (proj.state.step.dense_slot >= 0) == (layout == "one-adapter")
+    proj.state.step = lora_step.build(slots, lens, 3, torch.device("cpu"))
+    assert proj.state.step.kind == LAYOUTS[layout][2]
     want = _reference(proj, x, y, np.repeat(slots, lens))
     torch.testing.assert_close(proj(x, y.clone()), want, atol=2e-5, rtol=1e-5)
     proj.state.step = None  # a step without adapters: the output as it was
@@ -89,13 +90,13 @@ def test_batched_torch_path_matches_einsum(layout: str, sizes: tuple[int, ...]) 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
 def test_shrink_expand_kernels_match_einsum(layout: str, dtype: torch.dtype) -> None:
-    slots, lens = (np.array(v, dtype=np.int64) for v in LAYOUTS[layout])
-    proj = _projection((32, 16, 16), 40, 3, 8, True, dtype, DEVICE)
+    slots, lens = (np.array(v, dtype=np.int64) for v in LAYOUTS[layout][:2])
+    proj = _projection((32, 16, 16), 40, 3, 8, dtype, DEVICE)
     tokens = int(lens.sum())
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(tokens, 40, generator=gen).to(dtype).to(DEVICE)
     y = torch.randn(tokens, 64, generator=gen).to(dtype).to(DEVICE)
-    step = lora_step.build(slots, lens, torch.device(DEVICE), segments=True)
+    step = lora_step.build(slots, lens, 3, torch.device(DEVICE), segments=True)
     kernels.check_lora_args(x, proj.a, proj.b, step.segments, y)
     h = torch.zeros(tokens, proj.a.shape[2], device=DEVICE)
     kernels.lora_shrink(x, proj.a, step.segments, step.max_segment, h)
@@ -120,4 +121,4 @@ def test_step_layout_travels_to_the_other_ranks() -> None:
     assert back.lora_installs == [(1, "/adapters/sql-é", "0123456789abcdef", None)]
     plain = StepBatch.of([1, 2], [[0]], [2], [2], [0])
     assert decode(encode(plain)).lora_slots is None
-    assert lora_step.build(np.array([-1, -1]), np.array([3, 1]), torch.device("cpu")) is None
+    assert lora_step.build(np.array([-1, -1]), np.array([3, 1]), 2, torch.device("cpu")) is None

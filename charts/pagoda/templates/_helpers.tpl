@@ -288,6 +288,21 @@ draftSource, the draft is that source's directory (mounted at /models/<name>-dra
 name: {{ printf "%s-draft" .name }}
 {{- end -}}
 
+{{/* The model entry its adapters' volume helpers take: named <name>-lora. */}}
+{{- define "pagoda.loraModel" -}}
+name: {{ printf "%s-lora" .name }}
+{{- end -}}
+
+{{/* Where a model's LoRA adapters live in the engine pod: their own volume
+(/models/<name>-lora) or the model's directory. Call with the model entry. */}}
+{{- define "pagoda.lora.root" -}}
+{{- if .lora.source -}}
+{{- include "pagoda.model.dir" (dict "model" (include "pagoda.loraModel" . | fromYaml) "source" .lora.source) -}}
+{{- else -}}
+{{- include "pagoda.model.dir" (dict "model" . "source" .source) -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "pagoda.model.servedName" -}}
 {{- default .name .servedModelName -}}
 {{- end -}}

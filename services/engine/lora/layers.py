@@ -13,9 +13,11 @@ tensor-parallel rank ``in``/``out`` are the rank's, A's columns (row-parallel) o
 (column-parallel) cut as the base weight is.
 
 Per step a projection reads ``state.step`` (``step.LoRAStep``): None does nothing; one adapter
-for every token is two matmuls; otherwise the rows under adapters are gathered once, two
-matmuls per adapter, one ``index_add_`` back. With ``segments`` (the Triton kernels), shrink
-and expand kernels over per-request segments instead.
+for every token is two matmuls; otherwise the rows under adapters are gathered once, padded per
+slot into one batched matmul each way (or, when padding would cost more, two matmuls per
+adapter, added back with one ``index_add_``); a padded result is gathered back per token
+and added. With ``segments`` (the Triton kernels), shrink and expand kernels over per-request
+segments instead.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 
 from services.engine.lora import step as lora_step
 from services.engine.lora.peft import AdapterWeights, read_adapter
-from services.engine.lora.step import LoRAState, LoRAStep
+from services.engine.lora.step import DENSE, PADDED, SEGMENTS, LoRAState, LoRAStep
 from services.engine.lora.targets import LoRATargets
 from services.engine.models.layers import CausalLM, Linear
 
@@ -45,13 +47,12 @@ class LoRAProjection:
     """One projection's slots (see the module docstring); called as ``lora(x, y)``."""
 
     def __init__(self, module: Linear, num_slices: int, state: LoRAState, num_slots: int,
-                 max_rank: int, device: torch.device, segments: bool) -> None:
+                 max_rank: int, device: torch.device) -> None:
         assert module.weight is not None, "LoRA is attached before the weights are packed"
         out_local, in_local = module.weight.shape
         dtype = module.weight.dtype
         self.state = state
         self.max_rank = max_rank
-        self.segments = segments
         width = num_slices * max_rank
         self.a = torch.zeros(num_slots, in_local, width, dtype=dtype, device=device)
         self.b = torch.zeros(num_slots, width, out_local, dtype=dtype, device=device)
@@ -72,18 +73,28 @@ class LoRAProjection:
         step = self.state.step
         if step is None:
             return y
-        if self.segments:
-            return self._segments(x, y, step)
-        if step.dense_slot >= 0:
+        kind = step.kind
+        if kind == DENSE:
             s = step.dense_slot
             return y.addmm_(torch.mm(x, self.a_slot[s]), self.b_slot[s])
-        perm = step.perm
-        xs = x.index_select(0, perm)
-        delta = torch.empty(len(perm), y.shape[1], dtype=y.dtype, device=y.device)
+        gather = step.gather
+        if kind == PADDED:
+            slots, width = len(self.a_slot), step.width
+            h = torch.bmm(x.index_select(0, gather).view(slots, width, -1), self.a)
+            delta = y.new_empty(slots * width + 1, y.shape[1])
+            delta[-1].zero_()  # the row of base-model tokens
+            torch.bmm(h, self.b, out=delta[:-1].view(slots, width, -1))
+            return y.add_(delta.index_select(0, step.scatter))
+        if kind == SEGMENTS:
+            return self._segments(x, y, step)
+        xs = x.index_select(0, gather)  # GROUPED
+        delta = y.new_empty(len(gather), y.shape[1])
         a, b = self.a_slot, self.b_slot
         for s, lo, hi in step.groups:
             torch.mm(torch.mm(xs[lo:hi], a[s]), b[s], out=delta[lo:hi])
-        return y.index_add_(0, perm, delta)
+        # Only the adapter rows are touched (a gathered add over every row measured slower
+        # here: most of a long prompt's rows are then base rows or zero).
+        return y.index_add_(0, gather, delta)
 
     def _segments(self, x: torch.Tensor, y: torch.Tensor, step: LoRAStep) -> torch.Tensor:
         from services.engine.kernels import lora as kernels
@@ -121,18 +132,20 @@ class ModelLoRA:
         self.state = LoRAState()
         self.device = device
         self.max_rank = max_rank
+        self.num_slots = max_loras
         self.segments = segments
         self.dtype = next(iter(self.targets.modules.values())).weight.dtype
         self.projections: dict[str, LoRAProjection] = {}
         for path, module in self.targets.modules.items():
             proj = LoRAProjection(module, self.targets.num_slices[path], self.state, max_loras,
-                                  max_rank, device, segments)
+                                  max_rank, device)
             module.lora = proj
             self.projections[path] = proj
 
     def layout(self, seq_slots: np.ndarray, query_lens: np.ndarray) -> LoRAStep | None:
         """A step's ``LoRAStep`` (None without adapter tokens); built with the step's inputs."""
-        return lora_step.build(seq_slots, query_lens, self.device, self.segments)
+        return lora_step.build(seq_slots, query_lens, self.num_slots, self.device,
+                               self.segments)
 
     def install(self, slot: int, weights: AdapterWeights) -> None:
         for path, proj in self.projections.items():

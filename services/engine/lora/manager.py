@@ -23,6 +23,7 @@ from services.engine.lora.peft import AdapterWeights, read_adapter
 from services.engine.lora.request import LoRARequest
 from services.engine.lora.slots import DeviceSlots
 from services.engine.lora.targets import LoRATargets
+from services.protocol.lora_api import IN_HOST, IN_SLOT, ON_DISK
 from services.protocol.wire import BadRequest
 
 logger = logging.getLogger(__name__)
@@ -32,17 +33,17 @@ STATIC = "static"  # --lora-modules
 OFFLINE = "offline"  # LLM.generate(lora_request=...)
 RUNTIME = "runtime"  # the server's load API (or the registry in Redis)
 
-# Residency codes, as heartbeats carry them (the router prefers higher).
-IN_SLOT, IN_HOST, ON_DISK = 2, 1, 0
 
 
 @dataclass(slots=True)
 class Registered:
     name: str
-    path: str
+    path: str  # as given
     origin: str
     int_id: int | None
     version: str  # of the weights last read
+    directory: Path  # where path resolved to (read again from there after an eviction)
+    confine: Callable[[Path], Path] | None  # a runtime load's: its files stay in the roots
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,15 +81,20 @@ class LoRAManager:
     # -- registering ------------------------------------------------------------------------
 
     def load(self, name: str, path: str, origin: str, int_id: int | None = None,
-             confine: Callable[[Path], Path] | None = None) -> AdapterWeights:
+             confine: Callable[[Path], Path] | None = None,
+             directory: Path | None = None) -> AdapterWeights:
         """Reads, validates and registers ``name`` (replacing what the name held). Raises
-        ``BadRequest`` naming the field or module; nothing changes then."""
-        weights = read_adapter(name, path, self.targets, self.max_rank, self.dtype, confine)
+        ``BadRequest`` naming the field or module; nothing changes then. ``directory``: where
+        ``path`` resolved to (a runtime load's, inside the roots), read instead of ``path``."""
+        weights = read_adapter(name, directory or path, self.targets, self.max_rank,
+                               self.dtype, confine)
+        weights.path = str(path)
         weights.int_id = int_id
         previous = self._host.get(name)
         if previous is not None and previous.version != weights.version:
             self.slots.forget(previous.key)  # its idle slot must not be found by a new request
-        self.registered[name] = Registered(name, str(path), origin, int_id, weights.version)
+        self.registered[name] = Registered(name, str(path), origin, int_id, weights.version,
+                                           Path(directory or path), confine)
         self._cache(weights)
         logger.info("adapter loaded name=%s version=%s rank=%d origin=%s bytes=%d", name,
                     weights.version, weights.rank, origin, weights.nbytes)
@@ -125,7 +131,8 @@ class LoRAManager:
             self._host.move_to_end(name)
             return weights
         # Evicted from host memory: read it again (a changed file gets a new version).
-        return self.load(name, entry.path, entry.origin, entry.int_id)
+        return self.load(name, entry.path, entry.origin, entry.int_id, entry.confine,
+                         entry.directory)
 
     def _cache(self, weights: AdapterWeights) -> None:
         self._host[weights.name] = weights

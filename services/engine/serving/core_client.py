@@ -10,10 +10,12 @@ the engine.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Callable
 
 from services.engine.engine import EngineStats, RequestUpdate
+from services.engine.lora.commands import AdapterCommand, AdapterReply
 from services.engine.serving.core_loop import (
     BAD_REQUEST,
     INTERNAL,
@@ -72,6 +74,8 @@ class CoreClient:
         # Called on the event loop after each step with the tokens it computed.
         self.on_step: Callable[[int], None] | None = None
         self._sinks: dict[str, Sink] = {}
+        self._replies: dict[int, asyncio.Future[AdapterReply]] = {}  # adapter commands
+        self._reply_ids = itertools.count(1)
 
     @property
     def is_ready(self) -> bool:
@@ -96,11 +100,23 @@ class CoreClient:
         params: SamplingParams,
         cache_salt: str | None,
         sink: Sink,
+        lora_name: str | None = None,
     ) -> None:
         assert request_id not in self._sinks, request_id  # the server makes ids unique
         self._sinks[request_id] = sink
-        self._send(Add(request_id, prompt_token_ids, params, cache_salt))
+        self._send(Add(request_id, prompt_token_ids, params, cache_salt, lora_name))
         self.load_changed.set()
+
+    async def adapter(self, cmd: AdapterCommand) -> AdapterReply:
+        """Loads or unloads an adapter in the core; its answer comes with a step's outputs."""
+        cmd.reply_to = next(self._reply_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._replies[cmd.reply_to] = future
+        self._send(cmd)
+        try:
+            return await future
+        finally:
+            self._replies.pop(cmd.reply_to, None)
 
     def abort(self, request_id: str) -> None:
         if request_id in self._sinks:
@@ -137,6 +153,10 @@ class CoreClient:
                 sink(update)
         if out.stats is not None:
             self.stats = out.stats
+        for reply in out.adapter_replies:
+            future = self._replies.get(reply.reply_to)
+            if future is not None and not future.done():
+                future.set_result(reply)
         self.kv_events.extend(out.kv_events)
         self.step_ms = out.step_ms
         if out.step_tokens is not None and self.on_step is not None:
@@ -149,4 +169,7 @@ class CoreClient:
         sinks, self._sinks = self._sinks, {}
         for sink in sinks.values():
             sink(RuntimeError(message))
+        for future in self._replies.values():
+            if not future.done():
+                future.set_exception(RuntimeError(message))
         self.load_changed.set()

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 from services.engine.config import EngineConfig
 from services.engine.engine import EngineStats, LLMEngine, RequestUpdate
+from services.engine.lora import commands as lora_commands
+from services.engine.lora.commands import AdapterCommand, AdapterReply
 from services.protocol.kv_events import KVEvent
 from services.protocol.sampling_params import SamplingParams
 from services.protocol.wire import BadRequest
@@ -46,6 +48,7 @@ class Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None
+    lora_name: str | None = None
 
 
 @dataclass(slots=True)
@@ -63,7 +66,7 @@ class Stop:
     pass
 
 
-Command = Add | Abort | Resync | Stop
+Command = Add | Abort | Resync | Stop | AdapterCommand
 
 
 @dataclass(slots=True)
@@ -84,9 +87,10 @@ class CoreOutputs:
     kv_events: list[KVEvent] = field(default_factory=list)
     step_tokens: int | None = None  # tokens the step computed; None: no step ran
     step_ms: float = 0.0  # median wall time of the recent steps
+    adapter_replies: list[AdapterReply] = field(default_factory=list)  # to AdapterCommands
 
     def __bool__(self) -> bool:
-        return bool(self.updates or self.errors or self.kv_events
+        return bool(self.updates or self.errors or self.kv_events or self.adapter_replies
                     or self.step_tokens is not None)
 
 
@@ -171,6 +175,8 @@ class CoreLoop:
         elif isinstance(cmd, Resync):
             out.kv_events.extend(engine.take_kv_events())
             out.kv_events.extend(engine.block_manager.snapshot_events())
+        elif isinstance(cmd, AdapterCommand):
+            out.adapter_replies.append(lora_commands.run(engine.lora, cmd))
         else:
             self._stop.set()
 
@@ -186,7 +192,8 @@ class CoreLoop:
             self._compile_pool.submit(self._compile_then_add, cmd)
             return
         try:
-            self.engine.add_request(rid, cmd.prompt_token_ids, cmd.params, cmd.cache_salt)
+            self.engine.add_request(rid, cmd.prompt_token_ids, cmd.params, cmd.cache_salt,
+                                    cmd.lora_name)
         except BadRequest as exc:  # the client's input: a 400 naming the field
             self._out.errors.append(CoreError(rid, BAD_REQUEST, str(exc), exc.param))
         except Exception as exc:  # a bug must fail this request, never the engine loop

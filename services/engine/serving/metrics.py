@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -54,8 +55,21 @@ class _StatsCollector(Collector):
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric([self._model], value)
             yield c
+        if s.lora is not None:
+            yield _lora_info(s)
         if s.spec_decode is not None:
             yield from _spec_decode(self._model, s.spec_decode)
+
+
+def _lora_info(s: EngineStats) -> GaugeMetricFamily:
+    """vLLM's ``vllm:lora_requests_info``: its labels say which adapters run and wait (comma
+    separated) and how many fit a step; its value is when that was read, as vLLM's."""
+    g = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                          labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+    lora = s.lora
+    g.add_metric([str(lora.max_loras), ",".join(lora.running), ",".join(lora.waiting)],
+                 time.time())
+    return g
 
 
 def _spec_decode(model: str, spec: SpecDecodeStats) -> Iterator:

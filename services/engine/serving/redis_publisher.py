@@ -14,8 +14,12 @@ from __future__ import annotations
 import logging
 import time
 
-from services.common.redis_index import KVIndexPublisher
+from services.common.lora_registry import AdapterRegistry
+from services.common.redis_index import KVIndexPublisher, connect
+from services.engine.lora.manager import LoRAStats
 from services.engine.serving.core_client import CoreClient
+from services.engine.serving.lora_sync import RegistrySync
+from services.protocol.lora_api import MAX_ADAPTERS, AdapterStatus
 from services.protocol.messages import EngineHeartbeat
 
 logger = logging.getLogger(__name__)
@@ -30,6 +34,8 @@ class EnginePublisher:
         self.engine_id = server_config.resolved_engine_id()
         self.url = server_config.resolved_url()
         self.publisher = KVIndexPublisher.from_url(server_config.redis_url)
+        self.registry = AdapterRegistry(connect(server_config.redis_url))
+        self.adapters = RegistrySync(self.registry, core, server_config.lora_roots)
         self._pending: list = []
         self._failing = False
 
@@ -38,6 +44,11 @@ class EnginePublisher:
         if not core.is_ready or core.stats is None:
             return
         info = core.info
+        try:
+            # Runtime adapters first: an engine is routable only with what its peers have.
+            await self.adapters.sync_once()
+        except Exception as exc:  # noqa: BLE001 -- Redis down: the heartbeat below says so
+            logger.debug("adapter registry sync failed: %s", exc)
         self._pending.extend(core.kv_events.take(_MAX_EVENTS_PER_TICK - len(self._pending)))
         s = core.stats
         hb = EngineHeartbeat(
@@ -56,6 +67,7 @@ class EnginePublisher:
             timestamp=time.time(),
             max_model_len=info.max_model_len,
             step_ms=round(core.step_ms, 3),
+            adapters=_adapters(s.lora),
         )
         try:
             if self._pending:
@@ -87,3 +99,12 @@ class EnginePublisher:
     async def close(self) -> None:
         await self.leave()
         await self.publisher.aclose()
+        await self.registry.redis.aclose()
+
+
+def _adapters(lora: LoRAStats | None) -> list[AdapterStatus]:
+    """The heartbeat's adapters: the readiest first, at most ``MAX_ADAPTERS``."""
+    if lora is None:
+        return []
+    ranked = sorted(lora.adapters, key=lambda a: (-a.residency, a.name))[:MAX_ADAPTERS]
+    return [AdapterStatus(a.name, a.version, a.residency, a.path) for a in ranked]

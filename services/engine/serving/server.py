@@ -26,6 +26,7 @@ from services.common.http_errors import error_middleware, json_error
 from services.common.logs import setup_logging
 from services.engine.config import EngineConfig
 from services.engine.engine import RequestUpdate
+from services.engine.serving import lora_api
 from services.engine.serving.core_client import CoreClient, InternalEngineError
 from services.engine.serving.core_process import EngineCoreProcess
 from services.engine.serving.engine_thread import EngineThread
@@ -82,6 +83,7 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig) -> web.
     app.router.add_post(engine_api.ABORT_PATH, handle_abort)
     app.router.add_get("/health", handle_health)
     app.router.add_get("/metrics", handle_metrics)
+    lora_api.add_routes(app, CORE, server_config.lora_roots)
     return app
 
 
@@ -263,7 +265,8 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     active[req.request_id] = rid
     finished = False
     try:
-        core.submit(rid, req.prompt_token_ids, req.params, req.cache_salt, updates.put_nowait)
+        core.submit(rid, req.prompt_token_ids, req.params, req.cache_salt, updates.put_nowait,
+                    req.lora_name)
         first = await updates.get()
         if isinstance(first, BadRequest):
             finished = True

@@ -48,6 +48,14 @@ class ServerConfig:
         "(a thread of the server process)",
     )
 
+    lora_roots: tuple[str, ...] = flag(
+        (),
+        metavar="DIR",
+        help="directories runtime LoRA loads may read from (comma-separated): a lora_path "
+        "must resolve inside one of them, symlinks followed (default: none, runtime loads are "
+        "refused)",
+    )
+
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")

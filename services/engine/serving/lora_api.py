@@ -1,0 +1,60 @@
+"""The engine server's adapter endpoints (``services.protocol.lora_api``): load and unload a
+LoRA adapter while the engine runs. Internal, as ``/internal/generate``: the gateway's
+``/v1/load_lora_adapter`` fans out to them and the Redis registry's sync calls them too.
+
+The request travels to the engine core as an ``AdapterCommand`` and its answer comes back with
+a step's outputs; a path is confined to ``--lora-roots`` in the core before anything is read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from services.common.http_errors import json_error
+from services.engine.lora.commands import LOAD, UNLOAD, AdapterCommand, AdapterReply
+from services.engine.serving.core_client import CoreClient
+from services.protocol.lora_api import LOAD_PATH, UNLOAD_PATH, LoadAdapter, UnloadAdapter
+from services.protocol.wire import BadRequest
+
+
+def add_routes(app: web.Application, core: web.AppKey[CoreClient], roots: tuple[str, ...]
+               ) -> None:
+    """Adds the two endpoints; ``core``: the app's key of its core client (set once the app
+    starts)."""
+
+    async def load(request: web.Request) -> web.Response:
+        try:
+            body = LoadAdapter.from_json(await request.read())
+        except BadRequest as exc:
+            return json_error(400, str(exc), exc.param)
+        cmd = AdapterCommand(LOAD, body.lora_name, body.lora_path, roots)
+        return await run(request.app[core], cmd)
+
+    async def unload(request: web.Request) -> web.Response:
+        try:
+            body = UnloadAdapter.from_json(await request.read())
+        except BadRequest as exc:
+            return json_error(400, str(exc), exc.param)
+        return await run(request.app[core], AdapterCommand(UNLOAD, body.lora_name))
+
+    app.router.add_post(LOAD_PATH, load)
+    app.router.add_post(UNLOAD_PATH, unload)
+
+
+async def run(core: CoreClient, cmd: AdapterCommand) -> web.Response:
+    if not core.is_ready:
+        return json_error(503, "engine is not ready")
+    reply = await core.adapter(cmd)
+    if reply.status != 200:
+        return json_error(reply.status, reply.message, reply.param)
+    return web.json_response(_body(reply))
+
+
+def _body(reply: AdapterReply) -> dict[str, Any]:
+    out: dict[str, Any] = {"message": reply.message}
+    a = reply.adapter
+    if a is not None:
+        out.update(lora_name=a.name, lora_path=a.path, version=a.version)
+    return out
