@@ -8,6 +8,14 @@ from enum import StrEnum
 from services.protocol.block_hash import BlockHash
 
 
+class Medium(StrEnum):
+    """Where the blocks of an event live (vLLM's ``medium`` names, plus the shared store)."""
+
+    GPU = "GPU"  # the engine's KV pool (on the CPU engine too: vLLM's name for the pool)
+    CPU = "CPU"  # the engine's host-memory tier (--kv-offloading-size)
+    SHARED = "SHARED"  # the KV store shared by every engine of the model (--kv-store-url)
+
+
 class KVEventKind(StrEnum):
     STORED = "stored"  # blocks entered the prefix cache
     REMOVED = "removed"  # blocks left it (evicted, or the cache was reset)
@@ -25,3 +33,4 @@ class KVEvent:
     parent_hash: BlockHash | None = None
     # STORED only: the stored blocks' tokens, flattened (len == len(block_hashes) * block_size).
     token_ids: tuple[int, ...] = ()
+    medium: Medium = Medium.GPU  # the tier the change happened in

@@ -170,7 +170,7 @@ class CoreLoop:
                 out.kv_events.extend(engine.take_kv_events())
         elif isinstance(cmd, Resync):
             out.kv_events.extend(engine.take_kv_events())
-            out.kv_events.extend(engine.block_manager.snapshot_events())
+            out.kv_events.extend(engine.snapshot_kv_events())
         else:
             self._stop.set()
 
