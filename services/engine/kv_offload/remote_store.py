@@ -194,16 +194,26 @@ class RemoteKVStore:
             if item is None:
                 return
             batch = [item]
+            stop = False
             while len(batch) < 64:
                 try:
                     nxt = self._writes.get_nowait()
                 except queue.Empty:
                     break
                 if nxt is None:
-                    self._flush(batch)
-                    return
+                    stop = True
+                    break
                 batch.append(nxt)
             self._flush(batch)
+            for _ in batch:
+                self._writes.task_done()
+            if stop:
+                return
+
+    @property
+    def pending_writes(self) -> int:
+        """Writes queued or being sent."""
+        return self._writes.unfinished_tasks
 
     def _flush(self, batch: list[tuple[BlockHash, bytes]]) -> None:
         if not self.available:
