@@ -19,7 +19,7 @@ from services.engine.kv_offload.host_store import HostBlockStore
 from services.engine.kv_offload.remote_store import RemoteKVStore, StoreLayout, StoreStats
 from services.engine.request import Request
 from services.protocol.block_hash import BlockHash
-from services.protocol.kv_events import KVEvent
+from services.protocol.kv_events import KVEvent, KVEventKind, Medium
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +98,8 @@ class KVTiers:
         self._to_submit: list[LoadJob] = []
         self._saves_in_flight = 0
         self._skip_upload: set[BlockHash] = set()  # loaded from a tier: no need to write back
+        self.record_events = record_events
+        self._events: list[KVEvent] = []  # the shared store's (medium SHARED)
         block_manager.track_cached = True
         logger.info("KV tiers: host=%s blocks (%.2f GiB), shared store=%s",
                     0 if self.host is None else self.host.num_slots,
@@ -195,6 +197,12 @@ class KVTiers:
         job = item.job
         self._saves_in_flight -= 1
         self.bm.release(job.pool_ids)
+        uploaded = tuple(h for h, up in zip(job.hashes, job.upload, strict=True) if up)
+        if self.record_events and uploaded and item.error is None:
+            # Queued for the store: announced now (a write the store drops, or its LRU
+            # evicts, only makes the routers' guess stale until the entry expires).
+            self._events.append(KVEvent(KVEventKind.STORED, uploaded, self.block_size,
+                                        medium=Medium.SHARED))
         if self.host is not None:
             written = [h for h, s in zip(job.hashes, job.host_slots, strict=True)
                        if s is not None]
@@ -234,7 +242,10 @@ class KVTiers:
     # -- observability ------------------------------------------------------------------------
 
     def take_events(self) -> list[KVEvent]:
-        return [] if self.host is None else self.host.take_events()
+        events, self._events = self._events, []
+        if self.host is not None:
+            events.extend(self.host.take_events())
+        return events
 
     def snapshot_events(self) -> list[KVEvent]:
         return [] if self.host is None else self.host.snapshot_events()
