@@ -1,0 +1,76 @@
+"""KV tiers through the real stack (redis, two engines with host memory, router, gateway): a
+prefix evicted from an engine's pool lives on in its host tier; an independent reader of the
+index sees which tier holds each block; the router sends the prefix back to that engine,
+which serves it from host memory (usage and /metrics say so)."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from pathlib import Path
+
+import redis
+
+from services.protocol.block_hash import BlockHasher
+from services.protocol.messages import RouteRequest, RouteResponse
+from services.protocol.redis_schema import RedisKeys
+from services.router.server import MSGPACK
+from tests.support.stack import PagodaStack, StackOptions, scrape
+
+BS = 16
+
+
+def _complete(stack: PagodaStack, prompt: list[int]) -> tuple[str, dict]:
+    body = json.dumps({"model": stack.model, "prompt": prompt, "max_tokens": 4,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(stack.base_url + "/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return resp.headers["x-pagoda-engine"], json.loads(resp.read())
+
+
+def _route(stack: PagodaStack, hashes: list, num_tokens: int) -> RouteResponse:
+    req = urllib.request.Request(
+        stack.routers[0].url + "/route",
+        data=RouteRequest(stack.model, hashes, num_tokens).to_msgpack(),
+        headers={"Content-Type": MSGPACK})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return RouteResponse.from_msgpack(resp.read())
+
+
+def test_a_prefix_in_host_memory_is_routed_back_and_served_from_there(
+        fast_model_dir: Path) -> None:
+    options = StackOptions(engines=2, num_blocks=24,
+                           engine_args=[["--kv-offloading-size", "0.01"]] * 2)
+    with PagodaStack(fast_model_dir, options) as stack:
+        a = [1000 + (i * 7) % 900 for i in range(6 * BS + 5)]
+        engine, first = _complete(stack, a)
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        # Other prompts until A's blocks have left that engine's pool.
+        hashes = BlockHasher(stack.model, BS).chain(a)
+        index = redis.Redis.from_url(stack.redis.url)
+        keys = RedisKeys()
+        pool, host = (keys.blocks(stack.model, engine), keys.host_blocks(stack.model, engine))
+        for k in range(12):
+            _complete(stack, [3000 + 1000 * k + (i * 11) % 900 for i in range(6 * BS + 9)])
+            time.sleep(0.6)  # a heartbeat: the events reach the index
+            if index.zmscore(pool, hashes[:1]) == [None]:
+                break
+        # The index, read as plain Redis: A is in the engine's host tier, not its pool.
+        assert index.zmscore(pool, hashes[:6]) == [None] * 6
+        assert None not in index.zmscore(host, hashes[:6])
+        other = next(e for e in ("engine-0", "engine-1") if e != engine)
+        assert index.zmscore(keys.host_blocks(stack.model, other), hashes[:1]) == [None]
+        decision = _route(stack, hashes, len(a))
+        assert (decision.engine_id, decision.reason) == (engine, "prefix-hit")
+        served_by, again = _complete(stack, a)
+        assert served_by == engine
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 6 * BS
+        url = next(e.url for e in stack.engines if stack.engine_id(stack.engines.index(e))
+                   == engine)
+        metrics = scrape(url)
+        assert metrics["vllm:external_prefix_cache_hits_total"] >= 6 * BS
+        assert metrics['vllm:prompt_tokens_by_source_total{model_name="%s",'
+                       'source="external_kv_transfer"}' % stack.model] >= 6 * BS
