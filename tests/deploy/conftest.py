@@ -137,6 +137,15 @@ SPECULATIVE: dict[str, Any] = {
     ]
 }
 
+KV_TIERS: dict[str, Any] = {
+    "models": [
+        {"name": "chat", "source": {"type": "builtin"}, "kvOffloadingSize": 2},
+        {"name": "plain", "source": {"type": "builtin"}},
+    ],
+    "kvStore": {"enabled": True, "maxmemory": "2gb"},
+    "networkPolicy": {"enabled": True},
+}
+
 SCENARIOS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "two-models": TWO_MODELS,
@@ -146,6 +155,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "other-sources": OTHER_SOURCES,
     "scale-to-zero": SCALE_TO_ZERO,
     "speculative": SPECULATIVE,
+    "kv-tiers": KV_TIERS,
 }
 
 

@@ -30,11 +30,14 @@ _CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno"]
 
 def build_dir() -> Path:
     """Next to the interpreter's packages, so a new virtualenv (a new torch) builds afresh;
-    one directory per source version, so checkouts of different versions sharing a virtualenv
-    each keep their own build instead of rebuilding over one another."""
+    one directory per source version and checkout, so checkouts sharing a virtualenv each keep
+    their own build instead of rebuilding over one another (the build file names the source's
+    path: two checkouts of one version in one directory rebuilt at every switch, and a build
+    killed midway left a lock that every later load waited on)."""
     version = torch.__version__.replace("+", "_")
     source = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
-    return Path(sys.prefix) / "pagoda-ext" / f"{_NAME}-torch{version}-{source}"
+    checkout = hashlib.sha256(str(_SOURCE.resolve()).encode()).hexdigest()[:6]
+    return Path(sys.prefix) / "pagoda-ext" / f"{_NAME}-torch{version}-{source}-{checkout}"
 
 
 @functools.cache

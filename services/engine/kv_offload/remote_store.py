@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import queue
 import struct
 import threading
@@ -38,10 +39,12 @@ from dataclasses import dataclass
 import redis
 import xxhash
 
+from services.common.redis_index import redact_url
 from services.protocol.block_hash import BlockHash
 
 logger = logging.getLogger(__name__)
 
+PASSWORD_ENV = "KV_STORE_PASSWORD"
 _MAGIC = b"PKV1"
 _HEADER = struct.Struct("<4sQI")  # magic, checksum, number of tokens
 _RETRY_AFTER_S = 2.0
@@ -105,7 +108,10 @@ class RemoteKVStore:
         self.url = url
         self.prefix = f"pagoda:kvs:{layout.namespace()}:"
         self._seed = seed.hex()
-        self._client = redis.Redis.from_url(url, socket_timeout=timeout_s,
+        # A password in the URL wins; else $KV_STORE_PASSWORD (the chart's Secret), so it never
+        # shows in a manifest or in the process's arguments.
+        self._client = redis.Redis.from_url(url, password=os.environ.get(PASSWORD_ENV) or None,
+                                            socket_timeout=timeout_s,
                                             socket_connect_timeout=timeout_s,
                                             retry_on_timeout=False)
         self.stats = StoreStats()
@@ -234,6 +240,4 @@ class RemoteKVStore:
 
 
 def _redact(url: str) -> str:
-    # redis://:password@host -> redis://host
-    head, _, tail = url.rpartition("@")
-    return url if not head else url.split("//", 1)[0] + "//" + tail
+    return redact_url(url)
