@@ -72,5 +72,5 @@ def test_a_prefix_in_host_memory_is_routed_back_and_served_from_there(
                    == engine)
         metrics = scrape(url)
         assert metrics["vllm:external_prefix_cache_hits_total"] >= 6 * BS
-        assert metrics['vllm:prompt_tokens_by_source_total{model_name="%s",'
-                       'source="external_kv_transfer"}' % stack.model] >= 6 * BS
+        by_source = f'{{model_name="{stack.model}",source="external_kv_transfer"}}'
+        assert metrics["vllm:prompt_tokens_by_source_total" + by_source] >= 6 * BS
