@@ -69,3 +69,15 @@ def test_off_by_default(rendered) -> None:
     r = rendered("defaults")
     assert STORE not in r.names("Deployment")
     assert flag(r.container(engine("smollm2")), "kv-store-url") is None
+
+
+def test_the_kv_tiers_example_in_the_docs_renders(chart: Any) -> None:
+    import yaml
+
+    from tests.deploy.helpers import CHART, render
+
+    text = (CHART.parents[1] / "docs" / "deploy.md").read_text()
+    block = text.split("## KV tiers", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
+    r = render(chart, yaml.safe_load(block))
+    assert flag(r.container(engine("chat")), "kv-offloading-size") == "16"
+    assert STORE in r.names("Deployment")
