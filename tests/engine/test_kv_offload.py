@@ -109,3 +109,44 @@ def test_more_host_memory_than_the_host_has_is_an_error_naming_the_flag(
         fast_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="kv_offloading_size=100000 GiB exceeds"):
         LLM(str(fast_model_dir), num_blocks=24, kv_offloading_size=100000)
+
+
+def test_async_scheduling_loads_from_host_memory_alike(fast_model_dir: Path) -> None:
+    """With a step in flight while the next is scheduled, loads start only once no step in
+    flight can write to their blocks; the output is the same."""
+    llm = LLM(str(fast_model_dir), num_blocks=24, block_size=BS, max_num_seqs=4,
+              kv_offloading_size=0.01, async_scheduling=True)
+    try:
+        a = _prompt(1500, 5 * BS + 7)
+        others = [_prompt(2500 + 1000 * k, 6 * BS + 9) for k in range(4)]
+        first = llm.generate([a], GREEDY, use_tqdm=False)[0]
+        llm.generate(others, GREEDY, use_tqdm=False)  # together: steps overlap
+        outs = llm.generate([a, *others[:2]], GREEDY, use_tqdm=False)
+        assert outs[0].outputs[0].token_ids == first.outputs[0].token_ids
+        assert outs[0].num_cached_tokens == 5 * BS
+    finally:
+        llm.shutdown()
+
+
+def test_a_held_block_outlives_its_request_and_returns_to_the_queue_after() -> None:
+    """The write-through's hold: a finished (or preempted, or aborted) request's block stays
+    out of the free queue until the copy that reads it is done."""
+    from services.engine.block_manager import BlockManager
+    from services.protocol.block_hash import BlockHasher
+
+    bm = BlockManager(4, BS)
+    bm.track_cached = True
+    tokens = list(range(2 * BS))
+    hashes = BlockHasher("m", BS).chain(tokens)
+    assert bm.allocate_slots("r", len(tokens))
+    bm.cache_full_blocks("r", tokens, hashes, len(tokens))
+    cached = bm.take_new_cached()
+    assert [h for _, h, _ in cached] == hashes and bm.take_new_cached() == []
+    ids = [block.block_id for block, _, _ in cached]
+    bm.hold(ids)
+    bm.free("r")
+    assert bm.num_free_blocks == 2  # the two held ones are not reusable
+    assert not bm.allocate_slots("other", 3 * BS)
+    bm.release(ids)
+    assert bm.num_free_blocks == 4
+    assert bm.get_computed_blocks(tokens + [1], hashes)[1] == 2 * BS  # still cached
