@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -95,19 +96,25 @@ def test_another_engine_process_serves_a_long_prefix_from_the_store(
     assert got["tokens"] == got["own"] == computed
 
 
-def test_a_dead_store_costs_a_recompute_and_is_used_again_when_it_is_back(
+def test_a_store_killed_mid_load_costs_a_recompute_and_is_used_again_when_back(
         fast_model_dir: Path, store: RedisServer) -> None:
     prompt = _prompt(2000, 5 * BS + 3)
     llm = _llm(fast_model_dir, store.url)
     try:
         computed, _ = _run(llm, prompt)
         _settle(llm)
-        store.stop()  # killed: the blocks are gone with it
+        # The store stalls (every client paused), so the load's MGET waits on it; then it is
+        # killed under that load.
+        redis.Redis.from_url(store.url).client_pause(3000, all=True)
+        threading.Timer(0.1, store.stop).start()
+        start = time.monotonic()
         down, cached = _run(llm, prompt)
         assert down == computed and cached == 0
+        assert time.monotonic() - start < 2.0  # a timeout's wait, not the stall's
         stats = llm.engine.stats().kv_tiers
         assert stats.store.errors >= 1 and not stats.store_available
         _settle(llm)
+        time.sleep(0.2)
         store.start()  # back (empty), on the same port, with no engine restart
         time.sleep(2.2)  # the client leaves a failed store alone for 2 s
         _run(llm, prompt)  # written again
