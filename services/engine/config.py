@@ -11,7 +11,7 @@ import torch
 from services.common.cli import flag
 from services.common.default_model import default_model_dir, is_converted
 from services.engine.lora.request import LoRAModule
-from services.engine.spec_decode.config import SpeculativeConfig, check_draft_matches
+from services.engine.spec_decode.config import SpecMethod, SpeculativeConfig, check_draft_matches
 from services.protocol.block_hash import HashAlgorithm
 
 E = TypeVar("E", bound=Enum)
@@ -147,6 +147,14 @@ class EngineConfig:
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
             self._check_speculation(self.speculative_config)
+        if self.kv_tiers_enabled:  # what the tiers cannot serve yet: refused at start
+            if self.tensor_parallel_size > 1:
+                raise ValueError("kv_offloading_size / kv_store_url are not supported with "
+                                 "tensor_parallel_size > 1 yet")
+            spec = self.speculative_config
+            if spec is not None and spec.method is SpecMethod.DRAFT_MODEL:
+                raise ValueError("kv_offloading_size / kv_store_url are not supported with a "
+                                 "draft model yet (its KV is not offloaded); ngram works")
 
     def _check_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):

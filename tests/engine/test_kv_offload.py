@@ -103,6 +103,8 @@ def test_bad_tier_configuration_is_refused_naming_the_flag() -> None:
         EngineConfig(kv_store_url="http://store:6379")
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         EngineConfig(kv_offloading_size=1, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(kv_offloading_size=1, tensor_parallel_size=2)
 
 
 def test_more_host_memory_than_the_host_has_is_an_error_naming_the_flag(

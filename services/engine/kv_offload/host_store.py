@@ -99,6 +99,13 @@ class HostBlockStore:
             self._events.append(KVEvent(KVEventKind.STORED, tuple(hashes), self.block_size,
                                         parent_hash=parent, medium=Medium.CPU))
 
+    def discard(self, hashes: Sequence[BlockHash]) -> None:
+        """Forgets reserved blocks whose copy failed (their slots are free again)."""
+        for h in hashes:
+            entry = self._entries.pop(h)
+            assert not entry.ready, h
+            self._free.append(entry.slot)
+
     def take_events(self) -> list[KVEvent]:
         events, self._events = self._events, []
         return events

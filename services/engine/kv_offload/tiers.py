@@ -7,7 +7,6 @@ Only the engine thread calls ``KVTiers``; the copy thread reports through ``copi
 from __future__ import annotations
 
 import logging
-import os
 import queue
 from dataclasses import dataclass, field
 
@@ -67,12 +66,7 @@ class _Load:
 class KVTiers:
     def __init__(self, config, runner, block_manager: BlockManager, model_name: str,
                  seed: bytes, record_events: bool = False) -> None:  # noqa: ANN001
-        if config.tensor_parallel_size > 1:
-            raise ValueError("kv_offloading_size / kv_store_url: not supported with "
-                             "tensor_parallel_size > 1 yet")
-        if runner.draft is not None:
-            raise ValueError("kv_offloading_size / kv_store_url: not supported with a draft "
-                             "model (its KV would not be offloaded); ngram speculation works")
+        assert config.tensor_parallel_size == 1 and runner.draft is None  # EngineConfig
         self.bm = block_manager
         self.block_size = bs = block_manager.block_size
         caches = runner.kv_caches
@@ -208,9 +202,8 @@ class KVTiers:
                        if s is not None]
             if item.error is None:
                 self.host.written(written, None)
-            else:  # nothing usable was written: give the slots back unready
-                for h in written:
-                    self.host.unpin(h)
+            else:  # nothing usable was written: the slots go back, the blocks may come again
+                self.host.discard(written)
 
     # -- saving ---------------------------------------------------------------------------------
 
@@ -281,12 +274,18 @@ def _host_slots(size_gib: float, block_bytes: int) -> int:
 
 
 def _available_memory() -> int | None:
+    """The host's available memory, or less where a cgroup (a pod's limit) caps this process."""
+    found = []
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+            found += [int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:")]
     except OSError:
         pass
-    return None if not hasattr(os, "sysconf") else (
-        os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    try:
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()  # noqa: SIM115
+        used = int(open("/sys/fs/cgroup/memory.current").read())  # noqa: SIM115
+        if limit != "max":
+            found.append(int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
