@@ -15,6 +15,7 @@ server time (``TIME`` inside the scripts), so engine and router clocks never nee
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ResponseError
 
-from services.protocol.kv_events import KVEvent, KVEventKind, Medium
+from services.protocol.kv_events import KVEvent, KVEventKind, Medium, encode_batch
 from services.protocol.messages import EngineHeartbeat
 from services.protocol.redis_schema import (
     DEFAULT_BLOCK_TTL_S,
@@ -432,6 +433,10 @@ class KVIndexPublisher:
         number of entries the engine's index holds afterwards."""
         if not engine_id:
             raise ValueError("engine_id must be a non-empty string")
+        events = list(events)
+        if events:  # for any subscriber (one PUBLISH; nobody listening costs nothing more)
+            await self._redis.publish(self.keys.kv_events(model),
+                                      encode_batch(engine_id, time.time(), events))
         by_medium = _split_by_medium(events)
         key = self.keys.blocks(model, engine_id)
         keys = {Medium.GPU: key, Medium.CPU: self.keys.host_blocks(model, engine_id),

@@ -105,6 +105,11 @@ class RedisKeys:
         """The model's shared KV store (medium SHARED): one set for all engines."""
         return self.model_prefix(model) + "sblk"
 
+    def kv_events(self, model: str) -> str:
+        """Pub/sub channel: every engine's KV event batches, for any subscriber (vLLM's shape:
+        ``services.protocol.kv_events.encode_batch``)."""
+        return self.model_prefix(model) + "kvev"
+
     def pending(self, model: str, engine_id: str) -> str:
         return self.model_prefix(model) + "pend:" + engine_id
 

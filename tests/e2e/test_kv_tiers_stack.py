@@ -10,6 +10,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import msgpack
 import redis
 
 from services.protocol.block_hash import BlockHasher
@@ -30,6 +31,17 @@ def _complete(stack: PagodaStack, prompt: list[int]) -> tuple[str, dict]:
         return resp.headers["x-pagoda-engine"], json.loads(resp.read())
 
 
+def _decoded_events(sub) -> list[tuple[str, list]]:  # noqa: ANN001
+    """(engine id, event) of every batch received so far, decoded as vLLM's ``KVEventBatch``."""
+    out = []
+    while (msg := sub.get_message(timeout=0.2)) is not None:
+        if msg["type"] != "message":
+            continue
+        _ts, events, engine_id = msgpack.unpackb(msg["data"], raw=False)
+        out += [(engine_id, e) for e in events]
+    return out
+
+
 def _route(stack: PagodaStack, hashes: list, num_tokens: int) -> RouteResponse:
     req = urllib.request.Request(
         stack.routers[0].url + "/route",
@@ -44,6 +56,9 @@ def test_a_prefix_in_host_memory_is_routed_back_and_served_from_there(
     options = StackOptions(engines=2, num_blocks=24,
                            engine_args=[["--kv-offloading-size", "0.01"]] * 2)
     with PagodaStack(fast_model_dir, options) as stack:
+        # An independent subscriber: plain redis-py and msgpack on the events channel.
+        sub = redis.Redis.from_url(stack.redis.url).pubsub()
+        sub.subscribe(RedisKeys().kv_events(stack.model))
         a = [1000 + (i * 7) % 900 for i in range(6 * BS + 5)]
         engine, first = _complete(stack, a)
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
@@ -62,6 +77,14 @@ def test_a_prefix_in_host_memory_is_routed_back_and_served_from_there(
         assert None not in index.zmscore(host, hashes[:6])
         other = next(e for e in ("engine-0", "engine-1") if e != engine)
         assert index.zmscore(keys.host_blocks(stack.model, other), hashes[:1]) == [None]
+        seen = _decoded_events(sub)
+        stored = {(m, tuple(e[1]), e[6]) for m, e in seen if e[0] == "BlockStored"}
+        removed = {(m, h, e[2]) for m, e in seen if e[0] == "BlockRemoved" for h in e[1]}
+        assert any(m == engine and medium == "GPU" and hashes[0] in hs
+                   for m, hs, medium in stored)  # computed into the pool
+        assert any(m == engine and medium == "CPU" and set(hashes[:6]) <= set(hs)
+                   for m, hs, medium in stored)  # written through to host memory
+        assert (engine, hashes[0], "GPU") in removed  # then evicted from the pool
         decision = _route(stack, hashes, len(a))
         assert (decision.engine_id, decision.reason) == (engine, "prefix-hit")
         served_by, again = _complete(stack, a)
