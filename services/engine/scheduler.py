@@ -233,7 +233,8 @@ class Scheduler:
         logger.debug("preempted request_id=%s", req.request_id)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        loras = AdapterAdmission(self.running, self.max_loras) if self.max_loras else None
+        loras = AdapterAdmission([*self.running, *self.loading.values()],  # loading: to run
+                                 self.max_loras) if self.max_loras else None
         while self.waiting and budget > 0 and (
                 len(self.running) + len(self.loading) < self.max_num_seqs):
             req = self.waiting[0]
@@ -252,6 +253,8 @@ class Scheduler:
                 if started is False:
                     break  # FCFS: the head waits for blocks
                 if started:
+                    if loras is not None:
+                        loras.admitted(req)
                     continue
             num_new = min(req.num_tokens - num_cached, budget)
             if not self.block_manager.allocate_slots(req.request_id, num_cached + num_new, blocks):

@@ -14,8 +14,10 @@ import msgpack
 import redis
 
 from services.protocol.block_hash import BlockHasher
+from services.protocol.engine_api import GENERATE_PATH, GenerateRequest
 from services.protocol.messages import RouteRequest, RouteResponse
 from services.protocol.redis_schema import RedisKeys
+from services.protocol.sampling_params import SamplingParams
 from services.router.server import MSGPACK
 from tests.support.stack import PagodaStack, StackOptions, scrape
 
@@ -29,6 +31,15 @@ def _complete(stack: PagodaStack, prompt: list[int]) -> tuple[str, dict]:
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as resp:
         return resp.headers["x-pagoda-engine"], json.loads(resp.read())
+
+
+def _generate_on(engine_url: str, prompt: list[int]) -> None:
+    body = GenerateRequest(f"evict-{prompt[0]}", prompt,
+                           SamplingParams(max_tokens=2, temperature=0)).to_msgpack()
+    req = urllib.request.Request(engine_url + GENERATE_PATH, data=body,
+                                 headers={"Content-Type": MSGPACK})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        resp.read()
 
 
 def _decoded_events(sub) -> list[tuple[str, list]]:  # noqa: ANN001
@@ -67,10 +78,11 @@ def test_a_prefix_in_host_memory_is_routed_back_and_served_from_there(
         index = redis.Redis.from_url(stack.redis.url)
         keys = RedisKeys()
         pool, host = (keys.blocks(stack.model, engine), keys.host_blocks(stack.model, engine))
-        for k in range(12):
-            _complete(stack, [3000 + 1000 * k + (i * 11) % 900 for i in range(6 * BS + 9)])
+        url = stack.engines[int(engine.rsplit("-", 1)[1])].url
+        for k in range(12):  # straight to that engine (the router would spread them)
+            _generate_on(url, [3000 + 1000 * k + (i * 11) % 900 for i in range(6 * BS + 9)])
             time.sleep(0.6)  # a heartbeat: the events reach the index
-            if index.zmscore(pool, hashes[:1]) == [None]:
+            if index.zmscore(pool, hashes[:6]) == [None] * 6:
                 break
         # The index, read as plain Redis: A is in the engine's host tier, not its pool.
         assert index.zmscore(pool, hashes[:6]) == [None] * 6
@@ -91,8 +103,6 @@ def test_a_prefix_in_host_memory_is_routed_back_and_served_from_there(
         assert served_by == engine
         assert again["choices"][0]["text"] == first["choices"][0]["text"]
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 6 * BS
-        url = next(e.url for e in stack.engines if stack.engine_id(stack.engines.index(e))
-                   == engine)
         metrics = scrape(url)
         assert metrics["vllm:external_prefix_cache_hits_total"] >= 6 * BS
         by_source = f'{{model_name="{stack.model}",source="external_kv_transfer"}}'

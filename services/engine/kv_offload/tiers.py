@@ -9,14 +9,13 @@ from __future__ import annotations
 import logging
 import queue
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
-from services.engine.block_manager import BlockManager
 from services.engine.kv_offload.copier import KVCopier, LoadDone, LoadJob, SaveDone, SaveJob
 from services.engine.kv_offload.host_store import HostBlockStore
 from services.engine.kv_offload.remote_store import RemoteKVStore, StoreLayout, StoreStats
-from services.engine.request import Request
 from services.protocol.block_hash import BlockHash
 from services.protocol.kv_events import KVEvent, KVEventKind, Medium
 
@@ -24,6 +23,31 @@ logger = logging.getLogger(__name__)
 
 _GIB = 1024**3
 _MAX_SKIP_UPLOAD = 65536
+
+
+class Request(Protocol):
+    """What the tiers read of a request (the engine's ``Request``; the core imports this
+    package, not the other way round)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    block_hashes: list[BlockHash]
+    num_cached_tokens: int
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+class BlockManager(Protocol):
+    """What the tiers use of the engine's ``BlockManager``."""
+
+    block_size: int
+    track_cached: bool
+
+    def take_new_cached(self) -> list[tuple[Any, BlockHash, tuple[int, ...]]]: ...
+    def hold(self, block_ids: list[int]) -> None: ...
+    def release(self, block_ids: list[int]) -> None: ...
 
 
 @dataclass(slots=True)
