@@ -15,6 +15,7 @@ server time (``TIME`` inside the scripts), so engine and router clocks never nee
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ResponseError
 
-from services.protocol.kv_events import KVEvent, KVEventKind
+from services.protocol.kv_events import KVEvent, KVEventKind, Medium, encode_batch
 from services.protocol.messages import EngineHeartbeat
 from services.protocol.redis_schema import (
     DEFAULT_BLOCK_TTL_S,
@@ -113,7 +114,9 @@ return redis.call('ZCARD', key)
 )
 
 # KEYS[1] = engines set. ARGV[1] = "ns:{model}:" prefix, ARGV[2] = the prompt's hashes blob.
-# Returns msgpack of [now_ms, [dead ids...], id1, hb1, pending1, matched1, id2, ...].
+# Returns msgpack of [now_ms, [dead ids...], shared, id1, hb1, pending1, matched1, reach1, id2,
+# ...]: matched = leading blocks in the engine's pool, reach = leading blocks in its pool or
+# host tier (>= matched), shared = leading blocks in the model's shared store.
 # leading() finds how many leading blocks an engine holds, relying on prefix-closed caches: a
 # first ZMSCORE of blocks 1 and n settles engines that hold none or all of the prompt (most of
 # them); the rest get a 4-ary search, 3 ZMSCORE members per step (about log4(n) steps). The
@@ -151,14 +154,22 @@ local function plan(lo, hi)
   plans[k] = cached
   return cached
 end
-local function leading(key)
-  local lo, hi = 0, n + 1  -- invariant: blocks 1..lo held, block hi not (n + 1: past the end)
+-- leading(key, lo, other): blocks 1..lo are known held; a block counts when it is in key,
+-- or (given) in other: the longest prefix reachable through either tier.
+local function leading(key, lo, other)
+  local hi = n + 1  -- invariant: blocks 1..lo held, block hi not (n + 1: past the end)
   while hi - lo > 1 do
     local step = plan(lo, hi)
     local scores = redis.call('ZMSCORE', key, unpack(step[2]))
+    local extra = other and redis.call('ZMSCORE', other, unpack(step[2]))
     for i, p in ipairs(step[1]) do
       local s = scores[i]
-      if s and tonumber(s) > now then lo = p else hi = p; break end
+      local held = s and tonumber(s) > now
+      if not held and extra then
+        local e = extra[i]
+        held = e and tonumber(e) > now
+      end
+      if held then lo = p else hi = p; break end
     end
   end
   return lo
@@ -178,12 +189,21 @@ for first = 1, #ids, 500 do
     pends[first + i - 1] = p[i]
   end
 end
+local shared = prefix .. 'sblk'
+out[3] = (n > 0 and redis.call('EXISTS', shared) == 1) and leading(shared, 0, nil) or 0
 for i, id in ipairs(ids) do
   if hbs[i] then
     out[#out + 1] = id
     out[#out + 1] = hbs[i]
     out[#out + 1] = tonumber(pends[i] or '0')
-    out[#out + 1] = leading(prefix .. 'blk:' .. id)
+    local pool = leading(prefix .. 'blk:' .. id, 0, nil)
+    out[#out + 1] = pool
+    local host = prefix .. 'hblk:' .. id
+    if pool < n and redis.call('EXISTS', host) == 1 then
+      out[#out + 1] = leading(prefix .. 'blk:' .. id, pool, host)
+    else
+      out[#out + 1] = pool
+    end
   else
     dead[#dead + 1] = id
   end
@@ -308,6 +328,20 @@ def _event_ops(events: Iterable[KVEvent]) -> list[tuple[bytes, list[bytes]]]:
     return ops
 
 
+def _split_by_medium(events: Iterable[KVEvent]) -> dict[Medium, list[KVEvent]]:
+    """Each tier's events, in order. "cleared" (an engine re-announcing its cache) clears its
+    pool and its host tier; the shared store belongs to no engine and is never cleared by one
+    (its entries expire)."""
+    split: dict[Medium, list[KVEvent]] = {m: [] for m in Medium}
+    for event in events:
+        if event.kind is KVEventKind.CLEARED:
+            split[Medium.GPU].append(event)
+            split[Medium.CPU].append(event)
+        else:
+            split[event.medium].append(event)
+    return split
+
+
 def _batches(ops: list[tuple[bytes, list[bytes]]], limit: int) -> list[list[bytes]]:
     """Script argument lists (after the fixed head): (code, concatenated hashes) pairs, at most
     ``limit`` hashes per list."""
@@ -399,19 +433,29 @@ class KVIndexPublisher:
         number of entries the engine's index holds afterwards."""
         if not engine_id:
             raise ValueError("engine_id must be a non-empty string")
-        ops = _event_ops(events)
+        events = list(events)
+        if events:  # for any subscriber (one PUBLISH; nobody listening costs nothing more)
+            await self._redis.publish(self.keys.kv_events(model),
+                                      encode_batch(engine_id, time.time(), events))
+        by_medium = _split_by_medium(events)
         key = self.keys.blocks(model, engine_id)
-        if not ops:
-            return int(await self._redis.zcard(key))
+        keys = {Medium.GPU: key, Medium.CPU: self.keys.host_blocks(model, engine_id),
+                Medium.SHARED: self.keys.shared_blocks(model)}
         head = [self._block_ttl_ms, self._cap]
-        batches = _batches(ops, _EVENT_CHUNK)
-        if len(batches) == 1:
-            return int(await self._apply(keys=[key], args=head + batches[0]))
-        # Large batches: several short script runs (Redis is single-threaded) in one pipeline.
+        batches = [(keys[medium], batch) for medium, medium_events in by_medium.items()
+                   for batch in _batches(_event_ops(medium_events), _EVENT_CHUNK)
+                   if medium_events]
+        if not batches:
+            return int(await self._redis.zcard(key))
+        if len(batches) == 1 and batches[0][0] == key:
+            return int(await self._apply(keys=[key], args=head + batches[0][1]))
+        # Large batches, or several tiers: several short script runs (Redis is single-threaded)
+        # in one pipeline.
         await self._redis.script_load(_APPLY_EVENTS_LUA)
         async with self._redis.pipeline(transaction=False) as pipe:
-            for batch in batches:
-                pipe.evalsha(self._apply.sha, 1, key, *head, *batch)
+            for batch_key, batch in batches:
+                pipe.evalsha(self._apply.sha, 1, batch_key, *head, *batch)
+            pipe.zcard(key)
             results = await pipe.execute()
         return int(results[-1])
 
@@ -422,7 +466,8 @@ class KVIndexPublisher:
         a Redis that lost its data, which routers bridge by routing to the engines they saw."""
         k = self.keys
         async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.delete(k.heartbeat(model, engine_id), k.blocks(model, engine_id))
+            pipe.delete(k.heartbeat(model, engine_id), k.blocks(model, engine_id),
+                        k.host_blocks(model, engine_id))
             pipe.delete(k.pending(model, engine_id))
             await pipe.execute()
 
@@ -435,7 +480,8 @@ class KVIndexPublisher:
 class EngineMatch:
     heartbeat: EngineHeartbeat
     pending: int  # requests routers sent since the engine's last heartbeat
-    matched_blocks: int  # leading blocks of the prompt the engine holds
+    matched_blocks: int  # leading blocks of the prompt the engine holds in its KV pool
+    reach_blocks: int = 0  # leading blocks it holds in its pool or host-memory tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -443,6 +489,7 @@ class LookupResult:
     engines: list[EngineMatch]  # live engines of the model, in Redis set order
     dead: list[str]  # engine ids registered but with no live heartbeat
     server_time_ms: int
+    shared_blocks: int = 0  # leading blocks in the model's shared KV store (every engine's)
 
 
 class KVIndexReader:
@@ -478,13 +525,13 @@ class KVIndexReader:
             raise ResponseError(f"malformed lookup reply: {exc!r}") from None
         engines: list[EngineMatch] = []
         dead = [_text(d) for d in raw[1]]
-        for i in range(2, len(raw) - 3, 4):
+        for i in range(3, len(raw) - 4, 5):
             hb = self._heartbeat(raw[i + 1])
             if hb is None or hb.model != model:
                 dead.append(_text(raw[i]))
                 continue
-            engines.append(EngineMatch(hb, int(raw[i + 2]), int(raw[i + 3])))
-        return LookupResult(engines, dead, int(raw[0]))
+            engines.append(EngineMatch(hb, int(raw[i + 2]), int(raw[i + 3]), int(raw[i + 4])))
+        return LookupResult(engines, dead, int(raw[0]), int(raw[2]))
 
     async def mark(
         self,

@@ -81,6 +81,10 @@ class BlockManager:
         # Token counters behind vllm:prefix_cache_queries / vllm:prefix_cache_hits.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # KV tiers (kv_offload): blocks cached since the last take_new_cached, to write
+        # through to the lower tiers; tracked only when a tier drains them.
+        self.track_cached = False
+        self._new_cached: list[tuple[KVBlock, BlockHash, tuple[int, ...]]] = []
 
     # ----------------------------------------------------------------------------- queries
 
@@ -272,6 +276,29 @@ class BlockManager:
         entry.num_visited = min(entry.num_visited, keep)
         return keep
 
+    def take_new_cached(self) -> list[tuple[KVBlock, BlockHash, tuple[int, ...]]]:
+        """(block, hash, tokens) of each block cached since the last call (``track_cached``)."""
+        cached, self._new_cached = self._new_cached, []
+        return cached
+
+    def hold(self, block_ids: list[int]) -> None:
+        """An extra reference on each block, for a copy that reads it (kv_offload): while it
+        holds, neither a finish, an abort nor a preemption lets the block be reused."""
+        for block_id in block_ids:
+            self._take_ref(self._blocks[block_id])
+
+    def release(self, block_ids: list[int]) -> None:
+        """Ends ``hold``; a block nobody else holds goes back to the queue as ``free`` would."""
+        for block_id in block_ids:
+            block = self._blocks[block_id]
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, block_id
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    self._free.appendleft(block)
+                else:
+                    self._free.append(block)
+
     def free(self, request_id: str) -> None:
         """Releases the request's blocks; unknown requests are ignored.
 
@@ -334,6 +361,8 @@ class BlockManager:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self._cached[block_hash] = block
+        if self.track_cached:
+            self._new_cached.append((block, block_hash, block.token_ids))
         return True
 
     def _emit_stored(

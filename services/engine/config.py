@@ -11,7 +11,7 @@ import torch
 from services.common.cli import flag
 from services.common.default_model import default_model_dir, is_converted
 from services.engine.lora.request import LoRAModule
-from services.engine.spec_decode.config import SpeculativeConfig, check_draft_matches
+from services.engine.spec_decode.config import SpecMethod, SpeculativeConfig, check_draft_matches
 from services.protocol.block_hash import HashAlgorithm
 
 E = TypeVar("E", bound=Enum)
@@ -105,6 +105,25 @@ class EngineConfig:
         help="adapters loaded at start: name=path, or JSON {\"name\", \"path\", "
         "\"base_model_name\"} (several after one flag, or the flag repeated)",
     )
+    kv_offloading_size: float | None = flag(
+        None,
+        help="GiB of host memory for KV blocks evicted from the pool (vLLM's flag): full "
+        "blocks are written through as they fill, and a prefix the pool lost is copied back "
+        "from there (default: off)",
+    )
+    kv_offloading_backend: str = flag(
+        "native", help="the host tier's implementation: native (the engine's own copy thread)"
+    )
+    kv_store_url: str | None = flag(
+        None,
+        help="redis:// or rediss:// URL of the KV store shared by every engine of the model (a "
+        "Redis/Valkey instance of its own, maxmemory + allkeys-lru); blocks are written to it "
+        "and a prefix no local tier holds is loaded from it. An engine starts without it when "
+        "it does not answer, and uses it once it does (default: off)",
+    )
+    kv_store_timeout_s: float = flag(
+        0.5, help="the shared KV store's socket timeout: slower, the block is recomputed"
+    )
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -124,9 +143,18 @@ class EngineConfig:
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = self._default_step_tokens()
         self._check_lora()
+        self._check_kv_tiers()
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
             self._check_speculation(self.speculative_config)
+        if self.kv_tiers_enabled:  # what the tiers cannot serve yet: refused at start
+            if self.tensor_parallel_size > 1:
+                raise ValueError("kv_offloading_size / kv_store_url are not supported with "
+                                 "tensor_parallel_size > 1 yet")
+            spec = self.speculative_config
+            if spec is not None and spec.method is SpecMethod.DRAFT_MODEL:
+                raise ValueError("kv_offloading_size / kv_store_url are not supported with a "
+                                 "draft model yet (its KV is not offloaded); ngram works")
 
     def _check_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):
@@ -141,6 +169,27 @@ class EngineConfig:
         names = [m.name for m in self.lora_modules]
         if len(names) != len(set(names)):
             raise ValueError(f"lora_modules names must be unique, got {names}")
+
+    def _check_kv_tiers(self) -> None:
+        size = self.kv_offloading_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, (int, float))
+                                 or not size > 0):
+            raise ValueError(f"kv_offloading_size must be a positive number of GiB, got {size!r}")
+        if self.kv_offloading_backend != "native":
+            raise ValueError("kv_offloading_backend must be 'native', got "
+                             f"{self.kv_offloading_backend!r}")
+        if self.kv_store_url is not None and not self.kv_store_url.startswith(
+                ("redis://", "rediss://", "unix://")):
+            raise ValueError(f"kv_store_url must be a redis:// or rediss:// URL, got "
+                             f"{self.kv_store_url!r}")
+        if self.kv_tiers_enabled and not self.enable_prefix_caching:
+            raise ValueError("kv_offloading_size / kv_store_url need enable_prefix_caching")
+        if not self.kv_store_timeout_s > 0:
+            raise ValueError(f"kv_store_timeout_s must be > 0, got {self.kv_store_timeout_s!r}")
+
+    @property
+    def kv_tiers_enabled(self) -> bool:
+        return self.kv_offloading_size is not None or self.kv_store_url is not None
 
     def _check_speculation(self, spec: SpeculativeConfig) -> None:
         if spec.num_speculative_tokens >= self.max_num_batched_tokens:

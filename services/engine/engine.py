@@ -13,6 +13,7 @@ from pathlib import Path
 from services.engine.async_scheduling import StepPipeline
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
+from services.engine.kv_offload.tiers import KVTiers, KVTierStats
 from services.engine.logit_bias import LogitBias, check_logit_bias
 from services.engine.lora import manager as lora_manager
 from services.engine.lora.manager import LoRAStats
@@ -70,6 +71,7 @@ class EngineStats:
     num_preemptions: int
     lora: LoRAStats | None = None  # an engine with LoRA enabled: its adapters
     spec_decode: SpecDecodeStats | None = None  # speculative decoding's counters, if on
+    kv_tiers: KVTierStats | None = None  # host memory / shared store, if on
 
 
 _MAX_HASHERS = 4096  # one per cache salt seen; rebuilt on demand, so clearing is safe
@@ -95,7 +97,9 @@ class LLMEngine:
         else:  # built (loaded, warmed up) on the thread that will run it: see StepPipeline
             self.runner = self.pipeline.start(lambda: ModelRunner(config, model_path))
         # ``close``, or the engine collected, or the interpreter's exit: whichever comes first.
-        self._release = weakref.finalize(self, _release, self.pipeline, self.runner)
+        closers: list[KVTiers] = []  # filled below: closed before the runner
+        self._release = weakref.finalize(self, _release, self.pipeline, self.runner, closers)
+        self._hashers: dict[tuple[str | None, AdapterKey | None], BlockHasher] = {}
         mc = self.runner.model_config
         self.eos_token_ids = tuple(mc.eos_token_ids)
         self.max_model_len = self._resolve_max_model_len(mc.max_position_embeddings)
@@ -110,12 +114,17 @@ class LLMEngine:
             self.max_model_len,
             config.max_loras if config.enable_lora else 0,
         )
+        self.tiers: KVTiers | None = None
+        if config.kv_tiers_enabled:
+            self.tiers = KVTiers(config, self.runner, self.block_manager, self.model_name,
+                                 self.hasher().seed, record_events=kv_events)
+            self.scheduler.tiers = self.tiers
+            closers.append(self.tiers)
         self.speculator = None if config.speculative_config is None else Speculator(
             config.speculative_config, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.last_step_tokens = 0
         self.grammars = GrammarCompiler(str(model_path), mc.vocab_size, self.eos_token_ids)
-        self._hashers: dict[tuple[str | None, AdapterKey | None], BlockHasher] = {}
         for module in config.lora_modules:  # --lora-modules: a bad one stops the start
             if module.base_model_name not in (None, self.model_name):
                 raise ValueError(f"lora_modules: {module.name} is for base model "
@@ -303,6 +312,8 @@ class LLMEngine:
             self.speculator.propose(self.scheduler.running, self.runner.input_batch)
         sched = self.scheduler.schedule()
         self._release_rows()  # the preempted ones': before the runner gives rows to joiners
+        if self.tiers is not None and (self.pipeline is None or self.pipeline.in_flight is None):
+            self.tiers.submit_loads()  # no step in flight writes to the blocks they fill
         return sched
 
     def _release_rows(self) -> None:
@@ -324,6 +335,9 @@ class LLMEngine:
         out, spec = result.sampler_output, result.spec
         sampled = self.scheduler.update(sched, out.token_ids, None if spec is None else spec.runs)
         self._release_rows()
+        if self.tiers is not None:  # the step is done: its full blocks' KV is final
+            self.tiers.save_new()
+            self.tiers.submit_loads()
         if spec is None:
             lps = [[lp] for lp in out.logprobs]
         else:  # each run's tokens, as the scheduler cut it
@@ -377,13 +391,23 @@ class LLMEngine:
     # -- observability ----------------------------------------------------------------------
 
     def take_kv_events(self) -> list[KVEvent]:
-        return self.block_manager.take_events()
+        events = self.block_manager.take_events()
+        if self.tiers is not None:
+            events.extend(self.tiers.take_events())
+        return events
+
+    def snapshot_kv_events(self) -> list[KVEvent]:
+        """Every tier's cache as events ("cleared", then each tier's cached hashes)."""
+        events = self.block_manager.snapshot_events()
+        if self.tiers is not None:
+            events.extend(self.tiers.snapshot_events())
+        return events
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self.scheduler.loading),
             kv_usage=bm.usage,
             num_free_blocks=bm.num_free_blocks,
             num_total_blocks=bm.num_total_blocks,
@@ -393,12 +417,15 @@ class LLMEngine:
             lora=None if self.lora is None else self.lora.stats(self.scheduler.running,
                                                                 self.scheduler.waiting),
             spec_decode=None if self.speculator is None else self.speculator.stats.snapshot(),
+            kv_tiers=None if self.tiers is None else self.tiers.snapshot_stats(),
         )
 
 
-def _release(pipeline: StepPipeline | None, runner: ModelRunner) -> None:
+def _release(pipeline: StepPipeline | None, runner: ModelRunner, tiers: list) -> None:
     """``LLMEngine.close``'s work, given what it releases (never the engine: see
     ``weakref.finalize``)."""
+    for t in tiers:  # the copy thread first: it reads the runner's caches
+        t.close()
     if pipeline is not None:
         pipeline.close()
     runner.close()

@@ -29,6 +29,12 @@ up to ``k + 1`` tokens back (``update``'s ``runs``). Only the accepted drafts' K
 computed; the blocks past what its tokens then need go back to the pool (``trim``) and the
 input batch's row is told (``take_trimmed``). A step with drafts is never in flight while the
 next is scheduled (its tokens decide the next step's), so none of this meets a placeholder.
+
+KV tiers (``tiers``: host memory, the shared store): an admission whose prefix continues past
+its pool hit in a lower tier gets its blocks and waits in ``loading`` while the copy thread
+fills them; the step goes on without it. Once the copy is done it joins the running set with
+those tokens computed (and cached in the pool), at the start of a later ``schedule``. An abort
+while it loads frees its blocks only when the copy thread is done with them.
 """
 
 from __future__ import annotations
@@ -96,6 +102,9 @@ class Scheduler:
         self._left: list[Request] = []
         # (request, blocks it kept) after giving back rejected drafts' blocks (``trim``).
         self._trimmed: list[tuple[Request, int]] = []
+        self.tiers = None  # kv_offload.tiers.KVTiers, when the engine has lower KV tiers
+        # Admitted, waiting for their blocks' copies from a lower tier (request id -> request).
+        self.loading: dict[str, Request] = {}
 
     # -- queue management -------------------------------------------------------------------
 
@@ -104,6 +113,8 @@ class Scheduler:
 
     def abort(self, request: Request) -> None:
         """Removes a request wherever it is; its blocks go back to the pool."""
+        if self.loading.pop(request.request_id, None) is not None:
+            return  # its blocks are being written: freed when the copy is done
         if request in self.running:
             self.running.remove(request)
             self._left.append(request)
@@ -124,11 +135,21 @@ class Scheduler:
         return trimmed
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     # -- one step ---------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        if self.tiers is None:
+            return self._schedule()
+        self._admit_loaded(self.tiers.poll())
+        out = self._schedule()
+        if out.is_empty and self.loading:  # nothing else to run: wait for a copy, briefly
+            self._admit_loaded(self.tiers.poll(timeout=0.05))
+            out = self._schedule()
+        return out
+
+    def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         if self.num_steps_in_flight:
             self._cache_in_flight()
@@ -212,8 +233,10 @@ class Scheduler:
         logger.debug("preempted request_id=%s", req.request_id)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        loras = AdapterAdmission(self.running, self.max_loras) if self.max_loras else None
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        loras = AdapterAdmission([*self.running, *self.loading.values()],  # loading: to run
+                                 self.max_loras) if self.max_loras else None
+        while self.waiting and budget > 0 and (
+                len(self.running) + len(self.loading) < self.max_num_seqs):
             req = self.waiting[0]
             if loras is not None and not loras.admits(req):
                 self.waiting.popleft()  # keeps its place: put back in front below
@@ -225,11 +248,21 @@ class Scheduler:
                 self.block_manager.get_computed_blocks(req.token_ids, req.block_hashes)
                 if reads_prefix_cache(req) else ([], 0)
             )
+            if self.tiers is not None and reads_prefix_cache(req):
+                started = self._start_load(req, blocks, num_cached)
+                if started is False:
+                    break  # FCFS: the head waits for blocks
+                if started:
+                    if loras is not None:
+                        loras.admitted(req)
+                    continue
             num_new = min(req.num_tokens - num_cached, budget)
             if not self.block_manager.allocate_slots(req.request_id, num_cached + num_new, blocks):
                 break  # FCFS: the head waits for blocks; nothing overtakes it
             self.waiting.popleft()
             self.block_manager.record_prefix_lookup(req.num_tokens, num_cached)
+            if self.tiers is not None:
+                self.tiers.record_admission(req, num_cached, 0, 0, reads_prefix_cache(req))
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
@@ -244,6 +277,46 @@ class Scheduler:
         if loras is not None and loras.deferred:
             self.num_lora_deferrals += len(loras.deferred)
             self.waiting.extendleft(reversed(loras.deferred))
+
+    def _start_load(self, req: Request, blocks: list, num_cached: int) -> bool | None:
+        """Starts loading the request's next blocks from a lower tier, if any holds them:
+        True (it waits in ``loading``), None (nothing to load: admit it as usual) or False
+        (no free blocks for them: it waits)."""
+        plan = self.tiers.plan(req, len(blocks))
+        if plan is None:
+            return None
+        bm = self.block_manager
+        if not bm.allocate_slots(req.request_id, num_cached + plan.num_blocks * bm.block_size,
+                                 blocks):
+            return False
+        self.waiting.popleft()
+        ids = bm.block_ids(req.request_id)
+        self.tiers.start_load(req, plan, ids[plan.first:plan.first + plan.num_blocks])
+        self.loading[req.request_id] = req
+        return True
+
+    def _admit_loaded(self, done: list) -> None:
+        """Requests whose lower-tier blocks were copied in: cached in the pool, and running
+        with those tokens computed (an aborted one's blocks are freed now)."""
+        bm, bs = self.block_manager, self.block_manager.block_size
+        for req, first, num_host, num_remote in done:
+            if self.loading.pop(req.request_id, None) is None:
+                bm.free(req.request_id)  # aborted while its blocks were written
+                continue
+            pool_tokens = first * bs
+            loaded = (num_host + num_remote) * bs
+            num_cached = pool_tokens + loaded
+            if loaded:
+                bm.cache_full_blocks(req.request_id, req.token_ids, req.block_hashes, num_cached)
+            bm.record_prefix_lookup(req.num_tokens, pool_tokens)
+            self.tiers.record_admission(req, pool_tokens, loaded, num_host * bs, True)
+            req.num_computed_tokens = num_cached
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         start = req.num_computed_tokens + req.num_scheduled_tokens

@@ -5,7 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+import msgpack
+
 from services.protocol.block_hash import BlockHash
+
+
+class Medium(StrEnum):
+    """Where the blocks of an event live (vLLM's ``medium`` names, plus the shared store)."""
+
+    GPU = "GPU"  # the engine's KV pool (on the CPU engine too: vLLM's name for the pool)
+    CPU = "CPU"  # the engine's host-memory tier (--kv-offloading-size)
+    SHARED = "SHARED"  # the KV store shared by every engine of the model (--kv-store-url)
 
 
 class KVEventKind(StrEnum):
@@ -25,3 +35,21 @@ class KVEvent:
     parent_hash: BlockHash | None = None
     # STORED only: the stored blocks' tokens, flattened (len == len(block_hashes) * block_size).
     token_ids: tuple[int, ...] = ()
+    medium: Medium = Medium.GPU  # the tier the change happened in
+
+
+def encode_batch(engine_id: str, timestamp: float, events: list[KVEvent]) -> bytes:
+    """A batch of events as msgpack, in vLLM's array-encoded shape (``KVEventBatch``: [ts,
+    events, engine]; ``BlockStored``: [tag, hashes, parent, token_ids, block_size, lora_id,
+    medium]; ``BlockRemoved``: [tag, hashes, medium]; ``AllBlocksCleared``: [tag]), so a
+    subscriber written for vLLM's events reads Pagoda's (hashes are 16 raw bytes)."""
+    out = []
+    for e in events:
+        if e.kind is KVEventKind.STORED:
+            out.append(["BlockStored", list(e.block_hashes), e.parent_hash, list(e.token_ids),
+                        e.block_size, None, e.medium.value])
+        elif e.kind is KVEventKind.REMOVED:
+            out.append(["BlockRemoved", list(e.block_hashes), e.medium.value])
+        else:
+            out.append(["AllBlocksCleared"])
+    return msgpack.packb([timestamp, out, engine_id], use_bin_type=True)

@@ -101,6 +101,19 @@ class RedisKeys:
     def blocks(self, model: str, engine_id: str) -> str:
         return self.model_prefix(model) + "blk:" + engine_id
 
+    def host_blocks(self, model: str, engine_id: str) -> str:
+        """The engine's host-memory tier (KV events with medium CPU): a set like ``blocks``."""
+        return self.model_prefix(model) + "hblk:" + engine_id
+
+    def shared_blocks(self, model: str) -> str:
+        """The model's shared KV store (medium SHARED): one set for all engines."""
+        return self.model_prefix(model) + "sblk"
+
+    def kv_events(self, model: str) -> str:
+        """Pub/sub channel: every engine's KV event batches, for any subscriber (vLLM's shape:
+        ``services.protocol.kv_events.encode_batch``)."""
+        return self.model_prefix(model) + "kvev"
+
     def pending(self, model: str, engine_id: str) -> str:
         return self.model_prefix(model) + "pend:" + engine_id
 

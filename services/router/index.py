@@ -36,6 +36,8 @@ class EngineView:
     heartbeat: EngineHeartbeat
     pending: int
     matched_blocks: int
+    reach_blocks: int = 0  # through its pool or its host tier (>= matched_blocks)
+    shared_blocks: int = 0  # in the model's shared KV store (the same for every engine)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +99,9 @@ class RouterIndex:
                     return IndexSnapshot(self._fallback(model), [], degraded=True)
                 self._remember(model, [m.heartbeat for m in result.engines])
                 views = [
-                    EngineView(m.heartbeat, m.pending, m.matched_blocks) for m in result.engines
+                    EngineView(m.heartbeat, m.pending, m.matched_blocks, m.reach_blocks,
+                               result.shared_blocks)
+                    for m in result.engines
                 ]
                 return IndexSnapshot(views, result.dead, degraded=False)
         return IndexSnapshot(self._fallback(model), [], degraded=True)

@@ -30,6 +30,8 @@ class Candidate:
     # Where it holds the request's LoRA adapter (services.protocol.lora_api residency codes);
     # -1: not held, or the request names none.
     adapter: int = -1
+    reach_blocks: int = 0  # leading blocks in its pool or host tier (KV tiers; >= matched)
+    shared_blocks: int = 0  # leading blocks in the model's shared KV store (every engine's)
 
     @property
     def load(self) -> int:
@@ -137,13 +139,13 @@ class PrefixPolicy:
         cost = load_cost(candidates)
         least = _least_loaded(candidates, cost)
         adapter = any(c.adapter >= 0 for c in candidates)
-        if not adapter and (ctx.num_blocks == 0 or all(c.matched_blocks == 0
-                                                       for c in candidates)):
+        matched = {c.engine_id: tiered_match(c) for c in candidates}
+        if not adapter and (ctx.num_blocks == 0 or not any(matched.values())):
             return Decision(least, "least-loaded")
         busiest = max(1.0, max(cost(c) for c in candidates))
 
         def rank(c: Candidate) -> tuple[float, float, float, str]:
-            prefix = c.matched_blocks / ctx.num_blocks if ctx.num_blocks else 0.0
+            prefix = matched[c.engine_id] / ctx.num_blocks if ctx.num_blocks else 0.0
             score = (prefix + self.adapter_weight * affinity(c.adapter)
                      - self.load_weight * cost(c) / busiest)
             return (-score, cost(c), c.kv_usage, c.engine_id)
@@ -155,10 +157,25 @@ class PrefixPolicy:
             and best.load > self.hot_spot_ratio * least.load
         ):
             return Decision(least, "hot-spot")
-        if best.matched_blocks > 0:
+        if best.reach_blocks or best.matched_blocks:
             return Decision(best, "prefix-hit")
         return Decision(best, "adapter-affinity" if adapter and best is not least
                         else "least-loaded")
+
+
+# KV tiers' weights (llm-d's): a block in an engine's pool counts 1, in its host memory 0.8
+# (it must be copied back first), in the shared store 0.5 (loaded over the network; the same
+# for every engine, so it never tells engines apart on its own: load decides).
+POOL_WEIGHT, HOST_WEIGHT, SHARED_WEIGHT = 1.0, 0.8, 0.5
+
+
+def tiered_match(c: Candidate) -> float:
+    """The candidate's prefix in pool-block equivalents: its longest prefix through any tier,
+    each block weighted by the best tier that holds it."""
+    pool = c.matched_blocks
+    host = max(c.reach_blocks, pool)
+    shared = max(c.shared_blocks, host)
+    return POOL_WEIGHT * pool + HOST_WEIGHT * (host - pool) + SHARED_WEIGHT * (shared - host)
 
 
 PolicyFactory = Callable[[RouterConfig], RoutingPolicy]

@@ -277,6 +277,8 @@ def _candidate(view: EngineView) -> Candidate:
         engine_id=hb.engine_id,
         url=hb.url,
         matched_blocks=view.matched_blocks,
+        reach_blocks=view.reach_blocks,
+        shared_blocks=view.shared_blocks,
         running=hb.running,
         waiting=hb.waiting,
         pending=view.pending,

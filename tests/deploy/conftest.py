@@ -167,6 +167,15 @@ LORA: dict[str, Any] = {
     ],
 }
 
+KV_TIERS: dict[str, Any] = {
+    "models": [
+        {"name": "chat", "source": {"type": "builtin"}, "kvOffloadingSize": 2},
+        {"name": "plain", "source": {"type": "builtin"}},
+    ],
+    "kvStore": {"enabled": True, "maxmemory": "2gb"},
+    "networkPolicy": {"enabled": True},
+}
+
 SCENARIOS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "two-models": TWO_MODELS,
@@ -177,6 +186,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "scale-to-zero": SCALE_TO_ZERO,
     "speculative": SPECULATIVE,
     "lora": LORA,
+    "kv-tiers": KV_TIERS,
 }
 
 

@@ -398,3 +398,23 @@ Call with (list INDENT TEXT). */}}
 {{- $text := trim (index . 1) -}}
 {{- if $text }}{{ nindent (index . 0) $text }}{{ end -}}
 {{- end -}}
+
+{{/* The shared KV store (kvStore.enabled): its name, Secret and URL (no credentials: the
+engines read KV_STORE_PASSWORD from the Secret). */}}
+{{- define "pagoda.kvStore.fullname" -}}{{ include "pagoda.fullname" . }}-kv-store{{- end -}}
+
+{{- define "pagoda.kvStore.secretName" -}}
+{{- .Values.kvStore.auth.existingSecret | default (include "pagoda.kvStore.fullname" .) -}}
+{{- end -}}
+
+{{- define "pagoda.kvStore.secretKey" -}}
+{{- if .Values.kvStore.auth.existingSecret -}}
+{{- .Values.kvStore.auth.existingSecretKey -}}
+{{- else -}}
+kv-store-password
+{{- end -}}
+{{- end -}}
+
+{{- define "pagoda.kvStore.url" -}}
+{{- printf "redis://%s:%d/0" (include "pagoda.kvStore.fullname" .) (int .Values.kvStore.port) -}}
+{{- end -}}

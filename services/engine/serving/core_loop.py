@@ -174,7 +174,7 @@ class CoreLoop:
                 out.kv_events.extend(engine.take_kv_events())
         elif isinstance(cmd, Resync):
             out.kv_events.extend(engine.take_kv_events())
-            out.kv_events.extend(engine.block_manager.snapshot_events())
+            out.kv_events.extend(engine.snapshot_kv_events())
         elif isinstance(cmd, AdapterCommand):
             out.adapter_replies.append(lora_commands.run(engine.lora, cmd))
         else:

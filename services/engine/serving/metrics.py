@@ -12,6 +12,7 @@ from prometheus_client.registry import Collector
 
 from services.common.process_metrics import register_process_metrics
 from services.engine.engine import EngineStats
+from services.engine.kv_offload.tiers import KVTierStats
 from services.engine.serving.request_metrics import (
     ENGINE_INDEX,
     RequestMetrics,
@@ -59,6 +60,54 @@ class _StatsCollector(Collector):
             yield _lora_info(s)
         if s.spec_decode is not None:
             yield from _spec_decode(self._model, s.spec_decode)
+        if s.kv_tiers is not None:
+            yield from _kv_tiers(self._model, s.kv_tiers)
+
+
+def _kv_tiers(model: str, t: KVTierStats) -> Iterator:
+    """vLLM's external-prefix-cache and prompt-token-source counters, and the tiers' own."""
+    labels = ["model_name"]
+    for name, doc, value in (
+        ("vllm:external_prefix_cache_queries",
+         "External prefix cache queries (host memory, shared store), in queried tokens.",
+         t.external_queries),
+        ("vllm:external_prefix_cache_hits",
+         "External prefix cache hits (host memory, shared store), in cached tokens.",
+         t.external_hits),
+        ("pagoda:kv_store_errors", "Shared KV store calls that failed or timed out (the "
+         "blocks were recomputed).", 0 if t.store is None else t.store.errors),
+        ("pagoda:kv_store_corrupt_blocks", "Shared KV store blocks that failed their "
+         "checksum (recomputed).", 0 if t.store is None else t.store.corrupt),
+        ("pagoda:kv_store_dropped_writes", "Blocks not written to the shared KV store "
+         "(store down, or its write queue full).", 0 if t.store is None else
+         t.store.dropped_writes),
+    ):
+        c = CounterMetricFamily(name, doc, labels=labels)
+        c.add_metric([model], value)
+        yield c
+    c = CounterMetricFamily("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
+                            labels=[*labels, "source"])
+    for source, value in (("local_compute", t.local_compute),
+                          ("local_cache_hit", t.local_cache_hit),
+                          ("external_kv_transfer", t.external_kv_transfer)):
+        c.add_metric([model, source], value)
+    yield c
+    c = CounterMetricFamily("vllm:prompt_tokens_cached_by_source",
+                            "Prefix-cache hit tokens by the tier that supplied them.",
+                            labels=[*labels, "source"])
+    c.add_metric([model, "device"], t.local_cache_hit)
+    c.add_metric([model, "host"], t.host_hit_tokens)
+    c.add_metric([model, "external_unspecified"], t.shared_hit_tokens)
+    yield c
+    for name, doc, value in (
+        ("pagoda:kv_host_blocks", "KV blocks held in host memory.", t.host_blocks),
+        ("pagoda:kv_host_capacity_blocks", "KV blocks host memory can hold.", t.host_capacity),
+        ("pagoda:kv_store_available", "1 while the shared KV store answers.",
+         int(t.store_available)),
+    ):
+        g = GaugeMetricFamily(name, doc, labels=labels)
+        g.add_metric([model], value)
+        yield g
 
 
 def _lora_info(s: EngineStats) -> GaugeMetricFamily:

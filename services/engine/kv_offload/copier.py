@@ -1,0 +1,173 @@
+"""The copy thread: moves KV blocks between the pool, the host store and the shared store.
+
+It never decides anything: the engine thread hands it jobs whose pool blocks and host slots are
+reserved for it (pool blocks held or owned by a request that waits, host slots pinned), and
+learns of each job's end from ``done`` before it lets go of them. So the copy thread and the
+step touch disjoint memory, and the step never waits for a copy.
+
+On CUDA the copies run on a side stream, into and out of pinned host memory, and a job is
+reported done only after its stream synchronized.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from services.engine.kv_offload.remote_store import RemoteKVStore, decode_block, encode_block
+from services.protocol.block_hash import BlockHash
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class SaveJob:
+    pool_ids: list[int]
+    hashes: list[BlockHash]
+    token_ids: list[tuple[int, ...]]
+    host_slots: list[int | None]  # None: not to the host store (there already, or no room)
+    upload: list[bool]  # to the shared store too
+
+
+@dataclass(slots=True)
+class LoadJob:
+    request_id: str
+    host_slots: list[int]  # into the first len(host_slots) of pool_ids
+    remote_hashes: list[BlockHash]  # then these, into the rest of pool_ids, while they hit
+    remote_tokens: list[tuple[int, ...]]
+    pool_ids: list[int]
+
+
+@dataclass(slots=True)
+class LoadDone:
+    job: LoadJob
+    num_host: int
+    num_remote: int  # leading remote blocks loaded (the first miss or bad block ends the run)
+    num_corrupt: int = 0
+
+
+@dataclass(slots=True)
+class SaveDone:
+    job: SaveJob
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class _Stop:
+    pass
+
+
+@dataclass
+class KVCopier:
+    kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    host: torch.Tensor | None  # [slots, layers, 2, block_size, kv_heads, head_dim]
+    remote: RemoteKVStore | None
+    block_shape: tuple[int, ...]  # (layers, 2, block_size, kv_heads, head_dim)
+    done: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+
+    def __post_init__(self) -> None:
+        first = self.kv_caches[0][0]
+        self.device = first.device
+        self.dtype = first.dtype
+        self.payload_bytes = int(torch.Size(self.block_shape).numel()) * first.element_size()
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="kv-copier", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: SaveJob | LoadJob) -> None:
+        self._jobs.put(job)
+
+    def close(self) -> None:
+        self._jobs.put(_Stop())
+        self._thread.join(timeout=5.0)
+
+    # -- the thread ---------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        torch.set_num_threads(1)  # the step's threads own the cores; a copy is memory-bound
+        while True:
+            job = self._jobs.get()
+            if isinstance(job, _Stop):
+                return
+            try:
+                with torch.inference_mode(), self._on_stream():
+                    result = self._save(job) if isinstance(job, SaveJob) else self._load(job)
+                    if self.stream is not None:
+                        self.stream.synchronize()
+            except Exception as exc:  # a copy must never kill the thread: report and go on
+                logger.exception("KV copy failed")
+                result = (SaveDone(job, repr(exc)) if isinstance(job, SaveJob)
+                          else LoadDone(job, 0, 0))
+            self.done.put(result)
+
+    def _on_stream(self):  # noqa: ANN202
+        if self.stream is None:
+            import contextlib
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self.stream)
+
+    def _gather(self, pool_ids: list[int]) -> torch.Tensor:
+        """The pool blocks, host-side: [n, layers, 2, block_size, kv_heads, head_dim]."""
+        ids = torch.tensor(pool_ids, dtype=torch.long, device=self.device)
+        out = torch.empty((len(pool_ids), *self.block_shape), dtype=self.dtype,
+                          device=self.device)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            out[:, layer, 0] = k.index_select(0, ids)
+            out[:, layer, 1] = v.index_select(0, ids)
+        return out.to("cpu", non_blocking=False) if self.device.type != "cpu" else out
+
+    def _scatter(self, blocks: torch.Tensor, pool_ids: list[int]) -> None:
+        ids = torch.tensor(pool_ids, dtype=torch.long, device=self.device)
+        blocks = blocks.to(self.device, non_blocking=True)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k.index_copy_(0, ids, blocks[:, layer, 0])
+            v.index_copy_(0, ids, blocks[:, layer, 1])
+
+    def _save(self, job: SaveJob) -> SaveDone:
+        blocks = self._gather(job.pool_ids)
+        to_host = [(j, s) for j, s in enumerate(job.host_slots) if s is not None]
+        if to_host and self.host is not None:
+            rows = torch.tensor([j for j, _ in to_host], dtype=torch.long)
+            slots = torch.tensor([s for _, s in to_host], dtype=torch.long)
+            self.host.index_copy_(0, slots, blocks.index_select(0, rows))
+        if self.remote is not None:
+            for j, wanted in enumerate(job.upload):
+                if wanted:
+                    payload = blocks[j].contiguous().view(torch.uint8).numpy().tobytes()
+                    self.remote.put(job.hashes[j], encode_block(job.token_ids[j], payload))
+        return SaveDone(job)
+
+    def _load(self, job: LoadJob) -> LoadDone:
+        n_host = len(job.host_slots)
+        if n_host:
+            assert self.host is not None
+            slots = torch.tensor(job.host_slots, dtype=torch.long)
+            self._scatter(self.host.index_select(0, slots), job.pool_ids[:n_host])
+        if not job.remote_hashes or self.remote is None:
+            return LoadDone(job, n_host, 0)
+        values = self.remote.get_many(job.remote_hashes)
+        payloads: list[bytes] = []
+        corrupt = 0
+        for value, tokens in zip(values, job.remote_tokens, strict=True):
+            if value is None:
+                break
+            payload = decode_block(value, tokens, self.payload_bytes)
+            if payload is None:  # a bad block is a miss: recomputed, never used
+                corrupt += 1
+                break
+            payloads.append(payload)
+        remote = self.remote.stats
+        remote.hits += len(payloads)
+        remote.misses += len(values) - len(payloads) - corrupt
+        remote.corrupt += corrupt
+        if payloads:
+            raw = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
+            blocks = raw.view(self.dtype).view(len(payloads), *self.block_shape)
+            self._scatter(blocks, job.pool_ids[n_host:n_host + len(payloads)])
+        return LoadDone(job, n_host, len(payloads), corrupt)

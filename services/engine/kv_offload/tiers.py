@@ -1,0 +1,315 @@
+"""The engine thread's side of the KV tiers: what to save, where a prefix continues, and the
+bookkeeping of the copies in flight (see the package docstring for the lifecycle).
+
+Only the engine thread calls ``KVTiers``; the copy thread reports through ``copier.done``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from services.engine.kv_offload.copier import KVCopier, LoadDone, LoadJob, SaveDone, SaveJob
+from services.engine.kv_offload.host_store import HostBlockStore
+from services.engine.kv_offload.remote_store import RemoteKVStore, StoreLayout, StoreStats
+from services.protocol.block_hash import BlockHash
+from services.protocol.kv_events import KVEvent, KVEventKind, Medium
+
+logger = logging.getLogger(__name__)
+
+_GIB = 1024**3
+_MAX_SKIP_UPLOAD = 65536
+
+
+class Request(Protocol):
+    """What the tiers read of a request (the engine's ``Request``; the core imports this
+    package, not the other way round)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    block_hashes: list[BlockHash]
+    num_cached_tokens: int
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+class BlockManager(Protocol):
+    """What the tiers use of the engine's ``BlockManager``."""
+
+    block_size: int
+    track_cached: bool
+
+    def take_new_cached(self) -> list[tuple[Any, BlockHash, tuple[int, ...]]]: ...
+    def hold(self, block_ids: list[int]) -> None: ...
+    def release(self, block_ids: list[int]) -> None: ...
+
+
+@dataclass(slots=True)
+class LoadPlan:
+    first: int  # the request's first block to load (its pool hit ends there)
+    host_slots: list[int]  # the host store's hits, in order
+    num_remote: int  # blocks after those to ask the shared store for
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.host_slots) + self.num_remote
+
+
+@dataclass(slots=True)
+class KVTierStats:
+    """Counters behind vLLM's external-prefix-cache and prompt-token-source metrics."""
+
+    external_queries: int = 0  # prompt tokens of the lookups that asked a lower tier
+    external_hits: int = 0  # tokens loaded from a lower tier
+    host_hit_tokens: int = 0
+    shared_hit_tokens: int = 0
+    # vllm:prompt_tokens_by_source, once per request (its first admission)
+    local_compute: int = 0
+    local_cache_hit: int = 0
+    external_kv_transfer: int = 0
+    host_blocks: int = 0  # blocks ready in the host store
+    host_capacity: int = 0
+    host_evictions: int = 0
+    store: StoreStats | None = None  # the shared store's client (None: no store)
+    store_available: bool = False
+
+
+@dataclass(slots=True)
+class _Load:
+    request: Request
+    plan: LoadPlan
+    pool_ids: list[int] = field(default_factory=list)
+
+
+class KVTiers:
+    def __init__(self, config, runner, block_manager: BlockManager, model_name: str,
+                 seed: bytes, record_events: bool = False) -> None:  # noqa: ANN001
+        assert config.tensor_parallel_size == 1 and runner.draft is None  # EngineConfig
+        self.bm = block_manager
+        self.block_size = bs = block_manager.block_size
+        caches = runner.kv_caches
+        k0 = caches[0][0]
+        self.block_shape = (len(caches), 2, bs, k0.shape[2], k0.shape[3])
+        block_bytes = torch.Size(self.block_shape).numel() * k0.element_size()
+        self.host: HostBlockStore | None = None
+        if config.kv_offloading_size is not None:
+            self.host = HostBlockStore(
+                _host_slots(config.kv_offloading_size, block_bytes), self.block_shape,
+                k0.dtype, bs, pin_memory=k0.device.type == "cuda", record_events=record_events)
+        self.remote: RemoteKVStore | None = None
+        if config.kv_store_url is not None:
+            layout = StoreLayout(model_name, str(k0.dtype), bs, len(caches), k0.shape[2],
+                                 k0.shape[3], config.tensor_parallel_size,
+                                 str(config.hash_algorithm))
+            self.remote = RemoteKVStore(config.kv_store_url, layout, seed,
+                                        config.kv_store_timeout_s)
+        self.copier = KVCopier(caches, None if self.host is None else self.host.data,
+                               self.remote, self.block_shape)
+        self.stats = KVTierStats(host_capacity=0 if self.host is None else self.host.num_slots)
+        self._loads: dict[str, _Load] = {}
+        self._to_submit: list[LoadJob] = []
+        self._saves_in_flight = 0
+        self._skip_upload: set[BlockHash] = set()  # loaded from a tier: no need to write back
+        self.record_events = record_events
+        self._events: list[KVEvent] = []  # the shared store's (medium SHARED)
+        block_manager.track_cached = True
+        logger.info("KV tiers: host=%s blocks (%.2f GiB), shared store=%s",
+                    0 if self.host is None else self.host.num_slots,
+                    0.0 if self.host is None else self.host.num_slots * block_bytes / _GIB,
+                    "off" if self.remote is None else "on")
+
+    # -- admission (the scheduler) -----------------------------------------------------------
+
+    def plan(self, req: Request, num_pool_blocks: int) -> LoadPlan | None:
+        """Where the request's prefix continues after its pool hit, or None (nothing to load).
+        The last prompt token is always computed, as in the pool."""
+        bs = self.block_size
+        stop = min(len(req.block_hashes), max(req.num_tokens - 1, 0) // bs)
+        if num_pool_blocks >= stop:
+            return None
+        slots = [] if self.host is None else self.host.hits(
+            req.block_hashes, req.token_ids, num_pool_blocks, stop)
+        remote = 0
+        if self.remote is not None and self.remote.available:
+            remote = stop - num_pool_blocks - len(slots)
+        if not slots and not remote:
+            return None
+        return LoadPlan(num_pool_blocks, slots, remote)
+
+    def start_load(self, req: Request, plan: LoadPlan, pool_ids: list[int]) -> None:
+        """The request holds ``pool_ids`` for the plan's blocks: copy into them."""
+        bs, first = self.block_size, plan.first
+        n_host = len(plan.host_slots)
+        assert len(pool_ids) == plan.num_blocks, (len(pool_ids), plan.num_blocks)
+        for h in req.block_hashes[first:first + n_host]:
+            self.host.pin(h)
+        rest = range(first + n_host, first + plan.num_blocks)
+        job = LoadJob(req.request_id, plan.host_slots,
+                      [req.block_hashes[i] for i in rest],
+                      [tuple(req.token_ids[i * bs:(i + 1) * bs]) for i in rest], pool_ids)
+        self._loads[req.request_id] = _Load(req, plan, pool_ids)
+        self._to_submit.append(job)
+
+    def submit_loads(self) -> None:
+        """Hands the planned loads to the copy thread (the engine calls it when no step in
+        flight could still write to the blocks they fill)."""
+        for job in self._to_submit:
+            self.copier.submit(job)
+        self._to_submit.clear()
+
+    def record_admission(self, req: Request, pool_tokens: int, tier_tokens: int,
+                         host_tokens: int, asked: bool) -> None:
+        s = self.stats
+        if asked:
+            s.external_queries += req.num_tokens
+            s.external_hits += tier_tokens
+            s.host_hit_tokens += host_tokens
+            s.shared_hit_tokens += tier_tokens - host_tokens
+        if req.num_cached_tokens < 0:  # its first admission
+            prompt = len(req.prompt_token_ids)
+            s.local_cache_hit += min(pool_tokens, prompt)
+            s.external_kv_transfer += min(tier_tokens, prompt - min(pool_tokens, prompt))
+            s.local_compute += max(prompt - pool_tokens - tier_tokens, 0)
+
+    # -- completions ---------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._loads or self._saves_in_flight)
+
+    def poll(self, timeout: float = 0.0) -> list[tuple[Request, int, int, int]]:
+        """Applies the copies done since the last call; returns (request, its pool-hit
+        blocks, host blocks, shared blocks loaded) for each load done. With ``timeout``,
+        waits that long for the first."""
+        done = []
+        while True:
+            try:
+                item = self.copier.done.get(timeout=timeout) if timeout else (
+                    self.copier.done.get_nowait())
+            except queue.Empty:
+                return done
+            timeout = 0.0
+            if isinstance(item, SaveDone):
+                self._saved(item)
+            else:
+                done.append(self._loaded(item))
+
+    def _loaded(self, item: LoadDone) -> tuple[Request, int, int, int]:
+        load = self._loads.pop(item.job.request_id)
+        req, first = load.request, load.plan.first
+        for h in req.block_hashes[first:first + len(item.job.host_slots)]:
+            self.host.unpin(h)
+        loaded = req.block_hashes[first:first + item.num_host + item.num_remote]
+        if len(self._skip_upload) > _MAX_SKIP_UPLOAD:
+            self._skip_upload.clear()
+        self._skip_upload.update(loaded)
+        return req, first, item.num_host, item.num_remote
+
+    def _saved(self, item: SaveDone) -> None:
+        job = item.job
+        self._saves_in_flight -= 1
+        self.bm.release(job.pool_ids)
+        uploaded = tuple(h for h, up in zip(job.hashes, job.upload, strict=True) if up)
+        if self.record_events and uploaded and item.error is None:
+            # Queued for the store: announced now (a write the store drops, or its LRU
+            # evicts, only makes the routers' guess stale until the entry expires).
+            self._events.append(KVEvent(KVEventKind.STORED, uploaded, self.block_size,
+                                        medium=Medium.SHARED))
+        if self.host is not None:
+            written = [h for h, s in zip(job.hashes, job.host_slots, strict=True)
+                       if s is not None]
+            if item.error is None:
+                self.host.written(written, None)
+            else:  # nothing usable was written: the slots go back, the blocks may come again
+                self.host.discard(written)
+
+    # -- saving ---------------------------------------------------------------------------------
+
+    def save_new(self) -> None:
+        """Writes through the blocks the pool cached since the last call (called once their
+        step was applied: their KV is final). Each is held until the copy is done."""
+        entries = self.bm.take_new_cached()
+        if not entries:
+            return
+        job = SaveJob([], [], [], [], [])
+        for block, h, tokens in entries:
+            if block.block_hash != h:
+                continue  # evicted since (cannot happen within one apply; cheap to check)
+            slot = None if self.host is None else self.host.reserve(h, tokens)
+            upload = self.remote is not None and h not in self._skip_upload
+            self._skip_upload.discard(h)
+            if slot is None and not upload:
+                continue
+            job.pool_ids.append(block.block_id)
+            job.hashes.append(h)
+            job.token_ids.append(tokens)
+            job.host_slots.append(slot)
+            job.upload.append(upload)
+        if job.pool_ids:
+            self.bm.hold(job.pool_ids)
+            self._saves_in_flight += 1
+            self.copier.submit(job)
+
+    # -- observability ------------------------------------------------------------------------
+
+    def take_events(self) -> list[KVEvent]:
+        events, self._events = self._events, []
+        if self.host is not None:
+            events.extend(self.host.take_events())
+        return events
+
+    def snapshot_events(self) -> list[KVEvent]:
+        return [] if self.host is None else self.host.snapshot_events()
+
+    def snapshot_stats(self) -> KVTierStats:
+        s = self.stats
+        if self.host is not None:
+            s.host_blocks = self.host.num_ready
+            s.host_evictions = self.host.num_evictions
+        if self.remote is not None:
+            s.store = StoreStats(**{k: getattr(self.remote.stats, k)
+                                    for k in self.remote.stats.__slots__})
+            s.store_available = self.remote.available
+        return KVTierStats(**{k: getattr(s, k) for k in s.__slots__})
+
+    def close(self) -> None:
+        self.copier.close()
+        if self.remote is not None:
+            self.remote.close()
+
+
+def _host_slots(size_gib: float, block_bytes: int) -> int:
+    wanted = int(size_gib * _GIB)
+    available = _available_memory()
+    if available is not None and wanted > available:
+        raise ValueError(f"kv_offloading_size={size_gib} GiB exceeds this host's available "
+                         f"memory ({available / _GIB:.1f} GiB)")
+    slots = wanted // block_bytes
+    if slots < 1:
+        raise ValueError(f"kv_offloading_size={size_gib} GiB holds no KV block of "
+                         f"{block_bytes} bytes")
+    return slots
+
+
+def _available_memory() -> int | None:
+    """The host's available memory, or less where a cgroup (a pod's limit) caps this process."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:")]
+    except OSError:
+        pass
+    try:
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()  # noqa: SIM115
+        used = int(open("/sys/fs/cgroup/memory.current").read())  # noqa: SIM115
+        if limit != "max":
+            found.append(int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
