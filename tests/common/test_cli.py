@@ -205,7 +205,8 @@ def test_services_have_one_flag_per_field_and_help_lists_them_all(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("COLUMNS", "1000")  # no wrapping of the help texts
-    renamed = {"api_keys": "--api-key", "models": "--model"}  # the gateway's repeatable flags
+    renamed = {"api_keys": "--api-key", "models": "--model",  # the gateway's repeatable flags
+               "admin_api_keys": "--admin-api-key"}
     for p, classes in _service_parsers():
         fields = [f for cls in classes for f in dataclasses.fields(cls)]
         options = {a.dest: a.option_strings for a in p._actions if a.dest != "help"}
@@ -365,7 +366,8 @@ def test_serve_has_one_flag_per_field(
         args_from(["--help"])
     text = capsys.readouterr().out
     for f in dataclasses.fields(ServeConfig):
-        name = "--api-key" if f.name == "api_keys" else "--" + f.name.replace("_", "-")
+        renamed = {"api_keys": "--api-key", "admin_api_keys": "--admin-api-key"}
+        name = renamed.get(f.name, "--" + f.name.replace("_", "-"))
         assert name in text and f.metadata["pagoda.cli"].help in text
     assert "Any other flag is passed to every engine" in text
 

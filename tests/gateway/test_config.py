@@ -42,6 +42,21 @@ def test_config_from_args() -> None:
         GatewayConfig(models=(ModelSpec("a", "/x"), ModelSpec("a", "/y")))
 
 
+def test_runtime_lora_switch_and_admin_keys_from_the_environment() -> None:
+    """vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING turns the adapter routes on as the flag does;
+    admin keys come from --admin-api-key and $PAGODA_ADMIN_API_KEYS (the chart's Secret)."""
+    argv = ["--router-url", "http://r:8100"]
+    assert not GatewayConfig.from_args(argv, environ={}).allow_runtime_lora_updating
+    for value, on in (("true", True), ("1", True), ("False", False), ("", False)):
+        cfg = GatewayConfig.from_args(argv, environ={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": value})
+        assert cfg.allow_runtime_lora_updating is on, value
+    assert GatewayConfig.from_args([*argv, "--allow-runtime-lora-updating"],
+                                   environ={}).allow_runtime_lora_updating
+    cfg = GatewayConfig.from_args([*argv, "--admin-api-key", "ops1"],
+                                  environ={"PAGODA_ADMIN_API_KEYS": "ops2, ops1,"})
+    assert cfg.admin_api_keys == ("ops1", "ops2")
+
+
 def test_cli_help() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "services.gateway", "--help"],
