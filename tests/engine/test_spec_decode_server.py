@@ -44,7 +44,9 @@ def test_frames_tokens_and_vllm_metrics(tiny_model_dir) -> None:
         with urllib.request.urlopen(proc.url + "/metrics") as r:
             text = r.read().decode()
     assert [t for f in frames for t in f.token_ids] == want
-    assert max(len(f.token_ids) for f in frames) == 4  # 3 accepted drafts and the bonus
+    # 3 accepted drafts and the bonus arrive in one frame (a reader slower than the steps may
+    # get two steps' worth in one)
+    assert max(len(f.token_ids) for f in frames) >= 4
     samples = {(s.name, s.labels.get("position")): s.value
                for family in text_string_to_metric_families(text)
                if family.name.startswith("vllm:spec_decode")
