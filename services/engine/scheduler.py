@@ -263,13 +263,7 @@ class Scheduler:
             self.block_manager.record_prefix_lookup(req.num_tokens, num_cached)
             if self.tiers is not None:
                 self.tiers.record_admission(req, num_cached, 0, 0, reads_prefix_cache(req))
-            req.num_computed_tokens = num_cached
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_cached
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.monotonic()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            self._start_running(req, num_cached)
             out.scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
             if loras is not None:
@@ -277,6 +271,16 @@ class Scheduler:
         if loras is not None and loras.deferred:
             self.num_lora_deferrals += len(loras.deferred)
             self.waiting.extendleft(reversed(loras.deferred))
+
+    def _start_running(self, req: Request, num_cached: int) -> None:
+        """A request admitted with its first ``num_cached`` tokens already in the pool."""
+        req.num_computed_tokens = num_cached
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_cached
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
 
     def _start_load(self, req: Request, blocks: list, num_cached: int) -> bool | None:
         """Starts loading the request's next blocks from a lower tier, if any holds them:
@@ -310,13 +314,7 @@ class Scheduler:
                 bm.cache_full_blocks(req.request_id, req.token_ids, req.block_hashes, num_cached)
             bm.record_prefix_lookup(req.num_tokens, pool_tokens)
             self.tiers.record_admission(req, pool_tokens, loaded, num_host * bs, True)
-            req.num_computed_tokens = num_cached
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_cached
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.monotonic()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            self._start_running(req, num_cached)
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         start = req.num_computed_tokens + req.num_scheduled_tokens
