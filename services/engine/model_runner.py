@@ -127,7 +127,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             # once, before the first GEMM; each rank takes its share of the cores
             cpu_threads.configure(config.cpu_threads, config.tensor_parallel_size)
-        self.attn_backend = get_attention_backend(self.device, config.attention_backend)
+        self.attn_backend = get_attention_backend(self.device, config.attention_backend,
+                                                  self.dtype)
         with building(self.tp):
             self.model = load_model(model_path, self.dtype, self.device, self.attn_backend)
         if config.max_model_len is not None:

@@ -57,49 +57,76 @@ def test_no_kernel_helper_is_compiled_out_of_line() -> None:
 
 # ------------------------------------------------------------------------------ elementwise
 
+# On CPUs with AVX512-BF16 the bfloat16 rows run in intrinsics; the portable loops are what
+# every other CPU runs. Both are held to the reference here, on the same machine.
+ROW_CASES = [(torch.float32, True), (torch.bfloat16, False), (torch.bfloat16, True)]
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_matches_the_torch_reference(dtype: torch.dtype) -> None:
+
+@pytest.fixture(params=ROW_CASES, ids=["fp32", "bf16-portable", "bf16-avx512"])
+def row_dtype(request: pytest.FixtureRequest):
+    dtype, fast = request.param
+    was = kernels.use_avx512_bf16(fast)
+    yield dtype
+    kernels.use_avx512_bf16(was)
+
+
+def test_the_avx512_bf16_rows_are_on_where_the_cpu_has_them() -> None:
+    flags = set()
+    for line in open("/proc/cpuinfo").read().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    wanted = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
+    was = kernels.use_avx512_bf16(True)
+    try:
+        assert kernels.use_avx512_bf16(True) == wanted.issubset(flags)
+        assert was == wanted.issubset(flags)  # the default: on wherever the CPU has them
+    finally:
+        kernels.use_avx512_bf16(was)
+
+
+@pytest.mark.parametrize("width", [576, 100])  # whole vectors, and a tail
+def test_rms_norm_matches_the_torch_reference(row_dtype: torch.dtype, width: int) -> None:
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(37, 576, generator=gen).to(dtype)
-    weight = torch.randn(576, generator=gen).to(dtype)
+    x = torch.randn(37, width, generator=gen).to(row_dtype)
+    weight = torch.randn(width, generator=gen).to(row_dtype)
     got = kernels.rms_norm(x, None, weight, 1e-5)
     assert _ulps_apart(got, rms_norm_torch(x, weight, 1e-5)) <= 2
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_adds_the_residual_in_place_first(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("width", [256, 72])
+def test_rms_norm_adds_the_residual_in_place_first(row_dtype: torch.dtype, width: int) -> None:
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(9, 256, generator=gen).to(dtype)
-    residual = torch.randn(9, 256, generator=gen).to(dtype)
-    weight = torch.randn(256, generator=gen).to(dtype)
+    x = torch.randn(9, width, generator=gen).to(row_dtype)
+    residual = torch.randn(9, width, generator=gen).to(row_dtype)
+    weight = torch.randn(width, generator=gen).to(row_dtype)
     expected_residual = residual + x  # the reference's add_, rounded in dtype
     got = kernels.rms_norm(x, residual, weight, 1e-6)
     assert torch.equal(residual, expected_residual)
     assert _ulps_apart(got, rms_norm_torch(expected_residual, weight, 1e-6)) <= 2
 
 
-def test_rms_norm_reads_rows_of_a_strided_view() -> None:
-    base = torch.randn(6, 128)
-    x, weight = base[:, :64], torch.randn(64)
+def test_rms_norm_reads_rows_of_a_strided_view(row_dtype: torch.dtype) -> None:
+    base = torch.randn(6, 128).to(row_dtype)
+    x, weight = base[:, :64], torch.randn(64).to(row_dtype)
     got = kernels.rms_norm(x, None, weight, 1e-5)
     assert _ulps_apart(got, rms_norm_torch(x, weight, 1e-5)) <= 2
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul_matches_the_torch_reference(dtype: torch.dtype) -> None:
-    gate_up = (torch.randn(11, 2 * 96) * 6).to(dtype)  # wide range: exp's tails too
-    expected = F.silu(gate_up[:, :96]) * gate_up[:, 96:]
+@pytest.mark.parametrize("half", [96, 37])
+def test_silu_and_mul_matches_the_torch_reference(row_dtype: torch.dtype, half: int) -> None:
+    gate_up = (torch.randn(11, 2 * half) * 6).to(row_dtype)  # wide range: exp's tails too
+    expected = F.silu(gate_up[:, :half]) * gate_up[:, half:]
     assert _ulps_apart(kernels.silu_and_mul(gate_up), expected) <= 2
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_in_place_equals_the_reference_exactly(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dim", [64, 128, 48])  # the vector path's sizes, and the loops'
+def test_rotary_in_place_equals_the_reference_exactly(row_dtype: torch.dtype, dim: int) -> None:
     gen = torch.Generator().manual_seed(2)
-    tokens, heads, dim = 13, 5, 64
-    qkv = torch.randn(tokens, (heads + 2) * dim, generator=gen).to(dtype)
+    tokens, heads = 13, 5
+    qkv = torch.randn(tokens, (heads + 2) * dim, generator=gen).to(row_dtype)
     qk = qkv[:, : heads * dim].view(tokens, heads, dim)  # a view with a token stride
-    table = torch.randn(50, 2, dim, generator=gen).to(dtype)
+    table = torch.randn(50, 2, dim, generator=gen).to(row_dtype)
     positions = torch.randint(0, 50, (tokens,), generator=gen)
     cs = table.index_select(0, positions)
     expected = apply_rotary(qk.clone(), RopeStep(positions, table, cs[:, 0:1], cs[:, 1:2]))
@@ -215,6 +242,33 @@ def test_the_cpu_layout_passes_the_cache_contract() -> None:
         kernels.paged_decode_attention(torch.zeros(1, 4, 64), *plain,
                                        torch.zeros(1, 1, dtype=torch.int32),
                                        torch.ones(1, dtype=torch.int32), 1.0)
+
+
+def test_a_float16_model_on_the_cpu_takes_the_torch_attention() -> None:
+    """The kernels compute float32 and bfloat16 only: a float16 cache read as float32 was
+    garbage (the engine failed at its first step)."""
+    assert selector.get_attention_backend("cpu", dtype=torch.bfloat16).name == "cpu"
+    assert selector.get_attention_backend("cpu", dtype=torch.float16).name == "torch"
+    with pytest.raises(ValueError, match="float16"):
+        selector.get_attention_backend("cpu", "cpu", torch.float16)
+
+
+def test_a_float16_engine_runs_on_the_cpu(tiny_model_dir) -> None:
+    from services.engine.config import EngineConfig
+    from services.engine.engine import LLMEngine
+    from services.protocol.sampling_params import SamplingParams
+
+    path = tiny_model_dir("LlamaForCausalLM", num_hidden_layers=2)
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="float16", num_blocks=16))
+    assert engine.runner.attn_backend.name == "torch"
+    engine.add_request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=4, temperature=0.0,
+                                                             ignore_eos=True))
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for update in engine.step():
+            tokens += update.new_token_ids
+    engine.close()
+    assert len(tokens) == 4
 
 
 def test_selector_takes_the_kernels_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:

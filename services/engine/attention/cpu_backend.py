@@ -116,10 +116,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         rows = meta.plan.rows
         if rows is None or softcap is not None or effective_window(window, meta) is not None:
             return super().forward(query, k_cache, v_cache, meta, scale, window, softcap)
-        out = self._kernels.paged_decode_attention(
-            query.float().contiguous(), k_cache, v_cache, rows.tables, rows.lens, scale
+        # The kernel reads and writes the model's dtype: no conversion copies per layer.
+        return self._kernels.paged_decode_attention(
+            query.contiguous(), k_cache, v_cache, rows.tables, rows.lens, scale
         )
-        return out.to(query.dtype)
 
     def allocate_kv_cache(
         self,
@@ -157,7 +157,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
         group: _DecodeGroup,
         scale: float,
     ) -> torch.Tensor:
-        out = self._kernels.paged_decode_attention(
-            query.float().contiguous(), k_cache, v_cache, group.tables, group.seq_lens32, scale
+        return self._kernels.paged_decode_attention(
+            query.contiguous(), k_cache, v_cache, group.tables, group.seq_lens32, scale
         )
-        return out.to(query.dtype)

@@ -10,7 +10,7 @@ import torch
 from services.engine.attention.base import AttentionBackend
 from services.engine.attention.cpu_backend import CpuAttentionBackend
 from services.engine.attention.torch_backend import TorchAttentionBackend
-from services.engine.cpu_ops import ops
+from services.engine.cpu_ops import KERNEL_DTYPES, ops
 from services.engine.kernels import interpreter_enabled, triton_available
 
 logger = logging.getLogger(__name__)
@@ -18,15 +18,19 @@ logger = logging.getLogger(__name__)
 BACKEND_NAMES = ("torch", "triton", "cpu")
 
 
-def get_attention_backend(device: torch.device | str, name: str | None = None) -> AttentionBackend:
-    """Returns a new backend for ``device``; ``name`` None picks automatically.
+def get_attention_backend(
+    device: torch.device | str, name: str | None = None, dtype: torch.dtype | None = None
+) -> AttentionBackend:
+    """Returns a new backend for ``device`` and a KV cache of ``dtype`` (None: any the backend
+    takes); ``name`` None picks automatically.
 
     An explicit ``"triton"`` needs the triton package and a CUDA device (or a CPU device under
-    ``TRITON_INTERPRET=1``, which is how the kernels are tested); ``"torch"`` runs anywhere.
+    ``TRITON_INTERPRET=1``, which is how the kernels are tested); ``"torch"`` runs anywhere;
+    ``"cpu"`` needs the built CPU kernels and a float32 or bfloat16 cache.
     """
     device = torch.device(device)
     if name is None:
-        name = _automatic_choice(device)
+        name = _automatic_choice(device, dtype)
     key = name.strip().lower()
     if key == "torch":
         return TorchAttentionBackend()
@@ -36,6 +40,8 @@ def get_attention_backend(device: torch.device | str, name: str | None = None) -
                 f"attention backend 'cpu' needs a CPU device and the built CPU kernels "
                 f"(`python -m services.engine.cpu_ops`), not {device}"
             )
+        if dtype is not None and dtype not in KERNEL_DTYPES:
+            raise ValueError(f"attention backend 'cpu' runs float32 and bfloat16, not {dtype}")
         return CpuAttentionBackend()
     if key == "triton":
         _check_triton_usable(device)
@@ -46,8 +52,8 @@ def get_attention_backend(device: torch.device | str, name: str | None = None) -
     raise ValueError(f"unknown attention backend {name!r}; valid names: {', '.join(BACKEND_NAMES)}")
 
 
-def _automatic_choice(device: torch.device) -> str:
-    if device.type == "cpu" and ops() is not None:
+def _automatic_choice(device: torch.device, dtype: torch.dtype | None) -> str:
+    if device.type == "cpu" and ops() is not None and dtype in (None, *KERNEL_DTYPES):
         return "cpu"
     if device.type != "cuda":
         return "torch"

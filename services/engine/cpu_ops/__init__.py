@@ -26,6 +26,8 @@ ENV_SWITCH = "PAGODA_CPU_OPS"  # "0" turns the kernels off (the torch paths run 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 _NAME = "pagoda_cpu_ops"
 _CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno"]
+# The dtypes the kernels compute in (csrc/cpu_ops.cpp); float16 models take the torch paths.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def build_dir() -> Path:

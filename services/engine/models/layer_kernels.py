@@ -25,15 +25,13 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from services.engine.cpu_ops import ops
+from services.engine.cpu_ops import KERNEL_DTYPES, ops
 from services.engine.kernels import triton_available
 from services.engine.models import experts as expert_paths
 
 logger = logging.getLogger(__name__)
 
 Tensor = torch.Tensor
-# The CPU kernels' dtypes (services/engine/cpu_ops/csrc/cpu_ops.cpp).
-CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +55,7 @@ def select_kernels(device: torch.device | str, dtype: torch.dtype) -> LayerKerne
     device = torch.device(device)
     if device.type == "cuda" and triton_available():
         kernels = triton_kernels()
-    elif device.type == "cpu" and dtype in CPU_KERNEL_DTYPES and ops() is not None:
+    elif device.type == "cpu" and dtype in KERNEL_DTYPES and ops() is not None:
         kernels = cpu_kernels(ops())
     else:
         kernels = torch_kernels(dtype)
