@@ -21,6 +21,7 @@ from services.engine.attention.cpu_backend import CpuAttentionBackend
 from services.engine.attention.metadata import build_attention_metadata
 from services.engine.attention.torch_backend import TorchAttentionBackend
 from services.engine.cpu_ops import ops
+from services.engine.cpu_ops.isa import cpu_flags
 from services.engine.models import onednn
 from services.engine.models.layer_kernels import rms_norm_torch
 from services.engine.models.layers import Linear, RopeStep, apply_rotary
@@ -71,16 +72,12 @@ def row_dtype(request: pytest.FixtureRequest):
 
 
 def test_the_avx512_bf16_rows_are_on_where_the_cpu_has_them() -> None:
-    flags = set()
-    for line in open("/proc/cpuinfo").read().splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
     wanted = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
+    has = wanted.issubset(cpu_flags())
     was = kernels.use_avx512_bf16(True)
     try:
-        assert kernels.use_avx512_bf16(True) == wanted.issubset(flags)
-        assert was == wanted.issubset(flags)  # the default: on wherever the CPU has them
+        assert kernels.use_avx512_bf16(True) == has
+        assert was == has  # the default: on wherever the CPU has them
     finally:
         kernels.use_avx512_bf16(was)
 
