@@ -68,13 +68,14 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight
 # oneDNN builds (and caches, about a MB each) one primitive per distinct row count, and a step's
 # row count is whatever the scheduler batched: left alone, an engine's memory grows by a GB
 # over its first few thousand steps. So rows go through in chunks of at most _MAX_ROWS, each
-# padded up to one of 31 sizes, finer where rows are few: 31 primitives per weight shape,
-# whatever the traffic. Chunks are as large as a step's usual budget (512 for bf16 on AMX):
-# two 256-row products and the concatenation of their outputs cost a 512-token bf16 prefill
-# step 11 of its 135 ms (2-core Xeon with AMX), one 512-row product nothing extra.
-_MAX_ROWS = 1024
+# padded up to one of 39 sizes, finer where rows are few: 39 primitives per weight shape,
+# whatever the traffic. Chunks are as large as a step's budget (2,048 for bf16 on AMX, where
+# oneDNN's AMX products reach their full rate only from ~2k rows): 256-row chunks and the
+# concatenation of their outputs cost a 512-token bf16 prefill step 11 of its 135 ms (2-core
+# Xeon with AMX), one product of all its rows nothing extra.
+_MAX_ROWS = 2048
 ROW_BUCKETS = (1, 2, 4, *range(8, 64, 8), *range(64, 128, 16), *range(128, 256, 32),
-               *range(256, _MAX_ROWS + 1, 64))
+               *range(256, 1024, 64), *range(1024, _MAX_ROWS + 1, 128))
 
 
 def _bucket(rows: int) -> int:

@@ -208,6 +208,17 @@ PAGODA_INLINE void prefetch_chunk(const C* p, int64_t elements) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
 }
 
+// Into L2 only: the values are asked for during the keys' pass, to be there (not yet in L1,
+// which the keys fill) when the values' pass starts; that pass then starts with no wait on
+// memory. From DRAM (a 2.4 GB cache, 48 requests of 192-384 tokens, bf16, 2-core Xeon):
+// 14.4 GB/s without, 16.1 with.
+template <typename C>
+PAGODA_INLINE void prefetch_chunk_l2(const C* p, int64_t elements) {
+  const char* c = reinterpret_cast<const char*>(p);
+  const int64_t bytes = elements * static_cast<int64_t>(sizeof(C));
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 2);
+}
+
 template <typename C, int BS, int DIM, int G>
 PAGODA_INLINE void decode_task(const float* __restrict__ q, const C* __restrict__ kc,
                         const C* __restrict__ vc, const int32_t* __restrict__ table, int64_t len,
@@ -231,8 +242,11 @@ PAGODA_INLINE void decode_task(const float* __restrict__ q, const C* __restrict_
   for (int64_t start = 0, blk = 0; start < len; start += bs, ++blk) {
     const int64_t n = std::min(bs, len - start);
     const C* kb = kc + static_cast<int64_t>(table[blk]) * block + head * dim * bs;
-    if (start + 2 * bs < len)
+    if (start + 2 * bs < len) {  // this head's keys, and its values for the second pass
       prefetch_chunk(kc + static_cast<int64_t>(table[blk + 2]) * block + head * dim * bs, dim * bs);
+      prefetch_chunk_l2(vc + static_cast<int64_t>(table[blk + 2]) * block + head * bs * dim,
+                        dim * bs);
+    }
     float acc[PS][G ? G : kMaxGroup][BS ? BS : 256];
     for (int p = 0; p < PS; ++p)
       for (int64_t g = 0; g < group; ++g)
@@ -383,6 +397,26 @@ DecodeFn<bf16_t> pick_decode<bf16_t>(int64_t bs, int64_t dim, int64_t group) {
   }
 }
 
+// The (request, KV head) tasks cut into one contiguous run per thread, of about equal work:
+// a task costs its context length plus a fixed part. Split by count, the runs of a step
+// whose contexts differ (a mixed step's rows, requests of 32 and 700 tokens) left one thread
+// idle for much of the call. Returns the runs' bounds, [0, ..., batch * kv_heads].
+std::vector<int64_t> balanced_runs(const int32_t* lens, int64_t batch, int64_t kv_heads) {
+  constexpr int64_t kFixed = 32;  // about a block's worth: the per-task setup and softmax
+  const int64_t tasks = batch * kv_heads;
+  const int64_t runs = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks));
+  int64_t total = 0;
+  for (int64_t b = 0; b < batch; ++b) total += (lens[b] + kFixed) * kv_heads;
+  std::vector<int64_t> bounds{0};
+  int64_t done = 0;
+  for (int64_t task = 0; task < tasks && static_cast<int64_t>(bounds.size()) < runs; ++task) {
+    done += lens[task / kv_heads] + kFixed;
+    if (done * runs >= total * static_cast<int64_t>(bounds.size())) bounds.push_back(task + 1);
+  }
+  bounds.push_back(tasks);
+  return bounds;
+}
+
 // Q: the query's and the output's type (float32, or the caches' bfloat16: the model's own
 // dtype, read and written here so that no per-layer conversion copies are needed). The task
 // function works in float32 on a few hundred query values, converted per task.
@@ -392,13 +426,15 @@ void decode_batch(const Q* q, const C* kc, const C* vc, const int32_t* tables,
                   int64_t heads, int64_t kv_heads, int64_t dim, int64_t bs, float scale) {
   const int64_t group = heads / kv_heads;
   const DecodeFn<C> fn = pick_decode<C>(bs, dim, group);
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  const std::vector<int64_t> bounds = balanced_runs(lens, batch, kv_heads);
+  at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t first,
+                                                                      int64_t last) {
     std::vector<float> scores, qf, of;
     if constexpr (!std::is_same_v<Q, float>) {
       qf.resize(static_cast<size_t>(group * dim));
       of.resize(static_cast<size_t>(group * dim));
     }
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task = bounds[first]; task < bounds[last]; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads;
       const int64_t len = lens[b];
       scores.resize(static_cast<size_t>(group * len));
