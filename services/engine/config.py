@@ -43,7 +43,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = flag(
         None,
         help="tokens per step; longer prompts are prefilled in chunks (default: 1024 on a GPU; "
-        "on the CPU 256, 2048 for bfloat16 on AMX, or max_num_seqs if larger)",
+        "on the CPU 256; with AMX 2048 for bfloat16, 1024 otherwise; or max_num_seqs if larger)",
     )
     max_model_len: int | None = flag(
         None, help="context limit (default: the model's max_position_embeddings)"
@@ -211,13 +211,15 @@ class EngineConfig:
         # makes every prompt in it wait for all of them: under a burst of prompts, steps of 256
         # cut the mean time to first token by ~40% at the same throughput (README, CPU
         # serving). Never below max_num_seqs, or running requests past the budget would starve.
-        # bf16 on AMX tiles is another matter: oneDNN's AMX products of up to ~1.5k rows run
-        # at 1.4-2.5 TFLOP/s depending on the shape, of 2k rows and more at ~3 (2-core Xeon,
-        # the model's 30 layers of weights in turn). Steps of 2,048 tokens (vLLM's server
-        # default) prefilled the mixed workload's prompts 1.34x faster than 512 and gave
-        # 598 tok/s against 560, with a lower mean TTFT; 4,096 was slower (2026-12-01).
-        if self.torch_dtype() == torch.bfloat16 and has_amx():
-            return max(2048, self.max_num_seqs)
+        # Intel Xeons with AMX are another matter (2-core Xeon, 2026-12-01, the model's 30
+        # layers of weights in turn): oneDNN's bf16 products on the tiles run at 1.4-2.5
+        # TFLOP/s up to ~1.5k rows depending on the shape, and at ~3 from 2k rows. Steps of
+        # 2,048 tokens (vLLM's server default) prefilled the mixed workload's prompts 1.34x
+        # faster than 512 and gave 598 tok/s against 560, with a lower mean TTFT; 4,096 was
+        # slower. Their fp32 products (AVX-512) run ~10% faster at 1,024 rows than at 256:
+        # 1,024-token steps gave +3% on the mixed workload and +4% with a shared prefix.
+        if has_amx():
+            return max(2048 if self.torch_dtype() == torch.bfloat16 else 1024, self.max_num_seqs)
         return max(256, self.max_num_seqs)
 
     def torch_device(self) -> torch.device:

@@ -35,7 +35,7 @@ from services.engine.lora.manager import LoRAManager
 from services.engine.lora.step import LoRAStep
 from services.engine.models.config import ModelConfig
 from services.engine.models.loader import load_model
-from services.engine.models.onednn import ROW_BUCKETS
+from services.engine.models.onednn import FULL_PASS_ROWS, ROW_BUCKETS, warm_up_products
 from services.engine.models.partition import check_sizes, local_kv_heads
 from services.engine.parallel.group import SINGLE, TPGroup, building
 from services.engine.parallel.step_broadcast import StepBatch, send_step
@@ -256,6 +256,9 @@ class ModelRunner:
         start = time.perf_counter()
         room = self.num_blocks * self.block_size
         for n in (b for b in ROW_BUCKETS if b <= min(room, self.config.max_num_batched_tokens)):
+            if n > FULL_PASS_ROWS:
+                warm_up_products(self.model, n)
+                continue
             table = list(range(-(-n // self.block_size)))
             meta, positions = build_attention_metadata([table], [n], [n], self.block_size,
                                                        self.device)

@@ -332,6 +332,27 @@ def test_small_float32_weights_stay_plain_and_bf16_ones_are_packed() -> None:
     assert small_bf16.packed is not None
 
 
+def test_large_row_counts_warm_up_one_product_per_weight_shape(monkeypatch) -> None:
+    """Past ``FULL_PASS_ROWS`` a warm-up runs each distinct packed shape once, not the
+    model: the primitives are per shape and row count."""
+    layers = torch.nn.ModuleList(
+        Linear(256, (256,), bias=False, dtype=torch.bfloat16) for _ in range(3))
+    layers.append(Linear(256, (128, 128), bias=True, dtype=torch.bfloat16))
+    for layer in layers:
+        layer.pack()
+    calls: list[tuple[int, int]] = []
+    real = onednn.packed_linear
+
+    def counting(x: torch.Tensor, w: onednn.PackedWeight) -> torch.Tensor:
+        calls.append((x.shape[0], w.out_features))
+        return real(x, w)
+
+    monkeypatch.setattr(onednn, "packed_linear", counting)
+    rows = next(b for b in onednn.ROW_BUCKETS if b > onednn.FULL_PASS_ROWS)
+    onednn.warm_up_products(layers, rows)
+    assert sorted(calls) == [(rows, 256), (rows, 256)]  # [256, 256] plain, and with a bias
+
+
 def test_bf16_without_native_support_computes_in_float32(monkeypatch) -> None:
     """On CPUs without bf16 dot products (AVX2) a bf16 weight is packed as float32."""
     monkeypatch.setattr(onednn, "has_native_bf16", lambda: False)

@@ -274,23 +274,30 @@ def test_finished_blocks_are_cached_for_the_next_prompt() -> None:
     assert b.num_cached_tokens == 12
 
 
-def test_the_cpu_step_budget_defaults_to_256_tokens_and_never_below_max_num_seqs() -> None:
+def test_the_cpu_step_budget_defaults_to_256_tokens_and_never_below_max_num_seqs(
+    monkeypatch,
+) -> None:
+    from services.engine import config
     from services.engine.config import EngineConfig
 
+    monkeypatch.setattr(config, "has_amx", lambda: False)  # AMX: test_cpus_with_amx_...
     assert EngineConfig(device="cpu").max_num_batched_tokens == 256
     assert EngineConfig(device="cpu", max_num_seqs=512).max_num_batched_tokens == 512
+    monkeypatch.setattr(config, "has_amx", lambda: True)
+    assert EngineConfig(device="cpu", max_num_seqs=4096).max_num_batched_tokens == 4096
     assert EngineConfig(device="cpu", max_num_batched_tokens=2048).max_num_batched_tokens == 2048
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineConfig(device="cpu", max_num_batched_tokens=0)
 
 
 @pytest.mark.parametrize("amx", [False, True])
-def test_bf16_on_amx_steps_2048_tokens(monkeypatch, amx: bool) -> None:
+def test_cpus_with_amx_take_longer_steps(monkeypatch, amx: bool) -> None:
     """oneDNN's AMX products reach their full rate from ~2k rows: bf16 steps on AMX default to
-    2,048 tokens; fp32, and bf16 without AMX, keep 256."""
+    2,048 tokens, fp32 ones there to 1,024; without AMX both keep 256."""
     from services.engine import config
 
     monkeypatch.setattr(config, "has_amx", lambda: amx)
     bf16 = config.EngineConfig(device="cpu", dtype="bfloat16").max_num_batched_tokens
     assert bf16 == (2048 if amx else 256)
-    assert config.EngineConfig(device="cpu", dtype="float32").max_num_batched_tokens == 256
+    assert config.EngineConfig(device="cpu", dtype="float32").max_num_batched_tokens == (
+        1024 if amx else 256)

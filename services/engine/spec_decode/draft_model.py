@@ -40,7 +40,7 @@ from services.engine.attention.contract import check_kv_caches, check_step
 from services.engine.attention.metadata import build_attention_metadata, plan_step, to_metadata
 from services.engine.models.config import ModelConfig
 from services.engine.models.loader import load_model
-from services.engine.models.onednn import ROW_BUCKETS
+from services.engine.models.onednn import FULL_PASS_ROWS, ROW_BUCKETS, warm_up_products
 from services.engine.parallel.group import SINGLE, building
 
 logger = logging.getLogger(__name__)
@@ -177,6 +177,9 @@ class DraftModel:
         into the first KV blocks, which hold nothing yet."""
         start = time.perf_counter()
         for n in (b for b in ROW_BUCKETS if b <= min(room, max_tokens)):
+            if n > FULL_PASS_ROWS:
+                warm_up_products(self.model, n)
+                continue
             table = list(range(-(-n // self.block_size)))
             meta, positions = build_attention_metadata([table], [n], [n], self.block_size,
                                                        self.device)
