@@ -58,12 +58,15 @@ def test_no_kernel_helper_is_compiled_out_of_line() -> None:
 
 # ------------------------------------------------------------------------------ elementwise
 
-# On CPUs with AVX512-BF16 the bfloat16 rows run in intrinsics; the portable loops are what
-# every other CPU runs. Both are held to the reference here, on the same machine.
-ROW_CASES = [(torch.float32, True), (torch.bfloat16, False), (torch.bfloat16, True)]
+# On CPUs with AVX512-BF16 the bfloat16 rows and the decode attention of both dtypes run in
+# intrinsics; the portable loops are what every other CPU runs. Both are held to the
+# reference here, on the same machine.
+ROW_CASES = [(torch.float32, False), (torch.float32, True), (torch.bfloat16, False),
+             (torch.bfloat16, True)]
 
 
-@pytest.fixture(params=ROW_CASES, ids=["fp32", "bf16-portable", "bf16-avx512"])
+@pytest.fixture(params=ROW_CASES, ids=["fp32-portable", "fp32-avx512", "bf16-portable",
+                                       "bf16-avx512"])
 def row_dtype(request: pytest.FixtureRequest):
     dtype, fast = request.param
     was = kernels.use_avx512_bf16(fast)
@@ -167,7 +170,7 @@ SHAPES = [  # (num_heads, num_kv_heads, head_dim, block_size): specialised and g
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "bs"), SHAPES)
 def test_decode_matches_dense_attention(row_dtype, heads, kv_heads, dim, bs) -> None:
-    dtype = row_dtype  # bf16 both ways: the AVX512-BF16 kernel and the portable loops
+    dtype = row_dtype  # both ways: the AVX512-BF16 kernels and the portable loops
     # Lengths on and around block edges, a single token, and a long context.
     lens = [1, bs - 1, bs, bs + 1, 3 * bs + 5, 300]
     batch = make_batch(lens, [1] * len(lens), block_size=bs, num_heads=heads,
