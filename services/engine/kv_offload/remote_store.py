@@ -126,7 +126,7 @@ class RemoteKVStore:
         self._writer.start()
         if self._call(self._join) is None and self.disabled is None:
             logger.warning("KV store %s does not answer: starting without it; it is used "
-                           "once it answers", _redact(url))
+                           "once it answers", redact_url(url))
 
     @property
     def available(self) -> bool:
@@ -168,7 +168,7 @@ class RemoteKVStore:
         self._client.set(key, self._seed, nx=True)
         theirs = self._client.get(key)
         if theirs is not None and theirs.decode() != self._seed:
-            self.disabled = (f"KV store {_redact(self.url)}: its block-hash seed differs from "
+            self.disabled = (f"KV store {redact_url(self.url)}: its block-hash seed differs from "
                              "this engine's (another hash algorithm or model name); not used")
             logger.error("%s", self.disabled)
             return False
@@ -186,11 +186,11 @@ class RemoteKVStore:
             self._down_until = time.monotonic() + _RETRY_AFTER_S
             if not self._failing:
                 logger.warning("KV store %s failed (%s): recomputing until it answers",
-                               _redact(self.url), exc)
+                               redact_url(self.url), exc)
             self._failing = True
             return None
         if self._failing:
-            logger.info("KV store %s answers again", _redact(self.url))
+            logger.info("KV store %s answers again", redact_url(self.url))
         self._failing = False
         return result
 
@@ -237,7 +237,3 @@ class RemoteKVStore:
             self.stats.writes += len(batch)
         else:
             self.stats.dropped_writes += len(batch)
-
-
-def _redact(url: str) -> str:
-    return redact_url(url)

@@ -214,17 +214,18 @@ PAGODA_INLINE void prefetch_chunk_l2(const C* p, int64_t elements) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 2);
 }
 
-// ------------------------------------------------------------------ bfloat16 rows, AVX512-BF16
+// ------------------------------------------------------------- AVX512-BF16: bf16 rows, decode
 //
 // On CPUs with AVX512-BF16 (Intel Xeons from Cooper Lake on, with AMX from Sapphire Rapids;
 // AMD from Zen 4) one instruction rounds 16 floats to bfloat16, to nearest even as torch does,
 // where the portable loops spend a dozen integer ops per vector on it, twice per element. The
 // row functions below are those loops' bfloat16 cases in intrinsics, with the same rounding
-// points; they are chosen at run time (``avx512_bf16``) and the tests run both. 512 rows on a
-// 2-core Xeon with AMX, portable against these: SiLU-and-mul (3072 wide) 341 us, rms_norm with
-// the residual (576) 85 us, RoPE (15 heads of 64) 129 us; see the figures in the module's
-// commit. The instruction treats float32 denormals as zero and flushes bfloat16 denormals,
-// values below 1.2e-38 that activations never hold.
+// points, and the decode kernel is ``decode_task`` in intrinsics (float32 and bfloat16 caches);
+// they are chosen at run time (``g_avx512_bf16``) and the tests run both. 512 rows, 2 threads,
+// Xeon with AMX, portable loops against these: SiLU-and-mul (3072 wide) 357 -> 190 us, rms_norm
+// with the residual (576) 95 -> 54 us, RoPE (15 heads of 64) 127 -> 79 us. The instruction
+// treats float32 denormals as zero and flushes bfloat16 denormals, values below 1.2e-38 that
+// activations never hold.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define PAGODA_AVX512_BF16 1
 #pragma GCC push_options
@@ -440,8 +441,8 @@ void decode(const float* q, const C* kc, const C* vc, const int32_t* table,
 #pragma GCC pop_options
 #endif
 
-// Whether the bfloat16 rows take the AVX512-BF16 functions: the CPU has the instructions, and
-// the tests have not turned them off to run the portable loops on the same machine.
+// Whether the bf16 rows and the decode kernel take the AVX512-BF16 functions: the CPU has the
+// instructions, and the tests have not turned them off to run the portable loops.
 bool cpu_has_avx512_bf16() {
 #ifdef PAGODA_AVX512_BF16
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -619,16 +620,22 @@ PAGODA_DECODE_CLONE(decode_bf16_any, bf16_t, 0, 0, 0)
    bf16v::decode<C, D, 4>, bf16v::decode<C, D, 5>, bf16v::decode<C, D, 6>,               \
    bf16v::decode<C, D, 7>, bf16v::decode<C, D, 8>}
 
+// The intrinsics kernel for the shape, on CPUs with AVX512-BF16 (``g_avx512_bf16``); else the
+// portable loops' clone (``pick_decode``).
 template <typename C>
-DecodeFn<C> pick_decode(int64_t bs, int64_t dim, int64_t group, bool avx512_bf16);
-template <>
-DecodeFn<float> pick_decode<float>(int64_t bs, int64_t dim, int64_t group, bool avx512_bf16) {
+DecodeFn<C> pick_decode(int64_t bs, int64_t dim, int64_t group);
+template <typename C>
+DecodeFn<C> pick_decode_fast(int64_t bs, int64_t dim, int64_t group) {
 #ifdef PAGODA_AVX512_BF16
-  static const DecodeFn<float> v64[] = PAGODA_DECODE_VTABLE(float, 64);
-  static const DecodeFn<float> v128[] = PAGODA_DECODE_VTABLE(float, 128);
-  if (avx512_bf16 && bs == 16 && group >= 1 && group <= 8 && (dim == 64 || dim == 128))
+  static const DecodeFn<C> v64[] = PAGODA_DECODE_VTABLE(C, 64);
+  static const DecodeFn<C> v128[] = PAGODA_DECODE_VTABLE(C, 128);
+  if (g_avx512_bf16 && bs == 16 && group >= 1 && group <= 8 && (dim == 64 || dim == 128))
     return (dim == 64 ? v64 : v128)[group - 1];
 #endif
+  return pick_decode<C>(bs, dim, group);
+}
+template <>
+DecodeFn<float> pick_decode<float>(int64_t bs, int64_t dim, int64_t group) {
   static const DecodeFn<float> d16[] = PAGODA_DECODE_TABLE(f32, 16);
   static const DecodeFn<float> d32[] = PAGODA_DECODE_TABLE(f32, 32);
   static const DecodeFn<float> d64[] = PAGODA_DECODE_TABLE(f32, 64);
@@ -643,14 +650,7 @@ DecodeFn<float> pick_decode<float>(int64_t bs, int64_t dim, int64_t group, bool 
   }
 }
 template <>
-DecodeFn<bf16_t> pick_decode<bf16_t>(int64_t bs, int64_t dim, int64_t group,
-                                     bool avx512_bf16) {
-#ifdef PAGODA_AVX512_BF16
-  static const DecodeFn<bf16_t> v64[] = PAGODA_DECODE_VTABLE(bf16_t, 64);
-  static const DecodeFn<bf16_t> v128[] = PAGODA_DECODE_VTABLE(bf16_t, 128);
-  if (avx512_bf16 && bs == 16 && group >= 1 && group <= 8 && (dim == 64 || dim == 128))
-    return (dim == 64 ? v64 : v128)[group - 1];
-#endif
+DecodeFn<bf16_t> pick_decode<bf16_t>(int64_t bs, int64_t dim, int64_t group) {
   static const DecodeFn<bf16_t> d16[] = PAGODA_DECODE_TABLE(bf16, 16);
   static const DecodeFn<bf16_t> d32[] = PAGODA_DECODE_TABLE(bf16, 32);
   static const DecodeFn<bf16_t> d64[] = PAGODA_DECODE_TABLE(bf16, 64);
@@ -693,7 +693,7 @@ void decode_batch(const Q* q, const C* kc, const C* vc, const int32_t* tables,
                   int64_t table_stride, const int32_t* lens, Q* o, int64_t batch,
                   int64_t heads, int64_t kv_heads, int64_t dim, int64_t bs, float scale) {
   const int64_t group = heads / kv_heads;
-  const DecodeFn<C> fn = pick_decode<C>(bs, dim, group, g_avx512_bf16);
+  const DecodeFn<C> fn = pick_decode_fast<C>(bs, dim, group);
   const std::vector<int64_t> bounds = balanced_runs(lens, batch, kv_heads);
   at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t first,
                                                                       int64_t last) {
@@ -1308,8 +1308,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv", &store_kv, release(),
         "Writes new K/V into the caches' slots (slots < 0 skipped)");
   m.def("use_avx512_bf16", &use_avx512_bf16,
-        "Turns the AVX512-BF16 bfloat16 rows on (where the CPU has them) or off; returns "
-        "whether they were on");
+        "Turns the AVX512-BF16 kernels (bf16 rows, decode attention) on (where the CPU has "
+        "them) or off; returns whether they were on");
   m.def("rms_norm", &rms_norm, release(),
         "RMSNorm over rows, with an optional in-place residual add");
   m.def("rotary_", &rotary_, release(), "Rotate-half RoPE in place");
