@@ -65,6 +65,8 @@ LORA_FLAGS = $(if $(LORA_MODULES)$(LORA_ROOTS),--enable-lora,) \
 	$(if $(MAX_CPU_LORAS),--max-cpu-loras $(MAX_CPU_LORAS),) \
 	$(if $(LORA_ROOTS),--lora-roots '$(LORA_ROOTS)' --allow-runtime-lora-updating,) \
 	$(if $(ADMIN_API_KEY),--admin-api-key '$(ADMIN_API_KEY)',)
+# Engines and the router require the internal credential: serve makes a random one per run
+# and hands it to its children (PAGODA_INTERNAL_TOKENS, if set, is used instead).
 serve: install
 	$(PY) -m services.serve --port $(PORT) --engines $(ENGINES) $(if $(MODEL),--model $(MODEL),) \
 		$(if $(SPECULATIVE_CONFIG),--speculative-config '$(SPECULATIVE_CONFIG)',) \

@@ -482,7 +482,7 @@ async def one_stream(session: Any, url: str, index: int, request: Request) -> in
 
     body = api.GenerateRequest(f"bench-{index}", request.prompt,
                                sampling_params(request.output_len)).to_msgpack()
-    headers = {"Content-Type": api.CONTENT_TYPE}
+    headers = {"Content-Type": api.CONTENT_TYPE, **internal_headers()}
     tokens, last = 0, None
     async with session.post(url + api.GENERATE_PATH, data=body, headers=headers) as resp:
         if resp.status != 200:
@@ -669,7 +669,15 @@ def run_part(part: str, args: argparse.Namespace, ctx: Context) -> None:
     print(f"   {summarise_part(part, result)}", flush=True)
 
 
+def internal_headers() -> dict[str, str]:
+    """The internal credential the server started here requires (``make_context`` makes it)."""
+    from services.common.internal_auth import ensure_tokens
+
+    return ensure_tokens(os.environ).headers()
+
+
 def make_context(args: argparse.Namespace, tmp: Path) -> Context:
+    internal_headers()  # a token in our environment, inherited by the server
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     caches = args.kernel_cache or tmp / "kernel-cache"

@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import secrets
 import statistics
 import subprocess
 import sys
@@ -48,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_throughput import machine_line  # noqa: E402
 
+from services.common.internal_auth import ensure_tokens  # noqa: E402
 from services.engine.models.default import default_model_path  # noqa: E402
 from tests.support.redis_server import RedisServer  # noqa: E402
 from tests.support.services import ServiceProcess  # noqa: E402
@@ -224,6 +227,9 @@ def _wait_for_writes(llm) -> None:  # noqa: ANN001
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # The shared store's MAC key, one per run (the engines and the in-process LLMs read it).
+    os.environ.setdefault("PAGODA_KV_STORE_SECRET", secrets.token_hex(32))
+    ensure_tokens(os.environ)  # the internal credential the services started here share
     model = Path(args.model) if args.model else default_model_path()
     print(machine_line())
     if not args.skip_sessions:

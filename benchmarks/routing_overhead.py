@@ -195,12 +195,15 @@ def prompts(count: int, seed: int = 0) -> list[list[int]]:
 
 
 async def overhead(args: argparse.Namespace) -> dict[str, list[float]]:
+    from services.common.internal_auth import ensure_tokens
     from services.engine.models.default import default_model_path
     from services.protocol.messages import RouteRequest
     from tests.support.redis_server import RedisServer, free_port
 
     model_dir = default_model_path()
     results: dict[str, list[float]] = {}
+    # The router and gateway started here require and send it (the fake engine ignores it).
+    internal = ensure_tokens(os.environ).headers()
     with RedisServer() as redis:
         e_port, r_port, g_port = free_port(), free_port(), free_port()
         engine_url = f"http://127.0.0.1:{e_port}"
@@ -219,7 +222,7 @@ async def overhead(args: argparse.Namespace) -> dict[str, list[float]]:
         ]  # fmt: skip
         try:
             connector = aiohttp.TCPConnector(limit=max(64, args.concurrency * 2))
-            async with aiohttp.ClientSession(connector=connector) as http:
+            async with aiohttp.ClientSession(connector=connector, headers=internal) as http:
                 for p in procs:
                     await p.wait_healthy(http)
                 results = await _measure(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import re
 import sys
@@ -34,12 +35,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import aiohttp
 from engine_throughput import machine_line, write_host_model
 
+from services.common.internal_auth import ensure_tokens
 from services.engine import LLM, SamplingParams
 from services.engine.models.default import default_model_path
 from services.protocol import engine_api
 from tests.support.services import ServiceProcess
 
 OUT_TOKENS = 128  # --out-tokens
+# The internal credential of the engine started here (it inherits our environment).
+INTERNAL = ensure_tokens(os.environ).headers()
 
 
 def workload(n: int) -> list[list[int]]:
@@ -78,7 +82,7 @@ async def _stream(session: aiohttp.ClientSession, url: str, rid: str, prompt: li
 
 async def _round(url: str, prompts: list[list[int]], tag: str) -> tuple[int, float]:
     conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn) as s:
+    async with aiohttp.ClientSession(connector=conn, headers=INTERNAL) as s:
         t = time.perf_counter()
         counts = await asyncio.gather(*(_stream(s, url, f"{tag}-{i}", p)
                                         for i, p in enumerate(prompts)))

@@ -5,6 +5,9 @@ the router and the gateway; Ctrl-C (or SIGTERM) stops all of it, engines first d
 
     python -m services.serve --port 8000 --engines 1 [--model PATH] [engine flags]
 
+Every child gets the internal credential in ``$PAGODA_INTERNAL_TOKENS``: the one in serve's
+environment, else a random token made for this run (``child_env``).
+
 Its own flags are ``ServeConfig``'s (the one CLI scheme, ``services.common.cli``); any other
 flag is an engine flag (``python -m services.engine.serving.server --help``), passed to every
 engine, as ``vllm serve`` takes the engine's arguments.
@@ -25,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common import cli
+from services.common import cli, internal_auth
 from services.common.cli import flag
 from services.common.default_model import default_model_dir, is_converted
 from services.common.logs import setup_logging
@@ -79,6 +82,15 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen) -> None:
             pass
         time.sleep(0.5)
     raise SystemExit(f"{url} did not become healthy in {timeout:.0f}s")
+
+
+def child_env(environ: dict[str, str]) -> dict[str, str]:
+    """The environment of every child: ours, with the internal credential they share. Without
+    one in ours (the usual case), a new random token for this run, so nothing else on the
+    machine can call the engines' or the router's internal routes."""
+    env = dict(environ)
+    internal_auth.ensure_tokens(env)
+    return env
 
 
 def _default_model() -> Path:
@@ -147,10 +159,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_dir = Path(args.model) if args.model else _default_model()
     model_name = model_dir.name
     procs: list[tuple[str, subprocess.Popen]] = []
+    env = child_env(dict(os.environ))
 
     def start(name: str, cmd: list[str], cpus: set[int] | None = None) -> subprocess.Popen:
         logger.info("starting %s%s", name, f" on cores {sorted(cpus)}" if cpus else "")
-        p = subprocess.Popen(cmd, env=os.environ.copy())
+        p = subprocess.Popen(cmd, env=env)
         if cpus is not None:
             # At once, while the child is still starting: the threads torch starts later
             # inherit it.

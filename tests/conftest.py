@@ -1,13 +1,23 @@
-"""Model fixtures shared by the whole suite: the real default model and tiny random models."""
+"""Fixtures shared by the whole suite: the real default model, tiny random models, and the
+session's internal credential."""
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from services.common.internal_auth import ensure_tokens
+
+# One internal credential for the session, set before any service starts: every engine, router
+# and gateway the tests start (in-process or as a child) requires and sends it, as in a
+# deployment. Tests that call engine or router routes directly send
+# tests.support.services.internal_headers().
+ensure_tokens(os.environ)
 
 TinyModelFactory = Callable[..., Path]
 

@@ -11,7 +11,9 @@ streaming), all while step n+1 runs.
 
 A step falls back to synchronous stepping (step n applied before step n+1 is scheduled) when
 the next step's preparation or sampling reads what step n's tokens change on the host
-(``InputBatch.needs_host_tokens``). Either way the step thread reads only what ``prepare``
+(``InputBatch.needs_host_tokens``), when step n verifies drafts (it emits a varying number of
+tokens per request, not the one a placeholder stands for), or when step n+1 may draft from
+step n's tokens (``ModelRunner._prepared``). Either way the step thread reads only what ``prepare``
 gathered for its step, never a request's live lists.
 """
 

@@ -11,6 +11,7 @@ import torch
 from services.common.cli import flag
 from services.common.default_model import default_model_dir, is_converted
 from services.engine.cpu_ops.isa import has_amx
+from services.engine.kv_offload.secret import load_store_secret
 from services.engine.lora.request import LoRAModule
 from services.engine.spec_decode.config import SpecMethod, SpeculativeConfig, check_draft_matches
 from services.protocol.block_hash import HashAlgorithm
@@ -94,6 +95,10 @@ class EngineConfig:
     )
     max_loras: int = flag(1, help="distinct LoRA adapters in one step (their device slots)")
     max_lora_rank: int = flag(16, help="the highest LoRA rank an adapter may have")
+    max_lora_file_bytes: int | None = flag(
+        None, help="the largest adapter_model.safetensors read (default: every LoRA target of "
+        "the model at max_lora_rank in float32, plus the header)"
+    )
     max_cpu_loras: int | None = flag(
         None, help="LoRA adapters kept in host memory, LRU (default: max_loras)"
     )
@@ -124,6 +129,13 @@ class EngineConfig:
     )
     kv_store_timeout_s: float = flag(
         0.5, help="the shared KV store's socket timeout: slower, the block is recomputed"
+    )
+    kv_store_secret_file: str | None = flag(
+        None,
+        metavar="PATH",
+        help="file holding the KV store's MAC key, a secret shared by every engine of the "
+        "model (at least 16 bytes): values are authenticated with it, and one written without "
+        "it is a miss (default: $PAGODA_KV_STORE_SECRET; kv_store_url needs one of them)",
     )
 
     def __post_init__(self) -> None:
@@ -160,6 +172,8 @@ class EngineConfig:
     def _check_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):
             _require_positive(name, getattr(self, name))
+        if self.max_lora_file_bytes is not None:
+            _require_positive("max_lora_file_bytes", self.max_lora_file_bytes)
         if self.max_cpu_loras is None:
             self.max_cpu_loras = self.max_loras
         elif self.max_cpu_loras < self.max_loras:
@@ -187,6 +201,8 @@ class EngineConfig:
             raise ValueError("kv_offloading_size / kv_store_url need enable_prefix_caching")
         if not self.kv_store_timeout_s > 0:
             raise ValueError(f"kv_store_timeout_s must be > 0, got {self.kv_store_timeout_s!r}")
+        if self.kv_store_url is not None:  # at start, not after the model loaded
+            load_store_secret(self.kv_store_secret_file)
 
     @property
     def kv_tiers_enabled(self) -> bool:

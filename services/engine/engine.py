@@ -117,7 +117,8 @@ class LLMEngine:
         self.tiers: KVTiers | None = None
         if config.kv_tiers_enabled:
             self.tiers = KVTiers(config, self.runner, self.block_manager, self.model_name,
-                                 self.hasher().seed, record_events=kv_events)
+                                 self.hasher().seed, record_events=kv_events,
+                                 model_path=model_path)
             self.scheduler.tiers = self.tiers
             closers.append(self.tiers)
         self.speculator = None if config.speculative_config is None else Speculator(

@@ -82,7 +82,7 @@ class PreparedStep:
     fill: tuple[torch.Tensor, torch.Tensor] | None
     cpu_inputs: CpuInputs | None
     # Async scheduling: the next step must wait for this one's tokens on the host
-    # (``InputBatch.needs_host_tokens``, or drafts for the next step).
+    # (``InputBatch.needs_host_tokens``, drafts in this step, or drafts for the next).
     needs_host: bool = False
     spec: spec_step.SpecInputs | None = None  # speculative decoding: the drafts to verify
     draft: DraftInputs | None = None  # the draft model's passes (with a draft model)
@@ -156,7 +156,7 @@ class ModelRunner:
             if self.lora is not None:
                 self.lora_manager = LoRAManager(self.lora.targets, config.max_loras,
                                                 config.max_lora_rank, config.max_cpu_loras,
-                                                self.dtype)
+                                                self.dtype, config.max_lora_file_bytes)
             self.input_batch = InputBatch(
                 config.max_num_seqs, min(-(-max_len // self.block_size), self.num_blocks),
                 mc.vocab_size, self.device,
@@ -406,8 +406,7 @@ class ModelRunner:
         )
         if self.lora_manager is not None:
             batch.lora_slots = ib.lora_slots_of(row_idx)
-            batch.lora_installs = [(slot, w.path, w.version, w)
-                                   for slot, w in self.lora_manager.slots.take_installs()]
+            batch.lora_installs = self.lora.installs(self.lora_manager.slots.take_installs())
         scorer = None
         if ib.features.prompt_logprobs:
             scorer = prompt_logprobs.PromptScorer(sched.scheduled, q_lens)
@@ -421,8 +420,11 @@ class ModelRunner:
             assert self.workers is None, "placeholders never cross to tensor-parallel ranks"
             fill = (torch.tensor(fill_at), torch.tensor(fill_from))  # to the device in run()
         cpu = self._cpu_inputs(batch) if self.buffers is None and self.workers is None else None
-        # Drafts for the next step come from this one's tokens (unless the batch is too big).
-        needs_host = ib.needs_host_tokens() or (
+        # A step with drafts emits a varying number of tokens per request, which the next
+        # step's placeholders (one each) cannot stand for; and drafts for the next step come
+        # from this one's tokens (unless the batch is too big). The first is this step's own
+        # state: the batch may have grown past disable_by_batch_size since its drafts were made.
+        needs_host = ib.needs_host_tokens() or spec is not None or (
             self.spec is not None and self.spec.drafts_at(ib.num_rows))
         return PreparedStep(batch, ib.sampling_batch(sampled_rows), ib.grammars(sampled_rows),
                             scorer, fill, cpu, needs_host, spec, draft)
@@ -491,7 +493,7 @@ class ModelRunner:
         fill: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
         if batch.lora_installs:  # on the step thread, after the steps that read those slots
-            self._install_adapters(batch.lora_installs)
+            self.lora.apply_installs(batch.lora_installs, self.tp)
         if self.buffers is None:
             hidden, last = self._forward_cpu(cpu_inputs or self._cpu_inputs(batch), fill)
         else:
@@ -504,13 +506,6 @@ class ModelRunner:
         if not len(batch.rows):
             return None
         return self.model.compute_logits(hidden if last is None else hidden.index_select(0, last))
-
-    def _install_adapters(self, installs: list) -> None:
-        for slot, path, version, weights in installs:
-            if weights is not None:  # rank 0: from its host memory
-                self.lora.install(slot, weights)
-            else:  # another rank: from the files rank 0 validated
-                self.lora.install_from(slot, path, version)
 
     def _token_masker(self) -> TokenMasker:
         if self.masker is None:  # only engines that meet a constrained request pay for it

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from services.common.default_model import DEFAULT_MODEL_NAME, converted_default_model
+from services.common.internal_auth import MissingCredential
 from services.common.logs import setup_logging
 from services.gateway.config import GatewayConfig, ModelSpec
 from services.gateway.server import create_app
@@ -34,7 +35,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FileNotFoundError as exc:
         logger.error("%s", exc)
         return 2
-    app = create_app(config)
+    try:
+        app = create_app(config)
+    except MissingCredential as exc:
+        logger.error("%s", exc)
+        return 2
     web.run_app(
         app,
         host=config.host,

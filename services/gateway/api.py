@@ -19,6 +19,7 @@ from aiohttp import web
 from opentelemetry import trace
 
 from services.common import tracing
+from services.gateway.admission import HoldCost
 from services.gateway.auth import TENANT_KEY, cache_salt_for
 from services.gateway.errors import read_json_body
 from services.gateway.generation import ChoiceJob, Generation, GenerationFailed
@@ -82,8 +83,11 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + state.config.request_timeout
     timed_out = oa.OpenAIError("the request timed out", status=504)
+    # Each choice held for an engine counts its share of the body (aiohttp keeps the bytes).
+    share = -(-len(await request.read()) // len(plan.jobs))
     gen = Generation(state.upstreams, model, plan.rid, plan.jobs, plan.salt,
-                     None if adapter is None else adapter.name)
+                     None if adapter is None else adapter.name,
+                     HoldCost(request.get(TENANT_KEY), share))
     timer: asyncio.TimerHandle | None = None
     state.metrics.in_flight.labels(endpoint, model.name).inc()
     try:

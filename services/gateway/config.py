@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 from services.common import cli
 from services.common.cli import flag
+from services.common.internal_auth import insecure_flag, token_file_flag
 from services.common.logs import check_log_level
 from services.protocol.openai import MAX_CHOICES, MAX_N
 
@@ -114,6 +115,18 @@ class GatewayConfig:
         help="engine requests per model that may wait so at once; the next one gets a 429 "
         "with Retry-After",
     )
+    # Defaults sized for the chart's 2 GiB gateway: a held body costs 2-3x its bytes in the
+    # process (the bytes, the parsed JSON, the token ids), with several models held at once.
+    engine_wait_max_bytes: int = flag(
+        128 * 1024 * 1024,
+        help="request body bytes per model that may wait so at once (each engine request "
+        "counts its share of its body); past it a 429 with Retry-After",
+    )
+    engine_wait_max_tenant_bytes: int = flag(
+        32 * 1024 * 1024,
+        help="request body bytes one API key's tenant may have waiting so, over all models; "
+        "past it a 429 with Retry-After (no bound per tenant when keys are off)",
+    )
     log_level: str = flag("INFO", help="logging level")
     admin_api_keys: tuple[str, ...] = flag(
         (),
@@ -134,6 +147,8 @@ class GatewayConfig:
         "hermes (<tool_call> JSON: Qwen2.5, Qwen3, Hermes) or llama3_json (Llama 3.x); "
         "none = tool_choice auto is refused (required and named functions always work)",
     )
+    internal_token_file: str | None = token_file_flag()
+    insecure_no_internal_auth: bool = insecure_flag()
 
     @property
     def router_urls(self) -> tuple[str, ...]:
@@ -160,7 +175,8 @@ class GatewayConfig:
             raise ValueError(f"--model names must be unique, got {names}")
         if self.default_model is not None and names and self.default_model not in names:
             raise ValueError(f"--default-model must be one of the --model names {names}")
-        for name in ("block_size", "max_body_bytes", "max_n", "engine_wait_max_requests"):
+        for name in ("block_size", "max_body_bytes", "max_n", "engine_wait_max_requests",
+                     "engine_wait_max_bytes", "engine_wait_max_tenant_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

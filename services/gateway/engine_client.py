@@ -21,7 +21,7 @@ import aiohttp
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, StatusCode
 
-from services.common import tracing
+from services.common import internal_auth, tracing
 from services.protocol.engine_api import (
     CONTENT_TYPE,
     GENERATE_PATH,
@@ -190,6 +190,8 @@ async def _open(
 
 async def _raise_for_status(resp: aiohttp.ClientResponse) -> None:
     status = resp.status
+    if internal_auth.refused(status):  # another engine may hold the right token: retried
+        raise EngineUnavailable("the engine refused the gateway's internal credential")
     if status >= 500 or status in (408, 429):
         raise EngineUnavailable(f"engine answered {status}")
     try:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import aiohttp
 from opentelemetry import trace
 
-from services.gateway.admission import EngineWait
+from services.gateway.admission import FREE, EngineWait, HoldCost
 from services.gateway.choice import ChoiceDecoder, ChoiceDelta
 from services.gateway.engine_client import (
     EngineStream,
@@ -85,10 +85,13 @@ class Generation:
         jobs: Sequence[ChoiceJob],
         cache_salt: str | None,
         lora_name: str | None = None,
+        hold: HoldCost = FREE,
     ) -> None:
-        """``lora_name``: the LoRA adapter every choice runs under (None: the base model)."""
+        """``lora_name``: the LoRA adapter every choice runs under (None: the base model).
+        ``hold``: what each choice costs while it waits for an engine (``EngineWait``)."""
         self._up = up
         self._lora = lora_name
+        self._hold = hold
         self._model = model
         self.request_id = request_id
         self._jobs = list(jobs)
@@ -97,9 +100,8 @@ class Generation:
         self._decoders = [
             ChoiceDecoder(j.index, model.tokenizer, j.prompt_ids, j.client_params) for j in jobs
         ]
-        self._queue: asyncio.Queue[ChoiceDelta | GenerationFailed | _Wakeup] = asyncio.Queue(
-            _QUEUE_SIZE
-        )
+        self._queue: asyncio.Queue[ChoiceDelta | GenerationFailed | OpenAIError | _Wakeup] = (
+            asyncio.Queue(_QUEUE_SIZE))
         self._readers: list[asyncio.Task[None]] = []
         self._abort: OpenAIError | None = None
 
@@ -155,7 +157,8 @@ class Generation:
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
         """Every choice's deltas as they arrive; the last one of each has a finish_reason.
-        Raises GenerationFailed when an engine fails mid-stream, or the abort error."""
+        Raises GenerationFailed when an engine fails mid-stream, an OpenAIError (500) when
+        its output could not be decoded, or the abort error."""
         self._readers = [
             asyncio.create_task(self._read(stream, decoder))
             for stream, decoder in zip(self._streams, self._decoders, strict=True)
@@ -165,7 +168,7 @@ class Generation:
             item = await self._queue.get()
             if self._abort is not None:
                 raise self._abort
-            if isinstance(item, GenerationFailed):
+            if isinstance(item, GenerationFailed | OpenAIError):
                 raise item
             if isinstance(item, _Wakeup):
                 continue
@@ -193,6 +196,13 @@ class Generation:
                 exc,
             )
             await self._queue.put(GenerationFailed(str(exc)))
+        except Exception:  # noqa: BLE001 -- a bug decoding (detokenizer, parser): fail it now
+            # Never a silent reader death: the client would wait out the request timeout.
+            # Closing the stream (below) aborts the request in the engine.
+            logger.exception("decoding the engine's output failed request_id=%s engine=%s",
+                             self.request_id, stream.engine_id)
+            await self._queue.put(OpenAIError("internal error decoding the engine's output",
+                                              status=500))
         finally:
             if watch is not None:
                 watch.remove_stream(stream.engine_id, stream)
@@ -255,7 +265,7 @@ class Generation:
 
         if exclude or up.engine_wait is None:
             return await ask(0.0)
-        return await up.engine_wait.route(model.name, ask)
+        return await up.engine_wait.route(model.name, ask, self._hold)
 
 
 async def _all_or_first_error(tasks: list[asyncio.Task[EngineStream]]) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from services.common import internal_auth
 from services.gateway.errors import read_json_body
 from services.gateway.models import ServedModel
 from services.gateway.router_client import AdapterInfo, EngineInfo, RouterUnavailable
@@ -181,6 +182,8 @@ async def _fan_out(state: GatewayState, engines: list[EngineInfo], path: str,
         try:
             async with session.post(engine.url.rstrip("/") + path, json=body,
                                     timeout=_ENGINE_TIMEOUT) as resp:
+                if internal_auth.refused(resp.status):  # not the admin's fault: a 502
+                    return 502, {"message": "refused the gateway's internal credential"}
                 data = await resp.json(content_type=None)
                 if isinstance(data, dict) and isinstance(data.get("error"), dict):
                     data = data["error"]

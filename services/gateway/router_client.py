@@ -25,7 +25,7 @@ import msgpack
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from services.common import tracing
+from services.common import internal_auth, tracing
 from services.protocol.block_hash import HashAlgorithm
 from services.protocol.messages import RouteRequest, RouteResponse
 from services.protocol.openai import OpenAIError
@@ -201,7 +201,8 @@ class RouterClient:
                 async with self._session.request(method, self._bases[i] + path, json=body,
                                                  timeout=self._timeout) as resp:
                     data = await resp.json(content_type=None)
-                    if resp.status >= 500 and resp.status != 503:
+                    if (resp.status >= 500 and resp.status != 503) or internal_auth.refused(
+                            resp.status):
                         raise RouterUnavailable(f"{path} answered {resp.status}")
                     return resp.status, data if isinstance(data, dict) else {}
             except (TimeoutError, aiohttp.ClientError, ValueError, RouterUnavailable) as exc:

@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from services.common import tracing
+from services.common import internal_auth, tracing
 from services.common.http_errors import error_middleware
 from services.gateway import api, lora_admin, tokenization
 from services.gateway.admission import EngineWait
@@ -64,6 +64,9 @@ def create_app(
         missing = {m.name for m in config.models} - set(tokenizers)
         if missing:
             raise ValueError(f"no tokenizer given for models {sorted(missing)}")
+    # What the gateway sends to the router and engines; checked now, before serving.
+    internal = internal_auth.resolve(
+        config.internal_token_file, config.insecure_no_internal_auth, "gateway")
     metrics = GatewayMetrics()
     app = web.Application(
         client_max_size=config.max_body_bytes,
@@ -77,7 +80,7 @@ def create_app(
     app[_METRICS] = metrics
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
-        async with _resources(app, config, metrics, tokenizers):
+        async with _resources(app, config, metrics, tokenizers, internal):
             yield
 
     app.cleanup_ctx.append(tracing.tracing_ctx(tracing.GATEWAY_SERVICE))  # first: ends last
@@ -104,6 +107,7 @@ async def _resources(
     config: GatewayConfig,
     metrics: GatewayMetrics,
     tokenizers: Mapping[str, Tokenizer] | None,
+    internal: internal_auth.InternalCredential | None,
 ) -> AsyncIterator[None]:
     """Every long-lived resource: tokenizer thread, tokenizers, HTTP session, engines poller."""
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
@@ -116,14 +120,19 @@ async def _resources(
         if toks is None:
             toks = await loop.run_in_executor(pool, load_tokenizers, config.models)
         models = ModelRegistry.build(config.models, toks, config.block_size, int(time.time()))
-        # No pool cap: every streaming generation holds one engine connection.
-        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        # No pool cap: every streaming generation holds one engine connection. The session
+        # only ever calls the router and the engines, so every call carries the internal
+        # credential (never give it a URL outside the cluster's internal plane).
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                        headers=internal_auth.client_headers(internal))
         tracer = app[tracing.TRACER]
         router = RouterClient(session, config.router_urls, config.router_timeout, tracer)
         watch = EngineWatch(session)
         upstreams = Upstreams(
             session, router, metrics, config.max_retries, _CONNECT_TIMEOUT_S, tracer, watch,
-            EngineWait(config.engine_wait_timeout, config.engine_wait_max_requests, metrics),
+            EngineWait(config.engine_wait_timeout, config.engine_wait_max_requests, metrics,
+                       max_bytes=config.engine_wait_max_bytes,
+                       max_tenant_bytes=config.engine_wait_max_tenant_bytes),
         )
         state = GatewayState(config, models, router, upstreams, metrics, pool)
         app[STATE] = state

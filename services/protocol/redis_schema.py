@@ -20,6 +20,10 @@ one model lives in one slot and the Lua scripts below may touch them together)::
                                               load/unload)               name -> JSON {"path"})
     ns:{model}:lora-gen               STRING  router (INCR on   never (engines re-read the hash
                                               each change)               when it moves)
+    ns:{model}:lora-bad               HASH    an engine whose   never; cleared by the router's
+                                              load of a         (re)register or unregister
+                                              registered        (name -> JSON {"path", "error",
+                                              adapter failed     "engine"}: not loaded again)
     ns:{model}:held                   ZSET    router, for       member = request id held at a
                                               gateways waiting  gateway for want of an engine,
                                               for an engine     score = when it stops counting
@@ -125,6 +129,10 @@ class RedisKeys:
 
     def lora_generation(self, model: str) -> str:
         return self.model_prefix(model) + "lora-gen"
+
+    def lora_quarantine(self, model: str) -> str:
+        return self.model_prefix(model) + "lora-bad"
+
     def held(self, model: str) -> str:
         return self.model_prefix(model) + "held"
 

@@ -12,7 +12,8 @@ loaded, weighed against load as a prefix hit is, and the policy's hot-spot guard
 burst for one adapter over the other engines that have it.
 
 ``GET/POST/DELETE /adapters``: the registry of runtime-loaded adapters in Redis
-(``services.common.lora_registry``), written by the gateway's load and unload.
+(``services.common.lora_registry``), written by the gateway's load and unload; ``GET`` shows an
+entry that failed to load on an engine as ``quarantined`` (its error and the engine).
 """
 
 from __future__ import annotations
@@ -75,11 +76,17 @@ async def handle_list(request: web.Request) -> web.Response:
     try:
         entries = await registry.entries(model)
         generation = await registry.generation(model)
+        bad = await registry.quarantined(model)
     except Exception as exc:  # noqa: BLE001 -- Redis down: the registry is unavailable
         return json_error(503, f"the adapter registry is unavailable: {exc}")
-    return web.json_response({"adapters": [{"lora_name": n, "lora_path": p}
-                                           for n, p in sorted(entries.items())],
-                              "generation": generation})
+    listed = []
+    for name, path in sorted(entries.items()):
+        item = {"lora_name": name, "lora_path": path}
+        q = bad.get(name)
+        if q is not None and q.path == path:  # no engine loads it until registered again
+            item["quarantined"] = {"error": q.error, "engine": q.engine}
+        listed.append(item)
+    return web.json_response({"adapters": listed, "generation": generation})
 
 
 async def handle_register(request: web.Request) -> web.Response:

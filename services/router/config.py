@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 
 from services.common import cli
 from services.common.cli import flag
+from services.common.internal_auth import insecure_flag, token_file_flag
 from services.common.logs import check_log_level
 from services.common.redis_index import redact_url
 from services.protocol.redis_schema import (
@@ -115,6 +116,8 @@ class RouterConfig:
         300.0, help="the window of prefix hits a pod's deletion cost counts"
     )
     log_level: str = flag("INFO", help="logging level")
+    internal_token_file: str | None = token_file_flag()
+    insecure_no_internal_auth: bool = insecure_flag()
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -10,6 +10,9 @@ GET  /ready     200 once engine discovery has synced, else 503 (Redis does not g
                 without Redis the router still routes, by load)
 GET  /metrics   Prometheus text, with the per-model demand (``services.router.demand``)
 GET/POST/DELETE /adapters   the registry of runtime-loaded LoRA adapters (router.adapters)
+
+Every route but /health, /ready and /metrics requires the internal credential
+(``services.common.internal_auth``): a 401 JSON without it.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.common import tracing
+from services.common import internal_auth, tracing
 from services.common.http_errors import error_middleware, json_error
 from services.common.lora_registry import AdapterRegistry
 from services.common.redis_index import KVIndexReader, connect, redact_url
@@ -57,9 +60,14 @@ DELETION_COST_KEY = web.AppKey("deletion_cost", DeletionCost)
 
 
 def create_app(config: RouterConfig) -> web.Application:
+    """Raises ``internal_auth.MissingCredential`` without an internal credential (unless the
+    config opts out): the routes are never served open by accident."""
+    credential = internal_auth.resolve(
+        config.internal_token_file, config.insecure_no_internal_auth, "router")
     app = web.Application(
         client_max_size=MAX_BODY_BYTES,
-        middlewares=[error_middleware, tracing.server_span_middleware(["/route"])],
+        middlewares=[error_middleware, tracing.server_span_middleware(["/route"]),
+                     *internal_auth.middlewares(credential)],
     )
     app[CONFIG_KEY] = config
     app[METRICS_KEY] = RouterMetrics()

@@ -108,6 +108,9 @@ OTHER_SOURCES: dict[str, Any] = {
 SCALE_TO_ZERO: dict[str, Any] = {
     "keda": {"enabled": True, "minReplicaCount": 0, "maxReplicaCount": 8, "cooldownPeriod": 120},
     "serviceMonitor": {"enabled": True},
+    # With the NetworkPolicy (on by default), Prometheus must be named to scrape.
+    "networkPolicy": {"metricsFrom": [{"podSelector": {"matchLabels": {
+        "app.kubernetes.io/name": "prometheus"}}}]},
     "gateway": {"engineWait": {"timeoutSeconds": 240, "maxRequests": 64}},
     "engine": {"shutdownTimeoutSeconds": 120},
     "router": {"deletionCost": {"intervalSeconds": 5, "windowSeconds": 600}},

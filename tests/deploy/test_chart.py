@@ -381,11 +381,11 @@ def test_defaults_lint_clean_and_serve_the_builtin_model(chart: Any, rendered) -
     assert flag(r.container(ROUTER), "redis-url") == f"redis://{REDIS}:6379/0"
     assert "secretKeyRef" in env_of(r.container(ROUTER))["REDIS_PASSWORD"]["valueFrom"]
     assert "WARNING: no API key" in r.notes
+    # NetworkPolicy is on by default (tests/deploy/test_internal_auth_chart.py).
     for kind in (
         "HorizontalPodAutoscaler",
         "ScaledObject",
         "ServiceMonitor",
-        "NetworkPolicy",
         "ConfigMap",
         "PersistentVolumeClaim",
     ):

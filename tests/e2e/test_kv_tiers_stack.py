@@ -19,6 +19,7 @@ from services.protocol.messages import RouteRequest, RouteResponse
 from services.protocol.redis_schema import RedisKeys
 from services.protocol.sampling_params import SamplingParams
 from services.router.server import MSGPACK
+from tests.support.services import internal_headers
 from tests.support.stack import PagodaStack, StackOptions, scrape
 
 BS = 16
@@ -37,7 +38,7 @@ def _generate_on(engine_url: str, prompt: list[int]) -> None:
     body = GenerateRequest(f"evict-{prompt[0]}", prompt,
                            SamplingParams(max_tokens=2, temperature=0)).to_msgpack()
     req = urllib.request.Request(engine_url + GENERATE_PATH, data=body,
-                                 headers={"Content-Type": MSGPACK})
+                                 headers={"Content-Type": MSGPACK, **internal_headers()})
     with urllib.request.urlopen(req, timeout=60) as resp:
         resp.read()
 
@@ -57,7 +58,7 @@ def _route(stack: PagodaStack, hashes: list, num_tokens: int) -> RouteResponse:
     req = urllib.request.Request(
         stack.routers[0].url + "/route",
         data=RouteRequest(stack.model, hashes, num_tokens).to_msgpack(),
-        headers={"Content-Type": MSGPACK})
+        headers={"Content-Type": MSGPACK, **internal_headers()})
     with urllib.request.urlopen(req, timeout=10) as resp:
         return RouteResponse.from_msgpack(resp.read())
 

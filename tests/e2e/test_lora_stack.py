@@ -25,7 +25,8 @@ import pytest
 from services.engine import LLM, LoRARequest, SamplingParams
 from services.protocol import engine_api
 from tests.faults.helpers import wait_for
-from tests.support.lora import write_adapter
+from tests.support.lora import HOSTILE, add_hostile_files, release_fifo, write_adapter
+from tests.support.services import internal_headers
 from tests.support.stack import PagodaStack, StackOptions, scrape
 
 ADMIN, USER = "admin-key", "user-key"
@@ -40,6 +41,7 @@ def root(fast_model_dir: Path, tmp_path_factory) -> Path:
     outside = tmp_path_factory.mktemp("outside")
     write_adapter(fast_model_dir, outside / "secret", seed=4)
     (root / "escape").symlink_to(outside / "secret")
+    add_hostile_files(root / "static", root)  # fifo, zero, absurd, ints
     return root
 
 
@@ -75,7 +77,8 @@ def _admin(stack: PagodaStack, route: str, body: dict, key: str = ADMIN) -> tupl
 
 
 def _engine_adapters(stack: PagodaStack, engine_id: str) -> dict[str, int]:
-    with urllib.request.urlopen(stack.routers[0].url + "/engines", timeout=5) as resp:
+    req = urllib.request.Request(stack.routers[0].url + "/engines", headers=internal_headers())
+    with urllib.request.urlopen(req, timeout=5) as resp:
         rows = json.loads(resp.read())["engines"]
     return {a["name"]: a["residency"] for e in rows if e["engine_id"] == engine_id
             for a in e["adapters"]}
@@ -89,7 +92,8 @@ def _direct(stack: PagodaStack, index: int, lora: str, prompt: list[int],
                                                      ignore_eos=True), None, lora)
     req = urllib.request.Request(stack.engines[index].url + engine_api.GENERATE_PATH,
                                  data=body.to_msgpack(), method="POST",
-                                 headers={"Content-Type": engine_api.CONTENT_TYPE})
+                                 headers={"Content-Type": engine_api.CONTENT_TYPE,
+                                          **internal_headers()})
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
             resp.read()
@@ -161,10 +165,21 @@ def test_runtime_load_reaches_both_engines_and_only_admins_inside_the_root(
     assert got.model == "dyn" and got.choices[0].text
     status, text = _admin(stack, "load_lora_adapter", {"lora_name": "dyn", "lora_path": "dyn"})
     assert status == 400 and "already been loaded" in text
-    for path in ("../outside/secret", "/etc", str(root.parent), "escape"):
-        status, text = _admin(stack, "load_lora_adapter", {"lora_name": "x", "lora_path": path})
+    # Each refused by both engines within a second (a FIFO, /dev/zero behind a symlink, a
+    # header claiming 2**60 bytes, integer tensors, symlinks, paths outside), and they serve on.
+    for path in ("/etc", str(root.parent), "fifo", "zero", "absurd", "ints", *HOSTILE):
+        start = time.monotonic()
+        try:
+            status, text = _admin(stack, "load_lora_adapter", {"lora_name": "x",
+                                                               "lora_path": path})
+        finally:
+            release_fifo(root / "fifo" / "adapter_model.safetensors")
+        took = time.monotonic() - start
         assert status == 400 and json.loads(text)["error"]["param"] == "lora_path", (path, text)
+        assert took < 1.0, (path, took)
     assert "x" not in _model_ids(stack)
+    got = _client(stack).completions.create(model="dyn", prompt=PROMPT, max_tokens=4)
+    assert got.choices[0].text
     assert _admin(stack, "unload_lora_adapter", {"lora_name": "nope"})[0] == 404
 
 

@@ -32,7 +32,7 @@ from services.protocol.kv_events import KVEvent, KVEventKind
 from services.protocol.sampling_params import SamplingParams
 from services.protocol.structured_outputs import StructuredOutputsParams
 from tests.engine.test_server import cache_config_info
-from tests.support.services import ServiceProcess
+from tests.support.services import ServiceProcess, internal_headers
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], list(range(20, 40))]
 
@@ -110,7 +110,7 @@ async def _greedy(url: str, prompts: list[list[int]], max_tokens: int) -> list[l
         assert isinstance(frames[-1], engine_api.FinishedFrame), frames
         return [t for f in frames if isinstance(f, engine_api.TokensFrame) for t in f.token_ids]
 
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(headers=internal_headers()) as s:
         return list(await asyncio.gather(*(one(s, i, p) for i, p in enumerate(prompts))))
 
 

@@ -33,7 +33,7 @@ from tests.support.msgpack_fuzz import (
     msgpack_values,
     report,
 )
-from tests.support.services import ServiceProcess
+from tests.support.services import ServiceProcess, internal_headers
 
 NUM_BLOCKS = 64
 VOCAB = 49152  # SmolLM2's, which fast_model_dir keeps
@@ -54,6 +54,7 @@ def engine(fast_model_dir: Path) -> Iterator[ServiceProcess]:
 @pytest.fixture(scope="module")
 def http() -> Iterator[requests.Session]:
     with requests.Session() as session:
+        session.headers.update(internal_headers())
         yield session
 
 
@@ -92,7 +93,7 @@ def generate(engine: ServiceProcess, body: bytes) -> list[engine_api.StreamFrame
     dec = engine_api.FrameDecoder()
     frames: list[engine_api.StreamFrame] = []
     with requests.post(engine.url + engine_api.GENERATE_PATH, data=body, stream=True,
-                       timeout=60) as r:
+                       headers=internal_headers(), timeout=60) as r:
         assert r.status_code == 200, r.text
         for chunk in r.iter_content(chunk_size=None):
             frames.extend(dec.feed(chunk))
@@ -360,7 +361,8 @@ def test_the_longest_request_id_is_served(engine: ServiceProcess) -> None:
     frames = generate(engine, msgpack.packb(valid(rid)))
     assert isinstance(frames[-1], engine_api.FinishedFrame), frames
     body = engine_api.AbortRequest(rid).to_json()
-    assert requests.post(engine.url + engine_api.ABORT_PATH, data=body, timeout=10).ok
+    assert requests.post(engine.url + engine_api.ABORT_PATH, data=body, headers=internal_headers(),
+                         timeout=10).ok
 
 
 def test_garbage_during_a_running_request_leaves_it_untouched(engine: ServiceProcess) -> None:
@@ -377,6 +379,7 @@ def test_garbage_during_a_running_request_leaves_it_untouched(engine: ServicePro
     runner = threading.Thread(target=run)
     runner.start()
     with requests.Session() as http:
+        http.headers.update(internal_headers())
         for _, bad, _ in GENERATE_CASES:
             status, _ = post(http, engine, bad)
             assert status == 400

@@ -1,6 +1,7 @@
 """KV events exist only for a consumer: the offline ``LLM`` keeps none; the server's queue of
 them is bounded, and its overflow is a resync (the core re-announces its cache), logged
-once, never a silent loss."""
+once, never a silent loss. On Redis's channel they name blocks by hash only, unless the
+operator asks for token ids (``--kv-events-token-ids``)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,20 @@ import asyncio
 import logging
 from pathlib import Path
 
+import msgpack
 import pytest
+import redis
 
 from services.engine import LLM, SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.serving.engine_thread import EngineThread
 from services.engine.serving.kv_event_queue import KVEventQueue
+from services.engine.serving.redis_publisher import EnginePublisher
+from services.engine.serving.server_config import ServerConfig
 from services.protocol.block_hash import BlockHash
 from services.protocol.kv_events import KVEvent, KVEventKind
+from services.protocol.redis_schema import RedisKeys
+from tests.support.redis_server import RedisServer
 
 _QUEUE_LOGGER = "services.engine.serving.kv_event_queue"
 
@@ -128,3 +135,76 @@ def test_an_overflowing_server_queue_ends_with_the_whole_cache(
     assert replayed  # the prompts' blocks are cached
     warnings = [r for r in caplog.records if r.name == _QUEUE_LOGGER]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
+
+
+async def _generate(core: EngineThread, rid: str, prompt: list[int], max_tokens: int) -> None:
+    done = asyncio.get_running_loop().create_future()
+
+    def sink(update) -> None:  # noqa: ANN001
+        if isinstance(update, Exception):
+            done.set_exception(update)
+        elif update.finished and not done.done():
+            done.set_result(None)
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    core.submit(rid, prompt, params, None, sink)
+    await asyncio.wait_for(done, 60)
+
+
+def test_events_on_redis_carry_token_ids_only_when_asked(tiny_model_dir) -> None:  # noqa: ANN001
+    """Through a real redis-server's channel, read as any subscriber would: by default a
+    stored block is its hash and nothing of the prompt; with ``kv_events_token_ids`` the
+    tokens come too (vLLM's shape). The routers' index is filled either way."""
+    config = EngineConfig(model=str(tiny_model_dir("LlamaForCausalLM")), num_blocks=20,
+                          max_model_len=128)
+    core = EngineThread(config, publish_kv_events=True)
+    prompts = {False: list(range(100, 133)), True: list(range(200, 233))}  # two blocks each
+
+    async def run(server: RedisServer) -> dict[bool, list]:
+        core.start(asyncio.get_running_loop())
+        try:
+            for _ in range(600):
+                if core.is_ready or core.load_error is not None:
+                    break
+                await asyncio.sleep(0.05)
+            assert core.is_ready, core.load_error
+            return {flag: await publish(server, flag) for flag in (False, True)}
+        finally:
+            await asyncio.to_thread(core.stop)
+
+    async def publish(server: RedisServer, with_tokens: bool) -> list:
+        cfg = ServerConfig(redis_url=server.url, kv_events_token_ids=with_tokens,
+                           engine_id=f"e-{with_tokens}")
+        publisher = EnginePublisher(cfg, core)
+        sub = redis.Redis.from_url(server.url).pubsub()
+        sub.subscribe(RedisKeys().kv_events(core.info.model_name))
+        try:
+            await _generate(core, f"r-{with_tokens}", prompts[with_tokens], 2)
+            for _ in range(200):  # the step's events reach the queue on the loop
+                if len(core.kv_events):
+                    break
+                await asyncio.sleep(0.01)
+            await publisher.publish_once()
+            index = redis.Redis.from_url(server.url)
+            blocks = index.zcard(RedisKeys().blocks(core.info.model_name, cfg.engine_id))
+            assert blocks >= 2  # the index needs no tokens
+            stored = []
+            while (msg := sub.get_message(timeout=1.0)) is not None or not stored:
+                if msg is None:
+                    break
+                if msg["type"] == "message":
+                    _ts, events, _engine = msgpack.unpackb(msg["data"], raw=False)
+                    stored += [e for e in events if e[0] == "BlockStored"]
+            return stored
+        finally:
+            sub.close()
+            await publisher.close()
+
+    with RedisServer() as server:
+        seen = asyncio.run(run(server))
+    assert seen[False] and all(e[3] == [] for e in seen[False])  # no token ids at all
+    # Under the flag the new blocks come with their tokens (a re-announcement of the cache,
+    # asked by the first heartbeat, names hashes only, with or without it).
+    with_tokens = [e for e in seen[True] if e[3]]
+    assert [t for e in with_tokens for t in e[3]] == prompts[True][:32]
+    assert all(len(e[1]) * e[4] == len(e[3]) for e in with_tokens)

@@ -17,7 +17,7 @@ import pytest
 
 from services.protocol import engine_api
 from services.protocol.sampling_params import SamplingParams
-from tests.support.services import ServiceProcess
+from tests.support.services import ServiceProcess, internal_headers
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64  # 1024 tokens of KV cache
@@ -118,7 +118,7 @@ async def wait_idle(session: aiohttp.ClientSession, url: str) -> dict[str, float
 def test_three_times_the_kv_cache_all_finish(engine: ServiceProcess) -> None:
     async def run() -> tuple[list[Outcome], list[Outcome], Watch, dict, dict, float]:
         timeout = aiohttp.ClientTimeout(total=600)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with aiohttp.ClientSession(timeout=timeout, headers=internal_headers()) as session:
             before = await scrape(session, engine.url)
             seen = Watch()
             watcher = asyncio.create_task(watch(session, engine.url, seen))

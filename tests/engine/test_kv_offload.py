@@ -1,15 +1,23 @@
 """KV tier 1 (host memory): a prefix the pool evicted comes back from the host store, with the
-same output as computed, counted where it came from; copies never lose blocks under them."""
+same output as computed, counted where it came from; copies never lose blocks under them, and
+closing never frees the caches under a copy."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
+import redis
 import torch
 
 from services.engine import LLM, SamplingParams
 from services.engine.config import EngineConfig
+from services.engine.kv_offload.block_value import BlockCodec
+from services.engine.kv_offload.copier import KVCopier, LoadDone, LoadJob
+from services.engine.kv_offload.remote_store import RemoteKVStore, StoreLayout
+from services.protocol.block_hash import BlockHash
+from tests.support.redis_server import RedisServer
 
 BS = 16
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -152,3 +160,29 @@ def test_a_held_block_outlives_its_request_and_returns_to_the_queue_after() -> N
     bm.release(ids)
     assert bm.num_free_blocks == 4
     assert bm.get_computed_blocks(tokens + [1], hashes)[1] == 2 * BS  # still cached
+
+
+def test_close_waits_for_a_copy_in_flight_which_then_writes_nothing() -> None:
+    """A load's store call outlasts the copier's old 5 s join (the store stalls): ``close``
+    returns only once the thread is gone, and the copy, told to stop, leaves the caches (about
+    to be freed) alone."""
+    shape = (1, 2, BS, 1, 8)  # (layers, 2, block_size, kv_heads, head_dim)
+    caches = [(torch.zeros(4, BS, 1, 8), torch.zeros(4, BS, 1, 8))]
+    h, tokens = BlockHash(bytes(16)), tuple(range(BS))
+    with RedisServer() as server:
+        layout = StoreLayout("m", "w", "torch.float32", BS, 1, 1, 8, 1, "xxh3_128")
+        remote = RemoteKVStore(server.url, layout, b"seed", 8.0,
+                               BlockCodec(b"copier-test-secret-0123"))
+        client = redis.Redis.from_url(server.url)
+        payload = torch.ones(shape).numpy().tobytes()
+        client.set(remote.key(h), remote.encode(h, tokens, payload))
+        copier = KVCopier(caches, None, remote, shape)
+        client.client_pause(5500, all=True)  # the load's MGET waits for the store
+        copier.submit(LoadJob("r", [], [h], [tokens], [1]))
+        time.sleep(0.3)
+        copier.close()
+        assert not copier._thread.is_alive()  # nothing of it can run after close
+        done = copier.done.get_nowait()
+        assert isinstance(done, LoadDone) and done.num_remote == 0
+        assert not caches[0][0].any() and not caches[0][1].any()
+        remote.close()

@@ -344,9 +344,9 @@ def test_lora_request_lists_in_generate(tiny_model_dir, default_model_path, adap
 
 
 def test_runtime_loads_stay_inside_the_adapter_roots(llama: Path, adapters: Path,
-                                                     tmp_path: Path, monkeypatch) -> None:
-    """``../``, absolute paths and symlinks (of the directory or of a file in it) that leave
-    the roots are a 400 naming lora_path, and no file outside the roots is opened."""
+                                                     tmp_path: Path) -> None:
+    """``../``, absolute paths elsewhere and symlinks (of the directory or of a file in it,
+    whether they leave the roots or not) are a 400 naming lora_path."""
     from services.engine.lora import commands
 
     good = write_adapter(llama, adapters / "good", seed=3)
@@ -358,10 +358,7 @@ def test_runtime_loads_stay_inside_the_adapter_roots(llama: Path, adapters: Path
     (root / "file-link" / "adapter_config.json").symlink_to(
         outside / "secret" / "adapter_config.json")
     shutil.copy(good / "adapter_model.safetensors", root / "file-link")
-    (root / "inner-link").symlink_to(root / "ok")  # a symlink that stays inside is fine
-    opened: list[Path] = []
-    read_bytes = Path.read_bytes
-    monkeypatch.setattr(Path, "read_bytes", lambda p: opened.append(p) or read_bytes(p))
+    (root / "inner-link").symlink_to(root / "ok")  # stays inside, yet not followed either
     engine = _engine(llama, max_loras=2, max_cpu_loras=2)
     manager, roots = engine.lora, (str(root),)
 
@@ -369,14 +366,13 @@ def test_runtime_loads_stay_inside_the_adapter_roots(llama: Path, adapters: Path
         return commands.run(manager, commands.AdapterCommand(commands.LOAD, name, path, roots))
 
     for path in ("../outside/secret", str(outside / "secret"), "ok/../../outside/secret",
-                 "dir-link", "file-link"):
+                 "dir-link", "file-link", "inner-link", "dir-link/../ok", "missing"):
         reply = load("bad", path)
         assert (reply.status, reply.param) == (400, "lora_path"), (path, reply)
-    assert not [p for p in opened if outside in p.resolve().parents]
     assert load("ok", "ok").status == 200  # relative to the first root
     assert load("ok", "ok").status == 200  # the same again: nothing changes
-    assert load("ok", "inner-link").status == 409  # the name holds another path
-    assert load("inner", "inner-link").status == 200
+    assert load("ok", str(root / "ok")).status == 409  # the name holds another path
+    assert load("abs", str(root / "ok")).status == 200
     unload = commands.AdapterCommand(commands.UNLOAD, "nope")
     assert commands.run(manager, unload).status == 404
     no_roots = commands.run(manager, commands.AdapterCommand(commands.LOAD, "x", str(good)))

@@ -24,7 +24,7 @@ from services.protocol import engine_api
 from services.protocol.sampling_params import SamplingParams
 from services.protocol.wire import BadRequest
 from tests.support.redis_server import RedisServer
-from tests.support.services import ServiceProcess
+from tests.support.services import ServiceProcess, internal_headers
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +52,8 @@ def gen_body(rid: str, prompt: list[int], **params) -> bytes:
 async def generate(url: str, body: bytes) -> list[engine_api.StreamFrame]:
     frames = []
     dec = engine_api.FrameDecoder()
-    async with aiohttp.ClientSession() as s, s.post(url + engine_api.GENERATE_PATH,
-                                                    data=body) as r:
+    async with aiohttp.ClientSession(headers=internal_headers()) as s, s.post(
+            url + engine_api.GENERATE_PATH, data=body) as r:
         assert r.status == 200, await r.text()
         async for chunk in r.content.iter_any():
             frames.extend(dec.feed(chunk))
@@ -86,7 +86,7 @@ def test_stream_tokens_and_usage(engine) -> None:
 
 def test_bad_requests_are_400_and_the_engine_keeps_serving(engine) -> None:
     async def post(data: bytes) -> int:
-        async with aiohttp.ClientSession() as s, s.post(
+        async with aiohttp.ClientSession(headers=internal_headers()) as s, s.post(
                 engine.url + engine_api.GENERATE_PATH, data=data) as r:
             body = await r.json()
             assert "error" in body
@@ -103,7 +103,7 @@ def test_bad_requests_are_400_and_the_engine_keeps_serving(engine) -> None:
 
 def test_disconnect_aborts_and_frees_blocks(engine) -> None:
     async def run() -> None:
-        async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession(headers=internal_headers()) as s:
             body = gen_body("long", list(range(200, 300)), max_tokens=2000, ignore_eos=True)
             async with s.post(engine.url + engine_api.GENERATE_PATH, data=body) as r:
                 await r.content.readany()  # first frame arrived: the request is running
@@ -124,7 +124,7 @@ def test_abort_by_the_callers_request_id(engine) -> None:
     async def run() -> list[engine_api.StreamFrame]:
         frames: list[engine_api.StreamFrame] = []
         dec = engine_api.FrameDecoder()
-        async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession(headers=internal_headers()) as s:
             body = gen_body("to-abort", list(range(300, 340)), max_tokens=2000, ignore_eos=True)
             async with s.post(engine.url + engine_api.GENERATE_PATH, data=body) as r:
                 frames.extend(dec.feed(await r.content.readany()))
@@ -143,7 +143,7 @@ def test_abort_by_the_callers_request_id(engine) -> None:
 
 def test_unknown_paths_and_methods_get_json_errors(engine) -> None:
     async def run() -> None:
-        async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession(headers=internal_headers()) as s:
             for method, path, status in (("GET", "/nope", 404),
                                          ("GET", engine_api.GENERATE_PATH, 405)):
                 async with s.request(method, engine.url + path) as r:
@@ -223,7 +223,7 @@ def test_sigterm_leaves_routing_first_then_drains(default_model_path, redis_serv
             # Long enough that the SIGTERM is handled while it runs, even on a loaded machine.
             body = gen_body("drain", list(range(500, 540)), max_tokens=DRAIN_TOKENS,
                             ignore_eos=True)
-            async with aiohttp.ClientSession() as s, s.post(
+            async with aiohttp.ClientSession(headers=internal_headers()) as s, s.post(
                     proc.url + engine_api.GENERATE_PATH, data=body) as r:
                 frames.extend(dec.feed(await r.content.readany()))
                 proc.proc.send_signal(signal.SIGTERM)
@@ -254,7 +254,7 @@ async def engine_app(model_dir: Path) -> AsyncIterator[TestClient]:
     config = EngineConfig(model=str(model_dir), num_blocks=16, max_model_len=64)
     # The core inline (a thread of this process): the tests below patch the engine itself.
     app = create_app(config, ServerConfig(engine_id="e-in-process", engine_core="inline"))
-    async with TestClient(TestServer(app)) as client:
+    async with TestClient(TestServer(app), headers=internal_headers()) as client:
         for _ in range(600):
             if (await client.get("/health")).status == 200:
                 break

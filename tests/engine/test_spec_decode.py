@@ -275,6 +275,29 @@ def test_greedy_is_unchanged_by_the_engine_setting(setting, target, prompts, ref
         assert stats.spec_decode.num_accepted_tokens == stats.spec_decode.num_draft_tokens
 
 
+@pytest.mark.parametrize("kind", ["ngram", "self_draft"])
+def test_a_request_joining_a_drafting_batch_past_the_limit_under_async(kind, target, prompts,
+                                                                      reference) -> None:
+    """disable_by_batch_size = 2, async scheduling: a third request joins while two draft. The
+    step that admits it carries drafts, so the next one must wait for its tokens (it once
+    asked only whether the grown batch drafts, and was scheduled on wrong token counts)."""
+    spec = {"ngram": sd.ngram, "self_draft": lambda **kw: sd.draft(target, **kw)}[kind](
+        disable_by_batch_size=2)
+    eng = sd.engine(target, spec, num_blocks=256, async_scheduling=True)
+    n = 24
+    try:
+        reqs = [eng.add_request(f"q{i}", list(prompts[i]), sd.greedy(n)) for i in range(2)]
+        for _ in range(3):
+            eng.step()
+        assert eng.stats().spec_decode.num_drafts > 0  # the two draft when the third comes
+        reqs.append(eng.add_request("q2", list(prompts[2]), sd.greedy(n)))
+        while eng.has_unfinished_requests():
+            eng.step()
+    finally:
+        eng.close()
+    assert [list(r.output_token_ids) for r in reqs] == [ref[:n] for ref in reference[:3]]
+
+
 def test_tensor_parallel_with_the_draft_unsharded_on_rank_0(target, prompts, reference) -> None:
     eng = sd.engine(target, sd.draft(target), num_blocks=256, tensor_parallel_size=2)
     try:

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.protocol import engine_api
 from services.protocol.sampling_params import SamplingParams
 from tests.support import spec_decode as sd
-from tests.support.services import ServiceProcess
+from tests.support.services import ServiceProcess, internal_headers
 
 PROMPT = [5, 9, 13, 5, 9, 13, 5, 9, 13, 5]
 
@@ -23,8 +23,8 @@ async def _tokens_frames(url: str, rid: str) -> list[engine_api.TokensFrame]:
     body = engine_api.GenerateRequest(rid, PROMPT, SamplingParams(
         max_tokens=24, temperature=0, ignore_eos=True)).to_msgpack()
     frames, dec = [], engine_api.FrameDecoder()
-    async with aiohttp.ClientSession() as s, s.post(url + engine_api.GENERATE_PATH,
-                                                    data=body) as r:
+    async with aiohttp.ClientSession(headers=internal_headers()) as s, s.post(
+            url + engine_api.GENERATE_PATH, data=body) as r:
         assert r.status == 200, await r.text()
         async for chunk in r.content.iter_any():
             frames.extend(dec.feed(chunk))

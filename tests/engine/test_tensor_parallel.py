@@ -33,7 +33,7 @@ from services.engine.models.loader import load_model
 from services.engine.parallel.group import TPGroup, building
 from services.engine.parallel.step_broadcast import StepBatch, decode, encode
 from services.protocol import engine_api
-from tests.support.services import REPO, ServiceProcess
+from tests.support.services import REPO, ServiceProcess, internal_headers
 
 ATOL = 1e-5
 
@@ -286,7 +286,8 @@ def _alive(pid: int) -> bool:
 def _generate(url: str) -> list[int]:
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     body = engine_api.GenerateRequest("tp-1", [5, 6, 7, 8], params, None).to_msgpack()
-    with urllib.request.urlopen(url + engine_api.GENERATE_PATH, body, timeout=30) as r:
+    req = urllib.request.Request(url + engine_api.GENERATE_PATH, body, internal_headers())
+    with urllib.request.urlopen(req, timeout=30) as r:
         frames = engine_api.FrameDecoder().feed(r.read())
     return [t for f in frames if isinstance(f, engine_api.TokensFrame) for t in f.token_ids]
 

@@ -7,6 +7,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 
+from tests.support.services import internal_headers
 from tests.support.stack import scrape
 
 
@@ -23,7 +24,8 @@ def router_engine_idle(router_url: str, engine_id: str) -> bool:
 
 
 def _router_view(router_url: str) -> dict:
-    with urllib.request.urlopen(router_url + "/engines", timeout=5) as resp:
+    req = urllib.request.Request(router_url + "/engines", headers=internal_headers())
+    with urllib.request.urlopen(req, timeout=5) as resp:
         return json.loads(resp.read())
 
 

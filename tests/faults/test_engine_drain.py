@@ -20,6 +20,7 @@ from services.protocol.engine_api import (
 from services.protocol.sampling_params import SamplingParams
 from tests.faults.helpers import router_engines, wait_for
 from tests.faults.load import LoadResult, run_load, word_prompt
+from tests.support.services import internal_headers
 from tests.support.stack import PagodaStack
 
 DRAIN_S = 4.0
@@ -47,7 +48,7 @@ def test_engine_sigterm_drains_under_load(fast_model_dir: Path) -> None:
                                   SamplingParams(max_tokens=max_tokens, ignore_eos=True))
             dec, frames = FrameDecoder(), []
             try:
-                async with aiohttp.ClientSession() as s, s.post(
+                async with aiohttp.ClientSession(headers=internal_headers()) as s, s.post(
                         stack.engines[0].url + GENERATE_PATH, data=req.to_msgpack()) as r:
                     async for chunk in r.content.iter_any():
                         frames.extend(dec.feed(chunk))

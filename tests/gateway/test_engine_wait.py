@@ -1,6 +1,7 @@
 """A model with no ready engine (scale from zero): the gateway holds its requests, bounded in
-count (then 429) and in seconds (then 503), both with Retry-After and OpenAI's error body, and
-serves the held ones as soon as an engine is there."""
+count and in held body bytes per model and per tenant (then 429) and in seconds (then 503), all
+with Retry-After and OpenAI's error body, and serves the held ones as soon as an engine is
+there."""
 
 from __future__ import annotations
 
@@ -19,10 +20,12 @@ pytestmark = pytest.mark.asyncio
 BODY = {"model": MODEL, "prompt": "hello there", "max_tokens": 4}
 
 
-async def post(stack: Stack, body: dict = BODY) -> tuple[int, dict, dict[str, str]]:
+async def post(stack: Stack, body: dict = BODY,
+               key: str | None = None) -> tuple[int, dict, dict[str, str]]:
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
     async with (
         aiohttp.ClientSession() as s,
-        s.post(f"{stack.url}/v1/completions", json=body) as resp,
+        s.post(f"{stack.url}/v1/completions", json=body, headers=headers) as resp,
     ):
         return resp.status, await resp.json(), dict(resp.headers)
 
@@ -96,3 +99,34 @@ async def test_a_client_that_hangs_up_while_held_leaves_the_count(
     await asyncio.wait_for(held(stack, 1), 5)
     task.cancel()
     await asyncio.wait_for(held(stack, 0), 5)
+
+
+KEY_A, KEY_B = "sk-tenant-a-0123456789", "sk-tenant-b-0123456789"
+BIG = {**BODY, "user": "x" * 10_000}  # about 10 KB held while it waits
+
+
+async def test_held_bytes_are_bounded_per_model_and_per_tenant(make_stack: StackFactory) -> None:
+    """A tenant past its bytes gets 429 while another still queues; past the model's bytes,
+    every tenant's big request gets 429 while a small one still fits."""
+    stack = await make_stack(engines=[], engine_wait_timeout=10.0, api_keys=(KEY_A, KEY_B),
+                             engine_wait_max_bytes=35_000, engine_wait_max_tenant_bytes=25_000)
+    wait = stack.app_state.upstreams.engine_wait
+    tasks = [asyncio.create_task(post(stack, BIG, KEY_A)) for _ in range(2)]
+    await asyncio.wait_for(held(stack, 2), 5)
+    assert 20_000 < wait.held_bytes(MODEL) < 21_000
+    status, body, headers = await post(stack, BIG, KEY_A)  # A's third: past A's 25 KB
+    assert status == 429 and headers["Retry-After"] == str(RETRY_AFTER_S)
+    assert body["error"]["code"] == "no_engine_available"
+    assert "25000 bytes of this API key's requests" in body["error"]["message"]
+    assert KEY_A not in body["error"]["message"]
+    tasks.append(asyncio.create_task(post(stack, BIG, KEY_B)))  # B still queues
+    await asyncio.wait_for(held(stack, 3), 5)
+    status, body, _ = await post(stack, BIG, KEY_B)  # B's second: past the model's 35 KB
+    assert status == 429 and "35000 bytes of requests" in body["error"]["message"]
+    tasks.append(asyncio.create_task(post(stack, BODY, KEY_B)))  # a small one still fits
+    await asyncio.wait_for(held(stack, 4), 5)
+    await add_engine(stack, "late")
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    assert [r[0] for r in results] == [200] * 4
+    assert wait.held(MODEL) == 0 and wait.held_bytes(MODEL) == 0
+    assert not wait._tenant_bytes  # nothing stays behind for a tenant seen once

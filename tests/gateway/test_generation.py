@@ -4,7 +4,10 @@ routing by model."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import re
+import time
 
 import aiohttp
 import pytest
@@ -320,3 +323,37 @@ async def _wait(event, timeout: float = 5.0) -> None:
     import asyncio
 
     await asyncio.wait_for(event.wait(), timeout)
+
+
+# A token id past any vocabulary: the detokenizer raises (OverflowError) on it. An engine that
+# sends one is buggy; the client must get an error at once, not wait out the request timeout.
+UNDECODABLE = 2**32
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_output_the_gateway_cannot_decode_is_an_error_at_once(
+    stack: Stack, stream: bool
+) -> None:
+    ids = stack.tokenizer.encode("word " * 50, add_special_tokens=False)
+    engine = stack.engines["e1"]
+    engine.behaviour.script = ids[:3] + [UNDECODABLE] + ids[3:]
+    engine.behaviour.delay = 0.02  # the engine is still streaming when the gateway gives up
+    body = {"model": MODEL, "prompt": "x", "stream": stream, "max_tokens": 40}
+    start = time.monotonic()
+    timeout = aiohttp.ClientTimeout(total=10)  # once: it waited for the request timeout
+    async with aiohttp.ClientSession(timeout=timeout) as s, s.post(
+            f"{stack.url}/v1/completions", json=body) as resp:
+        raw = await resp.read()
+    assert time.monotonic() - start < 5
+    if stream:  # the text decoded so far, then an error event
+        assert resp.status == 200
+        events = [e.removeprefix("data: ") for e in raw.decode().split("\n\n") if e]
+        assert events[-1] == "[DONE]"
+        err = json.loads(events[-2])["error"]
+        assert err["type"] == "server_error" and "decoding" in err["message"]
+        assert any(json.loads(e).get("choices") for e in events[:-2])
+    else:
+        assert resp.status == 500
+        assert "decoding the engine's output" in json.loads(raw)["error"]["message"]
+    await asyncio.wait_for(engine.abort_seen.wait(), 5)  # the engine request was aborted
+    assert not engine.finished

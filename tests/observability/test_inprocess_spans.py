@@ -34,6 +34,7 @@ from tests.gateway.fakes import EngineEntry, FakeEngine, FakeRouter, dead_url, s
 from tests.observability.conftest import global_tracer_provider
 from tests.router.util import MODEL as ROUTER_MODEL
 from tests.router.util import chain, heartbeat, router_client, stored
+from tests.support.services import internal_headers
 
 pytestmark = pytest.mark.asyncio
 
@@ -329,7 +330,7 @@ async def tiny_engine(memory_spans: Any, tiny_model_dir: Any) -> AsyncIterator[T
     model = tiny_model_dir("LlamaForCausalLM")
     config = EngineConfig(model=str(model), served_model_name="tiny", block_size=4, num_blocks=8)
     app = create_engine_app(config, ServerConfig(engine_id="e-tiny"))
-    async with TestClient(TestServer(app)) as client:
+    async with TestClient(TestServer(app), headers=internal_headers()) as client:
         for _ in range(600):
             r = await client.get("/health")
             if r.status == 200:

@@ -16,6 +16,7 @@ from services.common.redis_index import KVIndexPublisher, connect
 from services.protocol.messages import RouteRequest, RouteResponse
 from tests.router.util import MODEL, chain, heartbeat, stored
 from tests.support.redis_server import free_port
+from tests.support.services import internal_headers
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -57,7 +58,8 @@ async def test_router_process_routes_and_stops_on_sigterm(redis_url: str) -> Non
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5),
+                                         headers=internal_headers()) as http:
             await _wait_healthy(http, base, proc)
             body = RouteRequest(MODEL, prompt, 65, request_id="r1").to_msgpack()
             async with http.post(f"{base}/route", data=body) as resp:

@@ -38,7 +38,7 @@ from tests.support.msgpack_fuzz import (
     report,
 )
 from tests.support.redis_server import RedisServer
-from tests.support.services import ServiceProcess
+from tests.support.services import ServiceProcess, internal_headers
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +68,7 @@ async def _publish(url: str) -> None:
 @pytest.fixture(scope="module")
 def http() -> Iterator[requests.Session]:
     with requests.Session() as session:
+        session.headers.update(internal_headers())
         yield session
 
 

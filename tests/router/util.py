@@ -14,6 +14,7 @@ from services.protocol.kv_events import KVEvent, KVEventKind
 from services.protocol.messages import EngineHeartbeat, RouteRequest, RouteResponse
 from services.router.config import RouterConfig
 from services.router.server import MSGPACK, create_app
+from tests.support.services import internal_headers
 
 MODEL = "test-model"
 BLOCK_SIZE = 16
@@ -59,9 +60,10 @@ def removed(hashes: list[BlockHash]) -> KVEvent:
 
 @asynccontextmanager
 async def router_client(**overrides: Any) -> AsyncIterator[TestClient]:
-    """An in-process router app on a loopback port, with its cleanup_ctx run."""
+    """An in-process router app on a loopback port, with its cleanup_ctx run; the client
+    sends the internal credential."""
     config = RouterConfig(**{"host": "127.0.0.1", "port": 0, **overrides})
-    async with TestClient(TestServer(create_app(config))) as client:
+    async with TestClient(TestServer(create_app(config)), headers=internal_headers()) as client:
         yield client
 
 

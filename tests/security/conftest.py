@@ -21,6 +21,7 @@ import pytest
 from services.protocol.block_hash import BlockHash
 from services.protocol.messages import RouteRequest, RouteResponse
 from tests.support.redis_server import RedisServer
+from tests.support.services import internal_headers
 from tests.support.stack import PagodaStack, StackOptions, scrape
 
 KEY_A = "sk-tenant-a-7Qx2Lr9Vb4Nd1Hs6"
@@ -143,7 +144,8 @@ def route(
     payload = RouteRequest(stack.model, block_hashes, prompt_len).to_msgpack()
     url = router_url or stack.routers[0].url
     req = urllib.request.Request(
-        f"{url}/route", data=payload, method="POST", headers={"Content-Type": "application/msgpack"}
+        f"{url}/route", data=payload, method="POST",
+        headers={"Content-Type": "application/msgpack", **internal_headers()},
     )
     with urllib.request.urlopen(req, timeout=10) as resp:
         return RouteResponse.from_msgpack(resp.read())
@@ -151,7 +153,7 @@ def route(
 
 def router_engines(router_url: str) -> dict[str, Any]:
     """A router's ``GET /engines``: one row per engine whose heartbeat it read from Redis."""
-    r = http("GET", f"{router_url}/engines")
+    r = http("GET", f"{router_url}/engines", headers=internal_headers())
     assert r.status == 200, r.body
     return r.body
 

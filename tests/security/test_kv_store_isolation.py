@@ -7,6 +7,7 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
+from services.engine.kv_offload.secret import SECRET_ENV
 from tests.security.conftest import (
     KEY_A,
     KEY_B,
@@ -26,7 +27,8 @@ def test_a_tenants_blocks_in_the_store_serve_it_and_never_another(fast_model_dir
     with RedisServer(password="kv-secret") as store:
         stack = start_stack(
             fast_model_dir, engines=1, num_blocks=24, gateway_args=["--api-key", KEY_A],
-            env={"PAGODA_API_KEYS": KEY_B, "KV_STORE_PASSWORD": "kv-secret"},
+            env={"PAGODA_API_KEYS": KEY_B, "KV_STORE_PASSWORD": "kv-secret",
+                 SECRET_ENV: "the-deployment-kv-mac-key-0123"},
             engine_args=[["--kv-store-url", f"redis://127.0.0.1:{store.port}/0"]])
         try:
             wait_until_served(stack, KEY_A)

@@ -9,6 +9,7 @@ compared with, token for token and logprob for logprob.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -70,3 +71,52 @@ def edit_config(adapter: Path, out: Path, **changes: Any) -> Path:
     (out / "adapter_model.safetensors").write_bytes(
         (adapter / "adapter_model.safetensors").read_bytes())
     return out
+
+
+WEIGHTS_FILE, CONFIG_FILE = "adapter_model.safetensors", "adapter_config.json"
+# Each hostile adapter under ``hostile_root``'s root, and words of the 400 it must get.
+HOSTILE = {"fifo": "not a regular file", "zero": "symbolic link", "absurd": str(2**60),
+           "ints": "floating point", "escape": "symbolic link", "../outside/secret": "'..'",
+           "ok/../ok": "'..'", "missing": "does not exist"}
+
+
+def hostile_root(good: Path, base: Path) -> Path:
+    """``base/root`` with ``ok`` (a copy of ``good``) and each of ``HOSTILE``: a symlink to
+    ``base/outside/secret`` (a valid adapter) and ``add_hostile_files``'s."""
+    import shutil
+
+    root, outside = base / "root", base / "outside"
+    shutil.copytree(good, root / "ok")
+    shutil.copytree(good, outside / "secret")
+    (root / "escape").symlink_to(outside / "secret")
+    add_hostile_files(good, root)
+    return root
+
+
+def add_hostile_files(good: Path, root: Path) -> None:
+    """In ``root``, with ``good``'s config each: ``fifo`` (a FIFO named
+    adapter_model.safetensors), ``zero`` (/dev/zero behind a symlink), ``absurd`` (a header
+    claiming 2**60 bytes), ``ints`` (integer tensors) and ``big`` (``good``'s weights, which a
+    test grows past its cap)."""
+    import shutil
+    import struct
+
+    from safetensors.torch import load_file, save_file
+
+    for name in ("fifo", "zero", "absurd", "ints", "big"):
+        (root / name).mkdir()
+        shutil.copy(good / CONFIG_FILE, root / name / CONFIG_FILE)
+    os.mkfifo(root / "fifo" / WEIGHTS_FILE)
+    (root / "zero" / WEIGHTS_FILE).symlink_to("/dev/zero")
+    (root / "absurd" / WEIGHTS_FILE).write_bytes(struct.pack("<Q", 2**60) + b"{}")
+    ints = {k: (v * 100).to(torch.int32) for k, v in load_file(good / WEIGHTS_FILE).items()}
+    save_file(ints, root / "ints" / WEIGHTS_FILE)
+    shutil.copy(good / WEIGHTS_FILE, root / "big" / WEIGHTS_FILE)
+
+
+def release_fifo(fifo: Path) -> None:
+    """Ends a read stuck on ``fifo`` (old code's), if any: a writer that closes at once."""
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass  # no reader waits

@@ -13,9 +13,18 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
+from services.common import internal_auth
 from tests.support.redis_server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def internal_headers() -> dict[str, str]:
+    """The internal credential's header, for tests that call an engine's or a router's routes
+    directly (tests/conftest.py puts the session's token in the environment every service
+    inherits)."""
+    tokens = internal_auth.read_tokens(None, os.environ)
+    return internal_auth.InternalCredential(tokens).headers()
 
 
 class ServiceProcess:

@@ -418,3 +418,40 @@ kv-store-password
 {{- define "pagoda.kvStore.url" -}}
 {{- printf "redis://%s:%d/0" (include "pagoda.kvStore.fullname" .) (int .Values.kvStore.port) -}}
 {{- end -}}
+
+{{/* ------------------------------------------------------------------------------------
+The internal credential (internalAuth): a Secret of tokens, one per line, mounted as a file
+into the gateway, router and engine pods; each reads it with --internal-token-file.
+------------------------------------------------------------------------------------- */}}
+
+{{- define "pagoda.internalAuth.secretName" -}}
+{{- .Values.internalAuth.existingSecret | default (printf "%s-internal-auth" (include "pagoda.fullname" .)) -}}
+{{- end -}}
+
+{{- define "pagoda.internalAuth.mountPath" -}}/etc/pagoda/internal-auth{{- end -}}
+
+{{- define "pagoda.internalAuth.arg" -}}
+- --internal-token-file={{ include "pagoda.internalAuth.mountPath" . }}/{{ .Values.internalAuth.secretKey }}
+{{- end -}}
+
+{{- define "pagoda.internalAuth.volumeMount" -}}
+- name: internal-auth
+  mountPath: {{ include "pagoda.internalAuth.mountPath" . }}
+  readOnly: true
+{{- end -}}
+
+{{- define "pagoda.internalAuth.volume" -}}
+- name: internal-auth
+  secret:
+    secretName: {{ include "pagoda.internalAuth.secretName" . }}
+    items:
+      - key: {{ .Values.internalAuth.secretKey }}
+        path: {{ .Values.internalAuth.secretKey }}
+{{- end -}}
+
+{{/* Every NetworkPolicy's extra ingress rules (networkPolicy.extraIngress: a mesh). */}}
+{{- define "pagoda.networkPolicy.extraIngress" -}}
+{{- with .Values.networkPolicy.extraIngress }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}

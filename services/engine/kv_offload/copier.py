@@ -7,6 +7,11 @@ step touch disjoint memory, and the step never waits for a copy.
 
 On CUDA the copies run on a side stream, into and out of pinned host memory, and a job is
 reported done only after its stream synchronized.
+
+``close`` returns only once the thread has ended: the runner's caches and the host store are
+freed after it, so a copy must never still be writing into them. Closing tells the thread to
+skip the jobs still queued and the scatter of a load whose store call was in flight, so the
+wait is at most one store call (its socket timeout) and one block run's copy.
 """
 
 from __future__ import annotations
@@ -20,10 +25,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.engine.kv_offload.remote_store import RemoteKVStore, decode_block, encode_block
+from services.engine.kv_offload.remote_store import RemoteKVStore
 from services.protocol.block_hash import BlockHash
 
 logger = logging.getLogger(__name__)
+
+_CLOSE_LOG_EVERY_S = 5.0
 
 
 @dataclass(slots=True)
@@ -78,6 +85,7 @@ class KVCopier:
         self.payload_bytes = int(torch.Size(self.block_shape).numel()) * first.element_size()
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kv-copier", daemon=True)
         self._thread.start()
 
@@ -85,8 +93,15 @@ class KVCopier:
         self._jobs.put(job)
 
     def close(self) -> None:
+        """Returns once the copy thread has ended (see the module docstring): never while a
+        copy could still write into the caches."""
+        self._stopping.set()
         self._jobs.put(_Stop())
-        self._thread.join(timeout=5.0)
+        while True:
+            self._thread.join(timeout=_CLOSE_LOG_EVERY_S)
+            if not self._thread.is_alive():
+                return
+            logger.warning("waiting for a KV copy to end before its memory is freed")
 
     # -- the thread ---------------------------------------------------------------------------
 
@@ -96,6 +111,8 @@ class KVCopier:
             job = self._jobs.get()
             if isinstance(job, _Stop):
                 return
+            if self._stopping.is_set():
+                continue  # closing: nobody waits for it, and its memory is about to go
             try:
                 with torch.inference_mode(), self._on_stream():
                     result = self._save(job) if isinstance(job, SaveJob) else self._load(job)
@@ -140,7 +157,8 @@ class KVCopier:
             for j, wanted in enumerate(job.upload):
                 if wanted:
                     payload = blocks[j].contiguous().view(torch.uint8).numpy().tobytes()
-                    self.remote.put(job.hashes[j], encode_block(job.token_ids[j], payload))
+                    self.remote.put(job.hashes[j],
+                                    self.remote.encode(job.hashes[j], job.token_ids[j], payload))
         return SaveDone(job)
 
     def _load(self, job: LoadJob) -> LoadDone:
@@ -154,18 +172,18 @@ class KVCopier:
         values = self.remote.get_many(job.remote_hashes)
         payloads: list[bytes] = []
         corrupt = 0
-        for value, tokens in zip(values, job.remote_tokens, strict=True):
+        for h, value, tokens in zip(job.remote_hashes, values, job.remote_tokens, strict=True):
             if value is None:
                 break
-            payload = decode_block(value, tokens, self.payload_bytes)
-            if payload is None:  # a bad block is a miss: recomputed, never used
+            payload = self.remote.decode(h, value, tokens, self.payload_bytes)
+            if payload is None:  # a bad or foreign block is a miss: recomputed, never used
                 corrupt += 1
                 break
             payloads.append(payload)
-        remote = self.remote.stats
-        remote.hits += len(payloads)
-        remote.misses += len(values) - len(payloads) - corrupt
-        remote.corrupt += corrupt
+        self.remote.count(hits=len(payloads), misses=len(values) - len(payloads) - corrupt,
+                          corrupt=corrupt)
+        if self._stopping.is_set():  # the store call outlasted close(): write nothing now
+            return LoadDone(job, n_host, 0, corrupt)
         if payloads:
             raw = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
             blocks = raw.view(self.dtype).view(len(payloads), *self.block_shape)

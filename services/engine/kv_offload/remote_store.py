@@ -3,18 +3,26 @@
 A separate instance from the routers' index, run with its own ``maxmemory`` and
 ``allkeys-lru``: the store evicts by itself and nothing here deletes. Keys::
 
-    pagoda:kvs:{namespace}:{block hash, hex}     one block: header, tokens, KV bytes
+    pagoda:kvs:{namespace}:{block hash, hex}     one block: header, MAC tag, KV bytes
     pagoda:kvs:{namespace}:seed                  the chain's base-model seed (checked on join)
 
-``namespace`` is a digest of what makes KV bytes interchangeable (model, dtype, block size,
-layers, KV heads per rank, head size, tensor-parallel size, hash algorithm), so engines that
-cannot share never read each other's blocks. The block hash carries the tenant salt and the
-adapter (the chain's seed), so no tenant or adapter reads another's blocks; the value also
-holds the block's tokens, compared on load (a hash collision never serves wrong KV), and an
-xxh3-64 checksum over tokens and bytes: a block that fails it is a miss (recomputed).
+``namespace`` is a digest of what makes KV bytes interchangeable (model, a digest of its
+weights, dtype, block size, layers, KV heads per rank, head size, tensor-parallel size, hash
+algorithm), so engines that cannot share, two weight versions under one name included, never
+read each other's blocks. The block hash carries the tenant salt and the adapter (the chain's
+seed), so no tenant or adapter reads another's blocks. Values are authenticated with the
+deployment's secret (``block_value``: a keyed MAC over the key, the block's tokens and its
+bytes): a value anything without the secret wrote, or one that is not exactly this block, is a
+miss (recomputed), never used.
 
 Loads are one MGET for a run of blocks. Writes go through a bounded queue to a thread of their
-own, pipelined; a full queue drops the write (the block is only not shared).
+own, pipelined; a full queue drops the write (the block is only not shared). The writer thread
+outlives any error of a batch (the batch is dropped and counted), and ``close`` returns within
+``_CLOSE_WAIT_S`` whatever the writer or the queue are doing.
+
+Threads: the engine thread (start, ``available``), the copy thread (loads, ``put``) and the
+writer all count into ``stats`` and mark outages; one lock guards those (never held over a call
+to the store). ``stats`` is a copy.
 
 Faults: every call has a short socket timeout. A failed call is a miss (or a dropped write),
 counted in ``errors``, logged once per outage, and the store is left alone for
@@ -25,30 +33,33 @@ the same outage: the engine starts without it and uses it once it answers.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
 import os
 import queue
-import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import redis
-import xxhash
 
 from services.common.redis_index import redact_url
+from services.engine.kv_offload.block_value import BlockCodec
 from services.protocol.block_hash import BlockHash
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 PASSWORD_ENV = "KV_STORE_PASSWORD"
-_MAGIC = b"PKV1"
-_HEADER = struct.Struct("<4sQI")  # magic, checksum, number of tokens
 _RETRY_AFTER_S = 2.0
 _MAX_QUEUED_WRITES = 1024
+_MAX_BATCH = 64
+_CLOSE_WAIT_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +67,7 @@ class StoreLayout:
     """What must match for two engines to share KV bytes."""
 
     model: str
+    weights: str  # weights_digest: two weight versions under one name never share
     dtype: str
     block_size: int
     num_layers: int
@@ -65,48 +77,34 @@ class StoreLayout:
     hash_algorithm: str
 
     def namespace(self) -> str:
-        text = json.dumps([self.model, self.dtype, self.block_size, self.num_layers,
-                           self.num_kv_heads, self.head_dim, self.tensor_parallel_size,
-                           self.hash_algorithm])
+        text = json.dumps([self.model, self.weights, self.dtype, self.block_size,
+                           self.num_layers, self.num_kv_heads, self.head_dim,
+                           self.tensor_parallel_size, self.hash_algorithm])
         return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def encode_block(token_ids: Sequence[int], payload: bytes) -> bytes:
-    tokens = struct.pack(f"<{len(token_ids)}I", *token_ids)
-    checksum = xxhash.xxh3_64_intdigest(tokens + payload)
-    return _HEADER.pack(_MAGIC, checksum, len(token_ids)) + tokens + payload
-
-
-def decode_block(value: bytes, token_ids: Sequence[int], payload_bytes: int) -> bytes | None:
-    """The block's KV bytes, or None if ``value`` is not exactly this block intact."""
-    n = len(token_ids)
-    if len(value) != _HEADER.size + 4 * n + payload_bytes:
-        return None
-    magic, checksum, count = _HEADER.unpack_from(value)
-    body = memoryview(value)[_HEADER.size:]
-    if magic != _MAGIC or count != n or xxhash.xxh3_64_intdigest(body) != checksum:
-        return None
-    if struct.unpack_from(f"<{n}I", value, _HEADER.size) != tuple(token_ids):
-        return None
-    return bytes(body[4 * n:])
 
 
 @dataclass(slots=True)
 class StoreStats:
     hits: int = 0  # blocks loaded
     misses: int = 0  # blocks asked for and not there
-    corrupt: int = 0  # blocks that failed their checksum (recomputed)
+    corrupt: int = 0  # blocks that failed their MAC (foreign, damaged or not this block)
     errors: int = 0  # failed calls (store down or slow)
     writes: int = 0  # blocks written
-    dropped_writes: int = 0  # writes not sent (queue full, or the store down)
+    dropped_writes: int = 0  # writes not sent (queue full, the store down, or closing)
+
+
+_Write = tuple[BlockHash, bytes]
 
 
 class RemoteKVStore:
-    """One engine's client of the shared store (thread-safe: redis-py's pool)."""
+    """One engine's client of the shared store (thread-safe: redis-py's pool, and ``_lock``
+    for the counters and the outage state)."""
 
-    def __init__(self, url: str, layout: StoreLayout, seed: bytes, timeout_s: float) -> None:
+    def __init__(self, url: str, layout: StoreLayout, seed: bytes, timeout_s: float,
+                 codec: BlockCodec) -> None:
         self.url = url
         self.prefix = f"pagoda:kvs:{layout.namespace()}:"
+        self.codec = codec
         self._seed = seed.hex()
         # A password in the URL wins; else $KV_STORE_PASSWORD (the chart's Secret), so it never
         # shows in a manifest or in the process's arguments.
@@ -114,17 +112,19 @@ class RemoteKVStore:
                                             socket_timeout=timeout_s,
                                             socket_connect_timeout=timeout_s,
                                             retry_on_timeout=False)
-        self.stats = StoreStats()
+        self._lock = threading.Lock()  # _stats, _down_until, _failing
+        self._stats = StoreStats()
         self._down_until = 0.0
         self._failing = False
+        self._join_lock = threading.Lock()  # one seed check at a time
         self._seed_checked = False
+        self._closed = False
         self.disabled: str | None = None  # set for good when the seed check fails
-        self._writes: queue.Queue[tuple[BlockHash, bytes] | None] = queue.Queue(
-            _MAX_QUEUED_WRITES)
+        self._writes: queue.Queue[_Write | None] = queue.Queue(_MAX_QUEUED_WRITES)
         self._writer = threading.Thread(target=self._write_loop, name="kv-store-writer",
                                         daemon=True)
         self._writer.start()
-        if self._call(self._join) is None and self.disabled is None:
+        if not self._joined() and self.disabled is None:
             logger.warning("KV store %s does not answer: starting without it; it is used "
                            "once it answers", redact_url(url))
 
@@ -132,8 +132,28 @@ class RemoteKVStore:
     def available(self) -> bool:
         return self.disabled is None and time.monotonic() >= self._down_until
 
+    @property
+    def stats(self) -> StoreStats:
+        """A copy of the counters."""
+        with self._lock:
+            return dataclasses.replace(self._stats)
+
+    def count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, n in deltas.items():
+                setattr(self._stats, name, getattr(self._stats, name) + n)
+
     def key(self, block_hash: BlockHash) -> str:
         return self.prefix + block_hash.hex()
+
+    def encode(self, block_hash: BlockHash, token_ids: Sequence[int], payload: bytes) -> bytes:
+        return self.codec.encode(self.key(block_hash).encode(), token_ids, payload)
+
+    def decode(self, block_hash: BlockHash, value: bytes, token_ids: Sequence[int],
+               payload_bytes: int) -> bytes | None:
+        """The KV bytes of ``value`` if it is this block as an engine with the secret wrote it
+        under this key; else None (a miss)."""
+        return self.codec.decode(self.key(block_hash).encode(), value, token_ids, payload_bytes)
 
     def get_many(self, hashes: Sequence[BlockHash]) -> list[bytes | None]:
         """The stored values of ``hashes`` in one round trip; all None when the store is
@@ -144,26 +164,58 @@ class RemoteKVStore:
         return [None] * len(hashes) if values is None else values
 
     def put(self, block_hash: BlockHash, value: bytes) -> None:
-        """Queues a write (never blocks: dropped when the queue is full)."""
-        if not self.available:
-            self.stats.dropped_writes += 1
+        """Queues a write (never blocks: dropped when the queue is full, or when closing)."""
+        if self._closed or not self.available:
+            self.count(dropped_writes=1)
             return
         try:
             self._writes.put_nowait((block_hash, value))
         except queue.Full:
-            self.stats.dropped_writes += 1
+            self.count(dropped_writes=1)
+
+    @property
+    def pending_writes(self) -> int:
+        """Writes queued or being sent."""
+        return self._writes.unfinished_tasks
 
     def close(self) -> None:
-        self._writes.put(None)
-        self._writer.join(timeout=2.0)
+        """Stops the writer within ``_CLOSE_WAIT_S``: what it has not sent by then is dropped.
+        Never blocks on a full queue (a writer stuck on a slow store leaves it full)."""
+        self._closed = True  # put() drops from now on
+        while True:
+            try:
+                self._writes.put_nowait(None)
+                break
+            except queue.Full:  # make room: the queued writes are dropped, not waited for
+                self._drop_queued()
+        self._writer.join(timeout=_CLOSE_WAIT_S)
+        if self._writer.is_alive():
+            logger.warning("KV store writer still busy after %.0fs; closing under it",
+                           _CLOSE_WAIT_S)
         self._client.close()
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _join(self) -> bool:
-        """Checks (once) that the store's engines hash with this engine's seed."""
+    def _drop_queued(self) -> None:
+        dropped = 0
+        while True:
+            try:
+                item = self._writes.get_nowait()
+            except queue.Empty:
+                break
+            self._writes.task_done()
+            dropped += item is not None
+        self.count(dropped_writes=dropped)
+
+    def _joined(self) -> bool:
+        """Whether the seed check passed (tried once per call until it did)."""
         if self._seed_checked:
             return True
+        with self._join_lock:
+            return self._seed_checked or self._guarded(self._join) is True
+
+    def _join(self) -> bool:
+        """Checks that the store's engines hash with this engine's seed."""
         key = self.prefix + "seed"
         self._client.set(key, self._seed, nx=True)
         theirs = self._client.get(key)
@@ -175,55 +227,65 @@ class RemoteKVStore:
         self._seed_checked = True
         return True
 
-    def _call(self, fn):  # noqa: ANN001, ANN202 - any redis call
-        if not self._seed_checked and fn != self._join:
-            if self._call(self._join) is not True:
-                return None
+    def _call(self, fn: Callable[[], T]) -> T | None:
+        """``fn()``'s result once the seed check passed; None when it or the store failed."""
+        if not self._joined():
+            return None
+        return self._guarded(fn)
+
+    def _guarded(self, fn: Callable[[], T]) -> T | None:
         try:
             result = fn()
         except (redis.RedisError, OSError) as exc:
-            self.stats.errors += 1
-            self._down_until = time.monotonic() + _RETRY_AFTER_S
-            if not self._failing:
+            with self._lock:
+                self._stats.errors += 1
+                self._down_until = time.monotonic() + _RETRY_AFTER_S
+                was_failing, self._failing = self._failing, True
+            if not was_failing:
                 logger.warning("KV store %s failed (%s): recomputing until it answers",
                                redact_url(self.url), exc)
-            self._failing = True
             return None
-        if self._failing:
+        with self._lock:
+            was_failing, self._failing = self._failing, False
+        if was_failing:
             logger.info("KV store %s answers again", redact_url(self.url))
-        self._failing = False
         return result
 
     def _write_loop(self) -> None:
         while True:
-            item = self._writes.get()
-            if item is None:
-                return
-            batch = [item]
-            stop = False
-            while len(batch) < 64:
-                try:
-                    nxt = self._writes.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    stop = True
-                    break
-                batch.append(nxt)
-            self._flush(batch)
-            for _ in batch:
-                self._writes.task_done()
+            batch, stop = self._next_batch()
+            try:
+                if batch:
+                    self._flush(batch)
+            except Exception:  # a bug in one batch must not end the thread: drop it, go on
+                logger.exception("KV store writer: dropped a batch of %d blocks", len(batch))
+                self.count(dropped_writes=len(batch))
+            finally:
+                for _ in range(len(batch) + stop):
+                    self._writes.task_done()
             if stop:
                 return
 
-    @property
-    def pending_writes(self) -> int:
-        """Writes queued or being sent."""
-        return self._writes.unfinished_tasks
+    def _next_batch(self) -> tuple[list[_Write], bool]:
+        """Up to ``_MAX_BATCH`` queued writes (waiting for the first), and whether the stop
+        sentinel came after them."""
+        item = self._writes.get()
+        if item is None:
+            return [], True
+        batch = [item]
+        while len(batch) < _MAX_BATCH:
+            try:
+                item = self._writes.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                return batch, True
+            batch.append(item)
+        return batch, False
 
-    def _flush(self, batch: list[tuple[BlockHash, bytes]]) -> None:
+    def _flush(self, batch: list[_Write]) -> None:
         if not self.available:
-            self.stats.dropped_writes += len(batch)
+            self.count(dropped_writes=len(batch))
             return
 
         def send() -> bool:
@@ -234,6 +296,6 @@ class RemoteKVStore:
             return True
 
         if self._call(send):
-            self.stats.writes += len(batch)
+            self.count(writes=len(batch))
         else:
-            self.stats.dropped_writes += len(batch)
+            self.count(dropped_writes=len(batch))

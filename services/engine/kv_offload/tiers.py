@@ -13,9 +13,12 @@ from typing import Any, Protocol
 
 import torch
 
+from services.engine.kv_offload.block_value import BlockCodec
 from services.engine.kv_offload.copier import KVCopier, LoadDone, LoadJob, SaveDone, SaveJob
 from services.engine.kv_offload.host_store import HostBlockStore
 from services.engine.kv_offload.remote_store import RemoteKVStore, StoreLayout, StoreStats
+from services.engine.kv_offload.secret import load_store_secret
+from services.engine.kv_offload.weights_digest import weights_digest
 from services.protocol.block_hash import BlockHash
 from services.protocol.kv_events import KVEvent, KVEventKind, Medium
 
@@ -89,7 +92,10 @@ class _Load:
 
 class KVTiers:
     def __init__(self, config, runner, block_manager: BlockManager, model_name: str,
-                 seed: bytes, record_events: bool = False) -> None:  # noqa: ANN001
+                 seed: bytes, record_events: bool = False,
+                 model_path: str | None = None) -> None:  # noqa: ANN001
+        """``model_path``: the weights' directory (needed with the shared store: its digest is
+        in the store's namespace)."""
         assert config.tensor_parallel_size == 1 and runner.draft is None  # EngineConfig
         self.bm = block_manager
         self.block_size = bs = block_manager.block_size
@@ -104,11 +110,13 @@ class KVTiers:
                 k0.dtype, bs, pin_memory=k0.device.type == "cuda", record_events=record_events)
         self.remote: RemoteKVStore | None = None
         if config.kv_store_url is not None:
-            layout = StoreLayout(model_name, str(k0.dtype), bs, len(caches), k0.shape[2],
-                                 k0.shape[3], config.tensor_parallel_size,
-                                 str(config.hash_algorithm))
+            assert model_path is not None
+            codec = BlockCodec(load_store_secret(config.kv_store_secret_file))
+            layout = StoreLayout(model_name, weights_digest(model_path), str(k0.dtype), bs,
+                                 len(caches), k0.shape[2], k0.shape[3],
+                                 config.tensor_parallel_size, str(config.hash_algorithm))
             self.remote = RemoteKVStore(config.kv_store_url, layout, seed,
-                                        config.kv_store_timeout_s)
+                                        config.kv_store_timeout_s, codec)
         self.copier = KVCopier(caches, None if self.host is None else self.host.data,
                                self.remote, self.block_shape)
         self.stats = KVTierStats(host_capacity=0 if self.host is None else self.host.num_slots)
@@ -273,8 +281,7 @@ class KVTiers:
             s.host_blocks = self.host.num_ready
             s.host_evictions = self.host.num_evictions
         if self.remote is not None:
-            s.store = StoreStats(**{k: getattr(self.remote.stats, k)
-                                    for k in self.remote.stats.__slots__})
+            s.store = self.remote.stats  # a copy
             s.store_available = self.remote.available
         return KVTierStats(**{k: getattr(s, k) for k in s.__slots__})
 

@@ -23,16 +23,17 @@ segments instead.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from services.engine.lora import step as lora_step
-from services.engine.lora.peft import AdapterWeights, read_adapter
+from services.engine.lora import transfer
+from services.engine.lora.peft import AdapterWeights
 from services.engine.lora.step import DENSE, PADDED, SEGMENTS, LoRAState, LoRAStep
 from services.engine.lora.targets import LoRATargets
 from services.engine.models.layers import CausalLM, Linear
+from services.engine.parallel.group import TPGroup
 
 # The Triton shrink/expand kernels have run only under TRITON_INTERPRET=1, never compiled on a
 # GPU: CUDA engines use the batched torch path unless this is set to 1.
@@ -147,15 +148,19 @@ class ModelLoRA:
         return lora_step.build(seq_slots, query_lens, self.num_slots, self.device,
                                self.segments)
 
-    def install(self, slot: int, weights: AdapterWeights) -> None:
-        for path, proj in self.projections.items():
-            proj.install(slot, weights.tensors.get(path))
+    def installs(self, taken: list[tuple[int, AdapterWeights]]
+                 ) -> list[tuple[int, np.ndarray, AdapterWeights]]:
+        """Rank 0: a step's copies into slots as its batch carries them (``transfer``)."""
+        paths = list(self.projections)
+        return [(slot, transfer.manifest(w, paths), w) for slot, w in taken]
 
-    def install_from(self, slot: int, path: str, version: str) -> None:
-        """A tensor-parallel worker's install: reads the adapter rank 0 validated and checks
-        it is the same version (the files must not change under a running engine)."""
-        weights = read_adapter("", Path(path), self.targets, self.max_rank, self.dtype)
-        if weights.version != version:
-            raise RuntimeError(f"adapter files at {path} changed under the engine (version "
-                               f"{weights.version}, rank 0 read {version})")
-        self.install(slot, weights)
+    def apply_installs(self, installs: list[tuple[int, np.ndarray, AdapterWeights | None]],
+                       tp: TPGroup) -> None:
+        """Every rank, before the step that first reads the slots: the copies into them (the
+        other ranks receive rank 0's validated tensors; none opens a file)."""
+        paths = list(self.projections)
+        for slot, plan, weights in installs:
+            tensors = weights.tensors if tp.size == 1 else \
+                transfer.share(tp, plan, weights, paths, self.dtype)
+            for path, proj in self.projections.items():
+                proj.install(slot, tensors.get(path))

@@ -6,20 +6,25 @@ runtime load); its weights are kept in a host-memory LRU of ``max_cpu_loras`` ad
 (requests hold their own reference, so evicting one in use frees nothing until they end; an
 evicted adapter is read again from its path when a request needs it, and gets the new digest
 if its files changed). Slots are ``slots.DeviceSlots``.
+
+``read`` touches only immutable state (the targets, the limits) and may run on any thread:
+runtime loads read on the loader thread (``commands``) and ``register`` the result on the
+engine thread; ``load`` does both at once (``--lora-modules``, the offline API, and the
+re-read of an adapter evicted from host memory).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from services.engine.lora.admission import Request
-from services.engine.lora.peft import AdapterWeights, read_adapter
+from services.engine.lora.paths import AdapterSource
+from services.engine.lora.peft import AdapterWeights, max_file_size, read_adapter
 from services.engine.lora.request import LoRARequest
 from services.engine.lora.slots import DeviceSlots
 from services.engine.lora.targets import LoRATargets
@@ -42,8 +47,7 @@ class Registered:
     origin: str
     int_id: int | None
     version: str  # of the weights last read
-    directory: Path  # where path resolved to (read again from there after an eviction)
-    confine: Callable[[Path], Path] | None  # a runtime load's: its files stay in the roots
+    source: AdapterSource  # where its files are (read again from there after an eviction)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +73,10 @@ class LoRAStats:
 
 class LoRAManager:
     def __init__(self, targets: LoRATargets, max_loras: int, max_rank: int, max_cpu_loras: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, max_file_bytes: int | None = None) -> None:
         self.targets = targets
         self.max_rank = max_rank
+        self.max_file_bytes = max_file_bytes or max_file_size(targets, max_rank)
         self.max_cpu_loras = max_cpu_loras
         self.dtype = dtype
         self.slots = DeviceSlots(max_loras)
@@ -80,21 +85,30 @@ class LoRAManager:
 
     # -- registering ------------------------------------------------------------------------
 
+    def read(self, name: str, source: AdapterSource) -> AdapterWeights:
+        """Reads and validates an adapter (any thread). Raises ``BadRequest`` naming the field
+        or module."""
+        return read_adapter(name, source, self.targets, self.max_rank, self.dtype,
+                            self.max_file_bytes)
+
     def load(self, name: str, path: str, origin: str, int_id: int | None = None,
-             confine: Callable[[Path], Path] | None = None,
-             directory: Path | None = None) -> AdapterWeights:
-        """Reads, validates and registers ``name`` (replacing what the name held). Raises
-        ``BadRequest`` naming the field or module; nothing changes then. ``directory``: where
-        ``path`` resolved to (a runtime load's, inside the roots), read instead of ``path``."""
-        weights = read_adapter(name, directory or path, self.targets, self.max_rank,
-                               self.dtype, confine)
-        weights.path = str(path)
+             source: AdapterSource | None = None) -> AdapterWeights:
+        """Reads, validates and registers ``name`` (replacing what the name held); ``source``:
+        where ``path`` resolved to (a runtime load's, inside the roots). Raises
+        ``BadRequest`` naming the field or module; nothing changes then."""
+        weights = self.read(name, source or AdapterSource.of(path))
+        return self.register(weights, origin, source or AdapterSource.of(path), int_id)
+
+    def register(self, weights: AdapterWeights, origin: str, source: AdapterSource,
+                 int_id: int | None = None) -> AdapterWeights:
+        """Registers weights ``read`` (the engine thread)."""
+        name = weights.name
         weights.int_id = int_id
         previous = self._host.get(name)
         if previous is not None and previous.version != weights.version:
             self.slots.forget(previous.key)  # its idle slot must not be found by a new request
-        self.registered[name] = Registered(name, str(path), origin, int_id, weights.version,
-                                           Path(directory or path), confine)
+        self.registered[name] = Registered(name, weights.path, origin, int_id,
+                                           weights.version, source)
         self._cache(weights)
         logger.info("adapter loaded name=%s version=%s rank=%d origin=%s bytes=%d", name,
                     weights.version, weights.rank, origin, weights.nbytes)
@@ -131,8 +145,7 @@ class LoRAManager:
             self._host.move_to_end(name)
             return weights
         # Evicted from host memory: read it again (a changed file gets a new version).
-        return self.load(name, entry.path, entry.origin, entry.int_id, entry.confine,
-                         entry.directory)
+        return self.load(name, entry.path, entry.origin, entry.int_id, entry.source)
 
     def _cache(self, weights: AdapterWeights) -> None:
         self._host[weights.name] = weights

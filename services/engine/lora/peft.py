@@ -9,11 +9,16 @@ whose ``param`` names the config field (or ``lora_path`` for the files) and whos
 the module: DoRA, ``modules_to_save``, embedding and LM-head targets, LoRA biases,
 ``fan_in_fan_out``, per-module rank or alpha patterns, any other PEFT method, a rank above the
 limit, tensors whose shapes belong to another base model, a module the model has no target
-for, an A without its B, a file that does not parse, a missing path.
+for, an A without its B, a tensor of a non-floating dtype, a file that does not parse, a
+missing path.
 
-Each file is read once into memory and parsed from those bytes (never memory-mapped: a file
-replaced later cannot change weights in use); its bytes also make the adapter's version, the
-first 16 hex digits of their SHA-256, which the block-hash chain carries.
+Each file is opened from its directory's descriptor (``paths.AdapterSource``), checked to be a
+regular file under the size cap and read once into memory with a deadline (``files``), then
+parsed from those bytes by ``parse_safetensors`` (never memory-mapped: a file replaced later
+cannot change weights in use; a header's claims are checked against the bytes before anything
+is allocated); its bytes also make the adapter's version, the first 16 hex digits of their
+SHA-256, which the block-hash chain carries. ``read_adapter`` touches nothing but the files
+and the immutable targets: the loader thread runs it.
 """
 
 from __future__ import annotations
@@ -21,21 +26,28 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
-from collections.abc import Callable
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load as load_safetensors
 
+from services.engine.lora.files import READ_DEADLINE_S, read_file
+from services.engine.lora.paths import AdapterSource
 from services.engine.lora.targets import EMBEDDING_NAMES, LoRATargets
 from services.protocol.block_hash import AdapterKey
 from services.protocol.wire import BadRequest
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+_MAX_CONFIG_BYTES = 1 << 20
+_HEADER_SLACK = 64 << 10  # the header's fixed part and __metadata__
+_HEADER_PER_TENSOR = 256  # one tensor's entry in the header (its name, dtype, shape, offsets)
+_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+           "F64": torch.float64}
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.default)?"
                   r"\.weight$")
 # Config fields whose non-empty value asks for something this engine does not do.
@@ -75,45 +87,110 @@ class AdapterWeights:
 
 def read_adapter(
     name: str,
-    path: str | Path,
+    source: AdapterSource | str | Path,
     targets: LoRATargets,
     max_rank: int,
     dtype: torch.dtype,
-    confine: Callable[[Path], Path] | None = None,
+    max_file_bytes: int | None = None,
 ) -> AdapterWeights:
-    """Reads and validates the adapter at ``path``; ``confine`` (runtime loads) maps each path
-    to its real path inside the adapter roots, or raises."""
-    directory = Path(path)
-    if confine is not None:
-        directory = confine(directory)
-    if not directory.is_dir():
-        raise BadRequest(f"lora_path {str(path)!r} is not a directory of the engine", "lora_path")
-    config_bytes = _read(directory / CONFIG_FILE, confine)
-    weights_bytes = _read(directory / WEIGHTS_FILE, confine)
+    """Reads and validates the adapter at ``source`` (a path: an operator's own, opened as
+    given); ``max_file_bytes``: the weights file's cap (default: ``max_file_size``). Any
+    thread: it reads only the immutable ``targets``."""
+    if not isinstance(source, AdapterSource):
+        source = AdapterSource.of(source)
+    cap = max_file_bytes or max_file_size(targets, max_rank)
+    deadline = time.monotonic() + READ_DEADLINE_S
+    fd = source.open_dir()
+    try:
+        config_bytes = _read(fd, CONFIG_FILE, _MAX_CONFIG_BYTES, deadline, source)
+        weights_bytes = _read(fd, WEIGHTS_FILE, cap, deadline, source)
+    finally:
+        os.close(fd)
     config = _parse_config(config_bytes)
     rank, scaling = _check_config(config, targets, max_rank)
-    try:
-        raw = load_safetensors(weights_bytes)
-    except Exception as exc:  # noqa: BLE001 -- safetensors raises several kinds for bad bytes
-        raise BadRequest(f"{WEIGHTS_FILE} is corrupt: {exc}", "lora_path") from None
-    tensors = _check_tensors(raw, targets, rank, scaling, dtype)
-    version = hashlib.sha256(config_bytes + b"\x00" + weights_bytes).hexdigest()[:16]
+    digest = hashlib.sha256(config_bytes)
+    digest.update(b"\x00")
+    digest.update(weights_bytes)  # no copy of the weights' bytes
+    version = digest.hexdigest()[:16]
+    tensors = _check_tensors(parse_safetensors(weights_bytes), targets, rank, scaling, dtype)
     nbytes = sum(a.nbytes + b.nbytes for s in tensors.values() for a, b in s.values())
-    return AdapterWeights(name, str(path), version, rank, scaling, tensors, nbytes)
+    return AdapterWeights(name, source.shown, version, rank, scaling, tensors, nbytes)
 
 
-def _read(file: Path, confine: Callable[[Path], Path] | None) -> bytes:
-    if confine is not None:
-        file = confine(file)  # a symlink inside the directory may point anywhere
+def max_file_size(targets: LoRATargets, max_rank: int) -> int:
+    """The largest legal weights file: every target slice at ``max_rank`` in float32, plus a
+    header's worth per tensor (the default of --max-lora-file-bytes)."""
+    tensors = sum(max_rank * (s.in_features + s.rows) * 4 for s in targets.slices.values())
+    return tensors + _HEADER_SLACK + 2 * len(targets.slices) * _HEADER_PER_TENSOR
+
+
+def _read(dir_fd: int, name: str, cap: int, deadline: float, source: AdapterSource
+          ) -> bytearray:
     try:
-        return file.read_bytes()
+        return read_file(dir_fd, name, cap, deadline, source.confined)
     except FileNotFoundError:
-        if file.name == WEIGHTS_FILE and file.with_name("adapter_model.bin").exists():
+        if name == WEIGHTS_FILE and _exists(dir_fd, "adapter_model.bin"):
             raise BadRequest("adapter_model.bin (pickle) is not read: save the adapter with "
                              "safetensors", "lora_path") from None
-        raise BadRequest(f"the adapter has no {file.name}", "lora_path") from None
-    except OSError as exc:
-        raise BadRequest(f"cannot read {file.name}: {exc.strerror}", "lora_path") from None
+        raise BadRequest(f"the adapter has no {name}", "lora_path") from None
+
+
+def _exists(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return False
+    return True
+
+
+def parse_safetensors(data: bytearray) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file's bytes (8-byte little-endian header length, a JSON
+    header of name -> dtype, shape, data_offsets, then the data). Every claim of the header is
+    checked against the bytes there are before anything is allocated; floating dtypes only."""
+    size = len(data)
+    header_len = int.from_bytes(data[:8], "little") if size >= 8 else -1
+    if not 0 <= header_len <= size - 8:
+        raise _corrupt(f"its header claims {header_len} bytes of {max(size - 8, 0)}")
+    try:
+        header = json.loads(bytes(data[8 : 8 + header_len]))
+    except (ValueError, RecursionError):
+        raise _corrupt("its header is not JSON") from None
+    if not isinstance(header, dict):
+        raise _corrupt("its header is not a JSON object")
+    start = 8 + header_len
+    out = {}
+    for key, info in header.items():
+        if key != "__metadata__":
+            out[key] = _tensor(data, start, key, info)
+    return out
+
+
+def _tensor(data: bytearray, start: int, key: str, info: object) -> torch.Tensor:
+    if not isinstance(info, dict):
+        raise _corrupt(f"tensor {key!r} has no description")
+    dtype = _DTYPES.get(info.get("dtype"))  # type: ignore[arg-type]
+    if dtype is None:
+        raise BadRequest(f"adapter tensor {key!r} has dtype {info.get('dtype')!r}: LoRA weights "
+                         f"are floating point ({', '.join(_DTYPES)})", "lora_path")
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not _ints(shape) or not _ints(offsets) or len(offsets) != 2:
+        raise _corrupt(f"tensor {key!r} has a bad shape or data_offsets")
+    begin, end = offsets
+    count = math.prod(shape)
+    if not (begin <= end <= len(data) - start and end - begin == count * dtype.itemsize):
+        raise _corrupt(f"tensor {key!r}'s data_offsets do not fit its shape or the file")
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(data, dtype=dtype, count=count, offset=start + begin).view(shape)
+
+
+def _ints(value: object) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+
+
+def _corrupt(why: str) -> BadRequest:
+    return BadRequest(f"{WEIGHTS_FILE} is corrupt: {why}", "lora_path")
 
 
 def _parse_config(data: bytes) -> dict[str, Any]:
@@ -202,5 +279,6 @@ def _check_tensors(
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise BadRequest(f"module {module!r} has non-finite weights", "lora_path")
         scaled_b = (b.to(torch.float32) * scaling).to(dtype)
-        out.setdefault(target.module, {})[target.index] = (a.to(dtype), scaled_b)
+        # Copies: nothing kept may share the file's buffer (freed once read).
+        out.setdefault(target.module, {})[target.index] = (a.to(dtype, copy=True), scaled_b)
     return out

@@ -45,10 +45,10 @@ class StepBatch:
     rows: np.ndarray  # [R] int64
     scored: list[int] = field(default_factory=list)
     # LoRA: each request's adapter slot (-1: base model), None when no request has one; and
-    # the copies into slots to do before this step: (slot, adapter path, version, weights),
-    # the weights on rank 0 only (the other ranks read the path and check the version).
+    # the copies into slots to do before this step: (slot, manifest, weights), the weights on
+    # rank 0 only (it broadcasts their bytes to the other ranks: lora.transfer).
     lora_slots: np.ndarray | None = None
-    lora_installs: list[tuple[int, str, str, Any]] = field(default_factory=list)
+    lora_installs: list[tuple[int, np.ndarray, Any]] = field(default_factory=list)
     draft_lens: np.ndarray | None = None  # [R] int64
 
     def logits_rows(self) -> np.ndarray:
@@ -133,22 +133,15 @@ def decode(data: np.ndarray) -> StepBatch:
 
 def _encode_lora(batch: StepBatch) -> list[np.ndarray]:
     """The LoRA section, after everything else (absent when the step has no adapter):
-    [num slots, slots..., num installs, then per install: slot, then the path and the version
-    each as (bytes, words) of UTF-8 packed 8 bytes to a word]."""
+    [num slots, slots..., num installs, then per install: slot, manifest length, manifest]."""
     if batch.lora_slots is None and not batch.lora_installs:
         return []
     slots = batch.lora_slots if batch.lora_slots is not None else np.zeros(0, np.int64)
     parts = [np.asarray([len(slots)], np.int64), slots.astype(np.int64, copy=False),
              np.asarray([len(batch.lora_installs)], np.int64)]
-    for slot, path, version, _ in batch.lora_installs:
-        parts += [np.asarray([slot], np.int64), *_text(path), *_text(version)]
+    for slot, plan, _ in batch.lora_installs:
+        parts += [np.asarray([slot, len(plan)], np.int64), plan.astype(np.int64, copy=False)]
     return parts
-
-
-def _text(text: str) -> list[np.ndarray]:
-    raw = text.encode()
-    padded = raw + b"\x00" * (-len(raw) % 8)
-    return [np.asarray([len(raw)], np.int64), np.frombuffer(padded, dtype=np.int64)]
 
 
 def _decode_lora(batch: StepBatch, data: np.ndarray) -> None:
@@ -159,21 +152,14 @@ def _decode_lora(batch: StepBatch, data: np.ndarray) -> None:
         at += 1
         return int(data[at - 1])
 
-    def text() -> str:
-        nonlocal at
-        n = word()
-        words = -(-n // 8)
-        at += words
-        return data[at - words : at].tobytes()[:n].decode()
-
     n = word()
     slots = data[at : at + n].copy()
     at += n
     batch.lora_slots = slots if n else None
     for _ in range(word()):
-        slot = word()
-        path = text()
-        batch.lora_installs.append((slot, path, text(), None))
+        slot, n = word(), word()
+        at += n
+        batch.lora_installs.append((slot, data[at - n : at].copy(), None))
 
 
 def send_step(tp: TPGroup, batch: StepBatch) -> None:
@@ -198,6 +184,17 @@ def receive_step(tp: TPGroup) -> StepBatch | None:
     rest = torch.empty(length - (_INLINE - 2), dtype=torch.int64)
     dist.broadcast(rest, 0, group=tp.step_group)
     return decode(np.concatenate([first[2:].numpy(), rest.numpy()]))
+
+
+def broadcast_bytes(tp: TPGroup, data: torch.Tensor | None, nbytes: int) -> torch.Tensor:
+    """Rank 0's ``data`` (``nbytes`` of uint8) on every rank, on the step group (every rank
+    calls it at the same point of the same step)."""
+    if not nbytes:
+        return torch.empty(0, dtype=torch.uint8)
+    buf = data if tp.is_first else torch.empty(nbytes, dtype=torch.uint8)
+    assert buf is not None and buf.numel() == nbytes and buf.dtype == torch.uint8
+    dist.broadcast(buf, 0, group=tp.step_group)
+    return buf
 
 
 def _send(tp: TPGroup, kind: int, payload: np.ndarray) -> None:

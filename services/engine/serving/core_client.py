@@ -5,6 +5,11 @@ has loaded, stats, KV events, step time, requests in flight) and routes each ``C
 batch to the per-request sinks. Everything here is read and written on the event loop only:
 the core hands over what it learns (``_ready``, ``_dispatch``) by message, never by sharing
 the engine.
+
+A core that dies (its thread or process) or stalls (``stalled_for``: requests wait and no
+batch comes, see ``step_watchdog``) is failed once (``fail``): every request in flight gets
+its error at once, ``load_error`` turns /health 503, and ``on_death`` tells the server, which
+leaves the routing set and exits. A core is never revived: the pod restarts.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Callable
 
 from services.engine.engine import EngineStats, RequestUpdate
@@ -76,6 +82,11 @@ class CoreClient:
         self._sinks: dict[str, Sink] = {}
         self._replies: dict[int, asyncio.Future[AdapterReply]] = {}  # adapter commands
         self._reply_ids = itertools.count(1)
+        # Called on the event loop when the core died or stalled unasked (``fail``).
+        self.on_death: Callable[[], None] | None = None
+        self.died = False
+        # When the core last showed progress (a batch came), or requests began to wait on it.
+        self._progress_at = time.monotonic()
 
     @property
     def is_ready(self) -> bool:
@@ -103,12 +114,16 @@ class CoreClient:
         lora_name: str | None = None,
     ) -> None:
         assert request_id not in self._sinks, request_id  # the server makes ids unique
+        if not self._sinks:  # an idle core owes no progress: the clock starts now
+            self._progress_at = time.monotonic()
         self._sinks[request_id] = sink
         self._send(Add(request_id, prompt_token_ids, params, cache_salt, lora_name))
         self.load_changed.set()
 
     async def adapter(self, cmd: AdapterCommand) -> AdapterReply:
         """Loads or unloads an adapter in the core; its answer comes with a step's outputs."""
+        if self.died:  # nobody would answer
+            raise RuntimeError("the engine core is gone")
         cmd.reply_to = next(self._reply_ids)
         future = asyncio.get_running_loop().create_future()
         self._replies[cmd.reply_to] = future
@@ -136,7 +151,24 @@ class CoreClient:
         logger.info("engine ready: model=%s max_model_len=%d kv_blocks=%d", info.model_name,
                     info.max_model_len, info.num_blocks)
 
+    def stalled_for(self, now: float) -> float:
+        """Seconds requests have waited on the core without a batch from it (0 while none
+        waits). A core that steps sends a batch every step."""
+        return now - self._progress_at if self._sinks else 0.0
+
+    def fail(self, message: str) -> None:
+        """The core is dead or stuck (see the module docstring); once."""
+        if self.died:
+            return
+        self.died = True
+        if self.load_error is None:
+            self.load_error = RuntimeError(message)
+        self._fail_all(message)
+        if self.on_death is not None:
+            self.on_death()
+
     def _dispatch(self, out: CoreOutputs) -> None:
+        self._progress_at = time.monotonic()
         sinks = self._sinks
         done = bool(out.errors)
         for err in out.errors:

@@ -25,8 +25,7 @@ from dataclasses import dataclass, field
 
 from services.engine.config import EngineConfig
 from services.engine.engine import EngineStats, LLMEngine, RequestUpdate
-from services.engine.lora import commands as lora_commands
-from services.engine.lora.commands import AdapterCommand, AdapterReply
+from services.engine.lora.commands import AdapterCommand, AdapterReply, AdapterService, LoadFinished
 from services.protocol.kv_events import KVEvent
 from services.protocol.sampling_params import SamplingParams
 from services.protocol.wire import BadRequest
@@ -66,7 +65,8 @@ class Stop:
     pass
 
 
-Command = Add | Abort | Resync | Stop | AdapterCommand
+# LoadFinished: the loader thread's, never sent by the server.
+Command = Add | Abort | Resync | Stop | AdapterCommand | LoadFinished
 
 
 @dataclass(slots=True)
@@ -97,15 +97,19 @@ class CoreOutputs:
 class CoreLoop:
     def __init__(
         self, config: EngineConfig, emit: Callable[[CoreOutputs], None], step_delay_s: float = 0.0,
-        kv_events: bool = False,
+        kv_events: bool = False, crash_after_steps: int = 0,
     ) -> None:
         if not step_delay_s >= 0:
             raise ValueError(f"step_delay_s must be >= 0, got {step_delay_s!r}")
         self.config = config
         self.emit = emit
         self.kv_events = kv_events
-        # Fault injection (tests, drills): a sleep before every step makes a slow engine.
+        # Fault injection (tests, drills): a sleep before every step makes a slow engine (or,
+        # past --step-timeout-s, a stuck one); an exception out of the loop after this many
+        # steps (0: never) a dead one.
         self.step_delay_s = step_delay_s
+        self.crash_after_steps = crash_after_steps
+        self._num_steps = 0
         self.engine: LLMEngine | None = None
         self.commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -116,10 +120,13 @@ class CoreLoop:
         # cold cache in the core process): a compile must never stall the step loop.
         self._compiling: set[str] = set()
         self._compile_pool: ThreadPoolExecutor | None = None
+        # Adapter files are read on its loader thread; steps go on meanwhile.
+        self.adapters: AdapterService | None = None
 
     def load(self) -> LLMEngine:
         """Loads the engine, on the thread that will run it."""
         self.engine = LLMEngine(self.config, kv_events=self.kv_events)
+        self.adapters = AdapterService(self.engine.lora, self.commands.put)
         return self.engine
 
     def stop(self) -> None:
@@ -136,6 +143,7 @@ class CoreLoop:
                 self._drain_commands(block=not engine.has_unfinished_requests())
                 if engine.has_unfinished_requests() and not self._stop.is_set():
                     self._step()
+                    self._injected_crash()
                 if self._out:
                     self._flush()
         finally:
@@ -144,6 +152,8 @@ class CoreLoop:
             engine.close()
             if self._compile_pool is not None:
                 self._compile_pool.shutdown(wait=False, cancel_futures=True)
+            if self.adapters is not None:
+                self.adapters.close()
 
     # -- commands -------------------------------------------------------------------------------
 
@@ -176,7 +186,11 @@ class CoreLoop:
             out.kv_events.extend(engine.take_kv_events())
             out.kv_events.extend(engine.snapshot_kv_events())
         elif isinstance(cmd, AdapterCommand):
-            out.adapter_replies.append(lora_commands.run(engine.lora, cmd))
+            reply = self.adapters.handle(cmd)  # None: read on the loader thread, answered later
+            if reply is not None:
+                out.adapter_replies.append(reply)
+        elif isinstance(cmd, LoadFinished):
+            out.adapter_replies.extend(self.adapters.finish(cmd))
         else:
             self._stop.set()
 
@@ -228,6 +242,12 @@ class CoreLoop:
         self._step_times.append((time.perf_counter() - start) * 1000)
         self._step_ms = statistics.median(self._step_times)
         out.kv_events.extend(engine.take_kv_events())
+
+    def _injected_crash(self) -> None:
+        self._num_steps += 1
+        if self._num_steps == self.crash_after_steps:
+            raise RuntimeError(f"injected fault after {self._num_steps} steps "
+                               "(--debug-crash-after-steps)")
 
     def _flush(self) -> None:
         out, self._out = self._out, CoreOutputs()

@@ -10,7 +10,8 @@ by the event loop (``add_reader``), never one message per token.
 Lifecycle, never a hang and no orphans:
 
 * the core process dies (killed, crashed): the server sees its pipe close, fails the requests
-  in flight, and ``on_death`` exits the server non-zero (the pod restarts);
+  in flight, and ``on_death`` exits the server non-zero (the pod restarts); one that stops
+  stepping (alive, stuck) is failed the same way by the server's ``step_watchdog``;
 * the server dies: the kernel kills the core (``PR_SET_PDEATHSIG``), which kills its workers;
 * SIGTERM to the server drains as before, then ``stop`` asks the core to close (its workers
   with it) and kills it if it has not within ``_STOP_GRACE_S``. The core ignores SIGINT and
@@ -25,7 +26,6 @@ import multiprocessing
 import multiprocessing.connection
 import signal
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.child_process import die_with_parent
@@ -47,6 +47,7 @@ class _CoreArgs:
     step_delay_s: float
     kv_events: bool
     log_level: int
+    crash_after_steps: int = 0
 
 
 class EngineCoreProcess(CoreClient):
@@ -54,21 +55,19 @@ class EngineCoreProcess(CoreClient):
 
     def __init__(
         self, config: EngineConfig, step_delay_s: float = 0.0, publish_kv_events: bool = False,
-        max_kv_events: int = MAX_QUEUED_KV_EVENTS,
+        max_kv_events: int = MAX_QUEUED_KV_EVENTS, crash_after_steps: int = 0,
     ) -> None:
         if not step_delay_s >= 0:
             raise ValueError(f"step_delay_s must be >= 0, got {step_delay_s!r}")
         super().__init__(publish_kv_events, max_kv_events)
         self.config = config
         self.step_delay_s = step_delay_s
-        # Called on the event loop when the core process dies unasked (the server exits).
-        self.on_death: Callable[[], None] | None = None
+        self.crash_after_steps = crash_after_steps  # fault injection (CoreLoop)
         self.process: multiprocessing.process.BaseProcess | None = None
         self._commands: multiprocessing.connection.Connection | None = None
         self._outputs: multiprocessing.connection.Connection | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
-        self.died = False
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -76,7 +75,7 @@ class EngineCoreProcess(CoreClient):
         cmd_read, self._commands = ctx.Pipe(duplex=False)
         self._outputs, out_write = ctx.Pipe(duplex=False)
         args = _CoreArgs(self.config, self.step_delay_s, self.publish_kv_events,
-                         logging.getLogger().level)
+                         logging.getLogger().level, self.crash_after_steps)
         self.process = ctx.Process(target=core_main, args=(args, cmd_read, out_write),
                                    name="engine-core", daemon=False)
         self.process.start()
@@ -136,21 +135,16 @@ class EngineCoreProcess(CoreClient):
             raise TypeError(f"unexpected message from the engine core: {msg!r}")
 
     def _core_gone(self) -> None:
-        if self._stopping:
+        if self._stopping or self.died:  # asked to stop, or already failed (stalled)
             return
         proc = self.process
         proc.join(1)
         code = proc.exitcode
         if self.load_error is not None and code == 0:
             return  # reported its load error and left: /health says so
-        self.died = True
         logger.error("engine core process died (exit code %s): failing %d requests in flight",
                      code, self.num_in_flight)
-        if self.load_error is None:
-            self.load_error = RuntimeError(f"engine core process died (exit code {code})")
-        self._fail_all(f"engine core process died (exit code {code})")
-        if self.on_death is not None:
-            self.on_death()
+        self.fail(f"engine core process died (exit code {code})")
 
 
 # -- the core process ---------------------------------------------------------------------------
@@ -171,7 +165,8 @@ def core_main(args: _CoreArgs, commands: multiprocessing.connection.Connection,
         with send_lock:
             outputs.send_bytes(core_ipc.encode(out))
 
-    core = CoreLoop(args.config, emit, args.step_delay_s, args.kv_events)
+    core = CoreLoop(args.config, emit, args.step_delay_s, args.kv_events,
+                    args.crash_after_steps)
     try:
         info = EngineInfo.of(core.load())
     except BaseException as exc:  # reported by the server's /health

@@ -5,6 +5,9 @@ per step and the loop's per-token work slow each other down (``--engine-core pro
 the core in its own process instead). Commands go through the loop's thread-safe queue; the
 engine's description once loaded, and each step's batch, come back with one
 ``call_soon_threadsafe`` each: the event loop never reads the engine.
+
+An exception that escapes the core's loop ends the thread; it tells the event loop first
+(``CoreClient.fail``): the requests in flight fail at once and /health turns 503.
 """
 
 from __future__ import annotations
@@ -29,11 +32,12 @@ class EngineThread(CoreClient):
 
     def __init__(
         self, config: EngineConfig, step_delay_s: float = 0.0, publish_kv_events: bool = False,
-        max_kv_events: int = MAX_QUEUED_KV_EVENTS,
+        max_kv_events: int = MAX_QUEUED_KV_EVENTS, crash_after_steps: int = 0,
     ) -> None:
         super().__init__(publish_kv_events, max_kv_events)
         self.config = config
-        self.core = CoreLoop(config, self._emit, step_delay_s, kv_events=publish_kv_events)
+        self.core = CoreLoop(config, self._emit, step_delay_s, kv_events=publish_kv_events,
+                             crash_after_steps=crash_after_steps)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -70,4 +74,8 @@ class EngineThread(CoreClient):
         # hit when the request is added, never a second compile.
         checks = RequestChecks(info, engine.grammars)
         self._to_loop(self._ready, info, checks)
-        self.core.run()  # returns at once if the server stopped meanwhile
+        try:
+            self.core.run()  # returns at once if the server stopped meanwhile
+        except BaseException as exc:  # the thread ends here: never silently
+            logger.exception("engine core thread died")
+            self._to_loop(self.fail, f"engine core thread died ({type(exc).__name__})")

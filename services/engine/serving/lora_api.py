@@ -1,6 +1,8 @@
 """The engine server's adapter endpoints (``services.protocol.lora_api``): load and unload a
 LoRA adapter while the engine runs. Internal, as ``/internal/generate``: the gateway's
-``/v1/load_lora_adapter`` fans out to them and the Redis registry's sync calls them too.
+``/v1/load_lora_adapter`` fans out to them and the Redis registry's sync calls them too. Like
+every engine route but /health and /metrics they require the internal credential (the server's
+``internal_auth`` middleware), so no pod without it can load or unload adapters.
 
 The request travels to the engine core as an ``AdapterCommand`` and its answer comes back with
 a step's outputs; a path is confined to ``--lora-roots`` in the core before anything is read.

@@ -76,8 +76,9 @@ def _kv_tiers(model: str, t: KVTierStats) -> Iterator:
          t.external_hits),
         ("pagoda:kv_store_errors", "Shared KV store calls that failed or timed out (the "
          "blocks were recomputed).", 0 if t.store is None else t.store.errors),
-        ("pagoda:kv_store_corrupt_blocks", "Shared KV store blocks that failed their "
-         "checksum (recomputed).", 0 if t.store is None else t.store.corrupt),
+        ("pagoda:kv_store_corrupt_blocks", "Shared KV store blocks that failed their MAC "
+         "check (foreign, damaged or another block's; recomputed).",
+         0 if t.store is None else t.store.corrupt),
         ("pagoda:kv_store_dropped_writes", "Blocks not written to the shared KV store "
          "(store down, or its write queue full).", 0 if t.store is None else
          t.store.dropped_writes),

@@ -7,18 +7,26 @@ Whenever Redis does not know this engine (its first heartbeat, a Redis restart t
 index, a heartbeat that lapsed) the engine re-announces its whole prefix cache: "cleared"
 (dropping entries a previous run under the same id left behind) and then every cached hash.
 So the routers' index is rebuilt within two heartbeats of Redis coming back.
+
+What goes to Redis names blocks by their chain hashes only: a stored block's token ids (every
+tenant's prompt, in clear) are cut from the events unless the operator asks for them
+(``--kv-events-token-ids``, for a subscriber of the events channel that reads tokens). The
+routers' index never needs them: it keys by block hash.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from collections.abc import Iterable
 
 from services.common.lora_registry import AdapterRegistry
 from services.common.redis_index import KVIndexPublisher, connect
 from services.engine.lora.manager import LoRAStats
 from services.engine.serving.core_client import CoreClient
 from services.engine.serving.lora_sync import RegistrySync
+from services.protocol.kv_events import KVEvent
 from services.protocol.lora_api import MAX_ADAPTERS, AdapterStatus
 from services.protocol.messages import EngineHeartbeat
 
@@ -35,7 +43,8 @@ class EnginePublisher:
         self.url = server_config.resolved_url()
         self.publisher = KVIndexPublisher.from_url(server_config.redis_url)
         self.registry = AdapterRegistry(connect(server_config.redis_url))
-        self.adapters = RegistrySync(self.registry, core, server_config.lora_roots)
+        self.adapters = RegistrySync(self.registry, core, server_config.lora_roots,
+                                     self.engine_id)
         self._pending: list = []
         self._failing = False
 
@@ -44,12 +53,11 @@ class EnginePublisher:
         if not core.is_ready or core.stats is None:
             return
         info = core.info
-        try:
-            # Runtime adapters first: an engine is routable only with what its peers have.
-            await self.adapters.sync_once()
-        except Exception as exc:  # noqa: BLE001 -- Redis down: the heartbeat below says so
-            logger.debug("adapter registry sync failed: %s", exc)
-        self._pending.extend(core.kv_events.take(_MAX_EVENTS_PER_TICK - len(self._pending)))
+        # Beside the heartbeat: only the first heartbeat waits (a bounded time) for the first
+        # sync, so an engine is routable with what its peers have; never one past its TTL.
+        await self.adapters.tick(self.cfg.heartbeat_ttl_s / 2)
+        taken = core.kv_events.take(_MAX_EVENTS_PER_TICK - len(self._pending))
+        self._pending.extend(taken if self.cfg.kv_events_token_ids else without_tokens(taken))
         s = core.stats
         hb = EngineHeartbeat(
             engine_id=self.engine_id,
@@ -97,9 +105,15 @@ class EnginePublisher:
             logger.warning("redis remove_engine failed: %s", exc)
 
     async def close(self) -> None:
+        await self.adapters.close()
         await self.leave()
         await self.publisher.aclose()
         await self.registry.redis.aclose()
+
+
+def without_tokens(events: Iterable[KVEvent]) -> list[KVEvent]:
+    """The events with no token ids (hashes, parents, media and kinds unchanged)."""
+    return [dataclasses.replace(e, token_ids=()) if e.token_ids else e for e in events]
 
 
 def _adapters(lora: LoRAStats | None) -> list[AdapterStatus]:

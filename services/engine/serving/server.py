@@ -20,13 +20,13 @@ from aiohttp import web
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from services.common import tracing
+from services.common import internal_auth, tracing
 from services.common.default_model import DEFAULT_MODEL_NAME
 from services.common.http_errors import error_middleware, json_error
 from services.common.logs import setup_logging
 from services.engine.config import EngineConfig
 from services.engine.engine import RequestUpdate
-from services.engine.serving import lora_api
+from services.engine.serving import lora_api, step_watchdog
 from services.engine.serving.core_client import CoreClient, InternalEngineError
 from services.engine.serving.core_process import EngineCoreProcess
 from services.engine.serving.engine_thread import EngineThread
@@ -52,8 +52,9 @@ class Lifecycle:
     # The caller's request id -> the engine's own (made unique), so /internal/abort can name
     # a request by the id its caller gave.
     active: dict[str, str] = field(default_factory=dict)
-    # The engine-core process died: the server exits non-zero once it has shut down.
+    # The engine core died or stalled: the server exits non-zero once it has shut down.
     core_died: bool = False
+    watchdog: asyncio.Task | None = None  # step_watchdog.watch, with --step-timeout-s
 
 
 _MIN_HEARTBEAT_GAP_S = 0.05
@@ -70,9 +71,14 @@ SERVER_CONFIG = web.AppKey("server_config", ServerConfig)
 
 
 def create_app(engine_config: EngineConfig, server_config: ServerConfig) -> web.Application:
+    """Raises ``internal_auth.MissingCredential`` without an internal credential (unless the
+    config opts out): every route but /health and /metrics requires it."""
+    credential = internal_auth.resolve(
+        server_config.internal_token_file, server_config.insecure_no_internal_auth, "engine")
     app = web.Application(
         client_max_size=64 * 1024 * 1024,
-        middlewares=[error_middleware, tracing.server_span_middleware([engine_api.GENERATE_PATH])],
+        middlewares=[error_middleware, tracing.server_span_middleware([engine_api.GENERATE_PATH]),
+                     *internal_auth.middlewares(credential)],
     )
     app[SERVER_CONFIG] = server_config
     app[LIFECYCLE] = Lifecycle()
@@ -98,14 +104,19 @@ def _engine_ctx(engine_config: EngineConfig):
                                                lambda: _cache_info(core))
         core.on_step = lambda tokens: metrics.requests(core.info.max_model_len).observe_step(
             tokens)
-        if isinstance(core, EngineCoreProcess):
-            core.on_death = lambda: _on_core_death(app)
+        core.on_death = lambda: _on_core_death(app)
         core.start(asyncio.get_running_loop())
-        app[LIFECYCLE].publisher = asyncio.create_task(_publish_loop(app))
+        lifecycle = app[LIFECYCLE]
+        lifecycle.publisher = asyncio.create_task(_publish_loop(app))
+        timeout = app[SERVER_CONFIG].step_timeout_s
+        if timeout > 0:
+            lifecycle.watchdog = asyncio.create_task(step_watchdog.watch(core, timeout))
         try:
             yield
         finally:
             logger.info("stopping the engine")
+            if lifecycle.watchdog is not None:
+                lifecycle.watchdog.cancel()  # the core stops now: stopping is no stall
             await _stop_publishing(app)
             await asyncio.to_thread(core.stop)
             logger.info("engine stopped")
@@ -117,11 +128,13 @@ def _make_core(engine_config: EngineConfig, server_config: ServerConfig) -> Core
     # KV events only for the Redis publisher: without it nobody would drain them.
     core_cls = EngineCoreProcess if server_config.engine_core == "process" else EngineThread
     return core_cls(engine_config, server_config.debug_step_delay_s,
-                    publish_kv_events=bool(server_config.redis_url))
+                    publish_kv_events=bool(server_config.redis_url),
+                    crash_after_steps=server_config.debug_crash_after_steps)
 
 
 def _on_core_death(app: web.Application) -> None:
-    """The core process died: /health turns 503 at once and, when this is the server's own
+    """The core died (its process, or its thread inline) or stalled (``step_watchdog``): its
+    requests have failed, /health turns 503 at once and, when this is the server's own
     process, it shuts down (leaving Redis) and exits 1; a hard exit bounds that."""
     app[LIFECYCLE].core_died = True
     if not _EXIT_ON_CORE_DEATH:
@@ -474,7 +487,11 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(server_config.log_level, "engine")
     global _EXIT_ON_CORE_DEATH
     _EXIT_ON_CORE_DEATH = True
-    app = create_app(engine_config, server_config)
+    try:
+        app = create_app(engine_config, server_config)
+    except internal_auth.MissingCredential as exc:
+        logger.error("%s", exc)
+        raise SystemExit(2) from None
     app.on_startup.append(_leave_first_on_stop_signals)
     # handler_cancellation: a client that goes away cancels its handler at once (even during
     # prefill), and the handler's finally-block aborts the request and frees its KV blocks.
@@ -484,7 +501,7 @@ def main(argv: list[str] | None = None) -> None:
     web.run_app(app, host=server_config.host, port=server_config.port, print=None,
                 shutdown_timeout=_CUT_AFTER_DRAIN_S, handler_cancellation=True)
     if app[LIFECYCLE].core_died:
-        logger.error("exiting: the engine core process died")
+        logger.error("exiting: the engine core died or stalled")
         raise SystemExit(1)
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from services.common import cli
 from services.common.cli import flag
+from services.common.internal_auth import insecure_flag, token_file_flag
 from services.common.logs import check_log_level
 from services.engine.config import EngineConfig
 
@@ -32,13 +33,29 @@ class ServerConfig:
     heartbeat_interval_s: float = flag(
         1.0, help="seconds between heartbeats (sooner when requests arrive or finish)")
     heartbeat_ttl_s: float = flag(5.0, help="seconds a heartbeat stays live in Redis")
+    kv_events_token_ids: bool = flag(
+        False,
+        help="put the stored blocks' token ids in the KV events on Redis's channel, as vLLM "
+        "does (every tenant's prompt tokens in clear, for a subscriber that needs them); off, "
+        "events carry block hashes only, all the routers use",
+    )
     shutdown_timeout: float = flag(
         30.0,
         help="on SIGTERM (or SIGINT), seconds the requests in flight get to finish once the "
         "engine has left the routing set (vLLM's --shutdown-timeout; 0: cut them at once)",
     )
+    step_timeout_s: float = flag(
+        120.0,
+        help="seconds the engine core may go without finishing a step while requests wait "
+        "before it counts as stuck: the requests fail, /health turns 503, the engine leaves "
+        "the routing set and exits (0: no watchdog)",
+    )
     debug_step_delay_s: float = flag(
         0.0, help="fault injection for tests and drills: seconds slept before every step"
+    )
+    debug_crash_after_steps: int = flag(
+        0, help="fault injection for tests and drills: the engine core's loop raises after this "
+        "many steps, ending its thread or process (0: never)"
     )
     log_level: str = flag("INFO", help="logging level")
     engine_core: str = flag(
@@ -55,6 +72,8 @@ class ServerConfig:
         "must resolve inside one of them, symlinks followed (default: none, runtime loads are "
         "refused)",
     )
+    internal_token_file: str | None = token_file_flag()
+    insecure_no_internal_auth: bool = insecure_flag()
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -62,7 +81,8 @@ class ServerConfig:
         for name in ("heartbeat_interval_s", "heartbeat_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("shutdown_timeout", "debug_step_delay_s"):
+        for name in ("shutdown_timeout", "step_timeout_s", "debug_step_delay_s",
+                     "debug_crash_after_steps"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.engine_core not in ENGINE_CORES:

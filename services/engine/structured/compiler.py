@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -121,10 +122,28 @@ def _compile(compiler: Any, spec: StructuredOutputsParams) -> Any:
         return compiler.compile_grammar(
             "root ::= " + " | ".join(json.dumps(c) for c in spec.choice)
         )
-    try:  # grammar: EBNF (GBNF) first, as vLLM's xgrammar backend; else Lark
-        return compiler.compile_grammar(spec.grammar)
-    except Exception:  # noqa: BLE001
-        return compiler.compile_lark(spec.grammar)
+    return _compile_grammar_text(compiler, spec.grammar)
+
+
+# A rule defined EBNF's way (``name ::=`` at a line's start): the text is EBNF, never Lark.
+_EBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w.-]*\s*::=", re.MULTILINE)
+
+
+def _compile_grammar_text(compiler: Any, text: str) -> Any:
+    """EBNF (GBNF) first, as vLLM's xgrammar backend; else Lark. An EBNF grammar that fails
+    reports EBNF's error: Lark's on the same text ("parametric grammar is not supported")
+    would hide where the client's mistake is."""
+    try:
+        return compiler.compile_grammar(text)
+    except Exception as exc:  # noqa: BLE001 -- xgrammar raises several types on bad grammars
+        ebnf_error = _first_line(exc)
+    if _EBNF_RULE.search(text):
+        raise BadRequest(f"{_PARAM}.grammar cannot be compiled as EBNF: {ebnf_error}", _PARAM)
+    try:
+        return compiler.compile_lark(text)
+    except Exception as exc:  # noqa: BLE001
+        raise BadRequest(f"{_PARAM}.grammar cannot be compiled as EBNF ({ebnf_error}) nor as "
+                         f"Lark ({_first_line(exc)})", _PARAM) from None
 
 
 # xgrammar 0.2.9 writes a string with maxLength/minLength as characters of [^"\\\r\n]: raw
@@ -159,6 +178,11 @@ def _check_schema(text: str) -> None:
                          _PARAM) from None
 
 
+# xgrammar's log prefix ("[06:41:27] /project/cpp/grammar_parser.cc:820: "): the client
+# needs the message, not the library's build paths.
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
 def _first_line(exc: Exception) -> str:
-    text = str(exc).strip()
+    text = _LOG_PREFIX.sub("", str(exc).strip(), count=1)
     return text.splitlines()[0][:300] if text else type(exc).__name__
