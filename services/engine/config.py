@@ -11,12 +11,17 @@ import torch
 from services.common.cli import flag
 from services.common.default_model import default_model_dir, is_converted
 from services.engine.cpu_ops.isa import has_amx
+from services.engine.kv_connector.config import DEFAULT_TIMEOUT_S, KVTransferConfig
+from services.engine.kv_connector.registry import TIERS
 from services.engine.lora.request import LoRAModule
 from services.engine.spec_decode.config import SpecMethod, SpeculativeConfig, check_draft_matches
 from services.protocol.block_hash import HashAlgorithm
 
 E = TypeVar("E", bound=Enum)
 
+# The tier flags PagodaTiersConnector's kv_connector_extra_config may set, and their types.
+_NUMBER = (int, float)
+_TIER_KEYS = {"kv_offloading_size": _NUMBER, "kv_store_url": str, "kv_store_timeout_s": _NUMBER}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -125,6 +130,18 @@ class EngineConfig:
     kv_store_timeout_s: float = flag(
         0.5, help="the shared KV store's socket timeout: slower, the block is recomputed"
     )
+    kv_transfer_config: KVTransferConfig | None = flag(
+        None,
+        parse=KVTransferConfig.parse,
+        metavar="JSON",
+        help="KV connectors, vLLM's JSON object: {\"kv_connector\": NAME, \"kv_role\": "
+        "\"kv_producer\" | \"kv_consumer\" | \"kv_both\", \"kv_connector_extra_config\": "
+        "{...}}; also kv_transfer_timeout (seconds a finished request's blocks may be held "
+        "for sending). Connectors: PagodaTiersConnector (the KV tiers; extra keys "
+        "kv_offloading_size, kv_store_url, kv_store_timeout_s, as the flags) and "
+        "MultiConnector ({\"connectors\": [...]}, tried in order). With the tier flags, the "
+        "tiers come first (default: the tier flags' connector, if any)",
+    )
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -144,6 +161,9 @@ class EngineConfig:
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = self._default_step_tokens()
         self._check_lora()
+        if self.kv_transfer_config is not None:
+            self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
+            self._merge_tier_settings(self.kv_transfer_config)
         self._check_kv_tiers()
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -191,6 +211,38 @@ class EngineConfig:
     @property
     def kv_tiers_enabled(self) -> bool:
         return self.kv_offloading_size is not None or self.kv_store_url is not None
+
+    def _merge_tier_settings(self, transfer: KVTransferConfig) -> None:
+        """The tiers' extra config sets the tier flags it names: the tiers read one place."""
+        named = [leaf for leaf in transfer.leaves() if leaf.kv_connector == TIERS]
+        if len(named) > 1:
+            raise ValueError(f"kv_transfer_config.kv_connector names {TIERS} more than once")
+        where = "kv_transfer_config.kv_connector_extra_config"
+        for key, value in named[0].kv_connector_extra_config.items() if named else ():
+            kind = _TIER_KEYS.get(key)
+            if kind is None:
+                raise ValueError(f"{where}.{key} is not a key of {TIERS} (known: "
+                                 f"{', '.join(_TIER_KEYS)})")
+            if isinstance(value, bool) or not isinstance(value, kind):
+                wanted = "number" if kind is _NUMBER else "string"
+                raise ValueError(f"{where}.{key} must be a {wanted}, got {value!r}")  # noqa: TRY004
+            setattr(self, key, value)
+        if named and not self.kv_tiers_enabled:
+            raise ValueError(f"{where}: {TIERS} needs kv_offloading_size or kv_store_url "
+                             "(there, or as flags)")
+
+    def kv_connector_specs(self) -> list[KVTransferConfig]:
+        """The connectors to build, in order: the tiers (from their flags, unless
+        kv_transfer_config names them), then kv_transfer_config's."""
+        leaves = [] if self.kv_transfer_config is None else list(self.kv_transfer_config.leaves())
+        if self.kv_tiers_enabled and all(leaf.kv_connector != TIERS for leaf in leaves):
+            leaves.insert(0, KVTransferConfig(TIERS))
+        return leaves
+
+    @property
+    def kv_transfer_timeout_s(self) -> float:
+        t = self.kv_transfer_config
+        return DEFAULT_TIMEOUT_S if t is None else t.kv_transfer_timeout
 
     def _check_speculation(self, spec: SpeculativeConfig) -> None:
         if spec.num_speculative_tokens >= self.max_num_batched_tokens:
