@@ -48,6 +48,8 @@ test-gpu:
 	PYTHONPATH=. $(PY) benchmarks/gpu_throughput.py
 
 # Speculative decoding: make serve SPECULATIVE_CONFIG='{"method": "ngram", "num_speculative_tokens": 4}'
+# KV connectors (vLLM's flag): make serve KV_TRANSFER_CONFIG='{"kv_connector": "PagodaTiersConnector",
+#   "kv_role": "kv_both", "kv_connector_extra_config": {"kv_offloading_size": 2}}'
 # Multi-LoRA (vLLM's flags): make serve LORA_MODULES='sql=/adapters/sql chat=/adapters/chat'
 #   [MAX_LORAS=2 MAX_LORA_RANK=16 MAX_CPU_LORAS=4]; adapters loaded at run time (POST
 #   /v1/load_lora_adapter, paths inside LORA_ROOTS, admin keys only): LORA_ROOTS=/adapters
@@ -68,6 +70,7 @@ LORA_FLAGS = $(if $(LORA_MODULES)$(LORA_ROOTS),--enable-lora,) \
 serve: install
 	$(PY) -m services.serve --port $(PORT) --engines $(ENGINES) $(if $(MODEL),--model $(MODEL),) \
 		$(if $(SPECULATIVE_CONFIG),--speculative-config '$(SPECULATIVE_CONFIG)',) \
+		$(if $(KV_TRANSFER_CONFIG),--kv-transfer-config '$(KV_TRANSFER_CONFIG)',) \
 		$(strip $(LORA_FLAGS))
 
 bench: install
