@@ -30,14 +30,14 @@ computed; the blocks past what its tokens then need go back to the pool (``trim`
 input batch's row is told (``take_trimmed``). A step with drafts is never in flight while the
 next is scheduled (its tokens decide the next step's), so none of this meets a placeholder.
 
-KV from outside the pool (``connector``: a ``kv_connector.base.KVConnector``, such as the host
-and shared-store tiers): an admission whose prefix the connector can deliver past its pool hit
-gets its blocks and waits for KV in ``loading`` while the connector fills them; the step goes on
-without it. Once the connector reports the load done it joins the running set with the tokens
-that arrived computed (and cached in the pool), at the start of a later ``schedule``. An abort
-while it loads frees its blocks only once the load is reported. A finished request whose blocks
-the connector holds for sending keeps them until the connector reports them sent, or
-``kv_transfer_timeout_s`` has passed.
+KV from outside the pool (``connector``: any ``kv_connector.base.KVConnector``): an admission
+whose prefix the connector can deliver past its pool hit gets its blocks and waits for KV in
+``loading`` while the connector fills them; the step goes on without it. Once the connector
+reports the load done it joins the running set with the tokens that arrived computed (and
+cached in the pool), at the start of a later ``schedule``. An abort while it loads frees its
+blocks only once the load is reported. A finished request whose blocks the connector holds for
+sending keeps them until the connector reports them sent, or ``kv_transfer_timeout_s`` has
+passed.
 """
 
 from __future__ import annotations
