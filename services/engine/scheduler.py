@@ -47,6 +47,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.engine.block_manager import BlockManager
 from services.engine.kv_connector.base import FinishedTransfers, KVConnector
@@ -86,7 +87,7 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
     # The connector's metadata for the step (the loads it planned), for its worker side.
-    kv_connector_metadata: object = None
+    kv_connector_metadata: Any = None
 
     @property
     def is_empty(self) -> bool:

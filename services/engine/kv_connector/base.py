@@ -19,7 +19,11 @@ scheduler side (``Scheduler``)
     * ``request_finished(request, block_ids)``: a request finished or was aborted. Returns
       ``(delay_free, kv_transfer_params)``: with ``delay_free`` the scheduler keeps its blocks
       until ``get_finished`` names it in ``sending`` (or ``kv_transfer_timeout`` passes);
-      the params go back to the client with the request (P/D: where to fetch the blocks).
+      the params are kept on the request (``kv_transfer_params``; P/D will hand them to the
+      client: where to fetch the blocks).
+      A request aborted while it loads is freed once its load is reported, whatever this
+      returns. Held blocks are checked at each ``schedule``: an idle engine frees them at its
+      next step.
 
 worker side (``LLMEngine``)
     * ``start_load_kv(metadata)``: start the loads the metadata names, into their blocks. The
