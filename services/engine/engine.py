@@ -9,6 +9,7 @@ import logging
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from services.engine.async_scheduling import StepPipeline
 from services.engine.block_manager import BlockManager
@@ -191,9 +192,14 @@ class LLMEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
         lora_request: LoRARequest | str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> Request:
         """``lora_request``: the adapter to run under, a ``LoRARequest`` (the offline API: read
-        on first use) or the name of a loaded adapter (the server); None: the base model."""
+        on first use) or the name of a loaded adapter (the server); None: the base model.
+        ``kv_transfer_params``: vLLM's, for the KV connector (P/D: hold the prompt's blocks
+        for a decode engine, or pull them from a prefill engine)."""
+        if kv_transfer_params is not None and not isinstance(kv_transfer_params, dict):
+            raise BadRequest("kv_transfer_params must be an object", "kv_transfer_params")
         if request_id in self.requests or self.scheduler.holds_blocks_of(request_id):
             raise BadRequest(f"request_id {request_id!r} is already in the engine", "request_id")
         max_tokens = self.check_request(prompt_token_ids, params)
@@ -219,6 +225,7 @@ class LLMEngine:
             logit_bias=LogitBias.build(params.logit_bias, self.runner.device),
             grammar=grammar,
             lora=adapter,
+            kv_transfer_params=kv_transfer_params,
         )
         self.requests[request_id] = req
         self.scheduler.add(req)

@@ -86,7 +86,8 @@ class Request:
     # Timestamps (monotonic seconds) for metrics and traces.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
-    # What the KV connector returned when it finished (P/D: where its blocks can be fetched).
+    # The client's params for the KV connector until it finishes, then what the connector
+    # returned (P/D: where its blocks can be fetched).
     kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:

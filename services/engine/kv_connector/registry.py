@@ -16,10 +16,12 @@ if TYPE_CHECKING:
 
 MULTI = "MultiConnector"
 TIERS = "PagodaTiersConnector"
+PD = "PagodaPDConnector"
 # name -> "module:class"; the class is built as ``cls(spec, context)``. MULTI is a name only:
 # its parts are built one by one and composed (``build``).
 CONNECTORS: dict[str, str] = {
     TIERS: "services.engine.kv_offload.tiers:KVTiers",
+    PD: "services.engine.kv_connector.pd:PagodaPDConnector",
     MULTI: "",
 }
 
