@@ -30,6 +30,7 @@ from services.engine.spec_decode.metrics import SpecDecodeStats
 from services.engine.spec_step import Speculator
 from services.engine.structured.compiler import GrammarCompiler
 from services.engine.structured.masks import GrammarState
+from services.protocol import kv_transfer_params as kv_params
 from services.protocol.block_hash import AdapterKey, BlockHasher, HashAlgorithm
 from services.protocol.engine_api import TokenLogprobs
 from services.protocol.kv_events import KVEvent
@@ -60,6 +61,7 @@ class RequestUpdate:
     # tokens (or its last, if it ends with none), never again
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     max_tokens: int = 0  # the client's max_tokens (0: none), for vllm:request_params_max_tokens
+    kv_transfer_params: dict[str, Any] | None = None  # its KV connector's, on its last update
 
 
 @dataclass(slots=True)
@@ -198,8 +200,7 @@ class LLMEngine:
         on first use) or the name of a loaded adapter (the server); None: the base model.
         ``kv_transfer_params``: vLLM's, for the KV connector (P/D: hold the prompt's blocks
         for a decode engine, or pull them from a prefill engine)."""
-        if kv_transfer_params is not None and not isinstance(kv_transfer_params, dict):
-            raise BadRequest("kv_transfer_params must be an object", "kv_transfer_params")
+        kv_transfer_params = kv_params.check(kv_transfer_params)
         if request_id in self.requests or self.scheduler.holds_blocks_of(request_id):
             raise BadRequest(f"request_id {request_id!r} is already in the engine", "request_id")
         max_tokens = self.check_request(prompt_token_ids, params)
@@ -400,6 +401,8 @@ class LLMEngine:
             num_preemptions=req.num_preemptions,
             prompt_logprobs=(req.prompt_logprobs or None) if first else None,
             max_tokens=req.params.max_tokens or 0,
+            # Until it finishes the field holds the client's params: never echoed back.
+            kv_transfer_params=req.kv_transfer_params if finished and self.kv_connector else None,
         )
 
     @property

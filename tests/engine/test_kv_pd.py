@@ -218,3 +218,39 @@ def test_the_connector_starts_only_with_a_credential(fast_model_dir: Path,
         _llm(fast_model_dir, "kv_producer")
     with pytest.raises(ValueError, match="extra_config.portt is not a key"):
         _llm(fast_model_dir, "kv_producer", portt=1)
+
+
+def test_kv_transfer_params_on_the_engine_api_are_checked_where_they_enter(
+        engines: tuple[LLMEngine, LLMEngine]) -> None:
+    from services.protocol.engine_api import FinishedFrame, FrameDecoder, GenerateRequest
+    from services.protocol.wire import BadRequest
+
+    params = {"do_remote_prefill": True, "remote_port": 5, "remote_host": "10.0.0.1"}
+    req = GenerateRequest("r", [1, 2], kv_transfer_params=params)
+    assert GenerateRequest.from_msgpack(req.to_msgpack()).kv_transfer_params == params
+    for bad in ([1], {"a": {"nested": 1}}, {"a": "x" * 600}, {str(i): i for i in range(40)},
+                {"a": float("nan")}):
+        with pytest.raises(BadRequest) as refused:
+            GenerateRequest.from_dict({"request_id": "r", "prompt_token_ids": [1],
+                                       "kv_transfer_params": bad})
+        assert refused.value.param == "kv_transfer_params"
+    frame = FinishedFrame("length", None, 2, 1, 0, params)
+    assert FrameDecoder().feed(frame.to_msgpack()) == [frame]
+    assert FrameDecoder().feed(FinishedFrame("stop", None, 2, 1, 0).to_msgpack())[0] \
+        .kv_transfer_params is None
+    prefill, decode = engines
+    with pytest.raises(BadRequest, match="kv_transfer_params must be an object"):
+        prefill.add_request("bad", [1, 2, 3], PREFILL, kv_transfer_params=[1])  # type: ignore
+    # The last update carries the connector's params, never the client's echoed back.
+    prefill.add_request("last", _prompt(3, 2 * BS + 1), PREFILL, kv_transfer_params={
+        "do_remote_decode": True})
+    updates = []
+    while prefill.has_unfinished_requests():
+        updates += prefill.step()
+    assert all(u.kv_transfer_params is None for u in updates if not u.finished)
+    assert updates[-1].kv_transfer_params["remote_num_blocks"] == 2
+    decode.add_request("plain", [1, 2, 3], PREFILL, kv_transfer_params={"x": 1})
+    while decode.has_unfinished_requests():
+        updates = decode.step()
+    assert updates[-1].finished and updates[-1].kv_transfer_params is None
+    assert _all_free(prefill)

@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from services.engine.engine import EngineStats, RequestUpdate
 from services.engine.lora.commands import AdapterCommand, AdapterReply
@@ -101,10 +102,12 @@ class CoreClient:
         cache_salt: str | None,
         sink: Sink,
         lora_name: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         assert request_id not in self._sinks, request_id  # the server makes ids unique
         self._sinks[request_id] = sink
-        self._send(Add(request_id, prompt_token_ids, params, cache_salt, lora_name))
+        self._send(Add(request_id, prompt_token_ids, params, cache_salt, lora_name,
+                       kv_transfer_params))
         self.load_changed.set()
 
     async def adapter(self, cmd: AdapterCommand) -> AdapterReply:

@@ -266,7 +266,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     finished = False
     try:
         core.submit(rid, req.prompt_token_ids, req.params, req.cache_salt, updates.put_nowait,
-                    req.lora_name)
+                    req.lora_name, req.kv_transfer_params)
         first = await updates.get()
         if isinstance(first, BadRequest):
             finished = True
@@ -437,7 +437,8 @@ def _epoch_ns(monotonic_s: float) -> int:
 
 def _finished(u: RequestUpdate) -> bytes:
     return engine_api.FinishedFrame(u.finish_reason, u.stop_reason, u.num_prompt_tokens,
-                                    u.num_output_tokens, u.num_cached_tokens).to_msgpack()
+                                    u.num_output_tokens, u.num_cached_tokens,
+                                    u.kv_transfer_params).to_msgpack()
 
 
 # -- Redis: heartbeats and KV events ---------------------------------------------------------
