@@ -83,7 +83,7 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     deadline = loop.time() + state.config.request_timeout
     timed_out = oa.OpenAIError("the request timed out", status=504)
     gen = Generation(state.upstreams, model, plan.rid, plan.jobs, plan.salt,
-                     None if adapter is None else adapter.name)
+                     None if adapter is None else adapter.name, req.kv_transfer_params)
     timer: asyncio.TimerHandle | None = None
     state.metrics.in_flight.labels(endpoint, model.name).inc()
     try:
@@ -122,6 +122,9 @@ async def _plan(
         raise oa.OpenAIError(
             f"prompts x n must be at most {oa.MAX_CHOICES}, got {choices}", param="n"
         )
+    if req.kv_transfer_params is not None and choices != 1:
+        raise oa.OpenAIError("kv_transfer_params needs one prompt and n = 1",
+                             param="kv_transfer_params")
     prompts = await prepare_prompts(state.tokenize_pool, model, req)
     prompt_param = "messages" if req.kind == "chat" else "prompt"
     max_param = "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"
@@ -233,6 +236,8 @@ async def _collect(
         state.metrics.stream_errors.labels(plan.model.name).inc()
         raise oa.OpenAIError(f"generation failed: {exc}", status=502) from None
     body = builder.response(_usage(plan, gen))
+    if plan.req.kv_transfer_params is not None:  # vLLM's field: the P/D leg's answer
+        body["kv_transfer_params"] = gen.kv_transfer_params()
     state.metrics.e2e.labels(plan.model.name).observe(time.monotonic() - started)
     _log_done(plan, gen, "ok")
     return web.json_response(body, headers=_headers(plan, gen))

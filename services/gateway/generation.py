@@ -85,8 +85,12 @@ class Generation:
         jobs: Sequence[ChoiceJob],
         cache_salt: str | None,
         lora_name: str | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> None:
-        """``lora_name``: the LoRA adapter every choice runs under (None: the base model)."""
+        """``lora_name``: the LoRA adapter every choice runs under (None: the base model).
+        ``kv_transfer_params``: the client's, for the engine's KV connector (one choice)."""
+        assert kv_transfer_params is None or len(jobs) == 1
+        self._kv_params = kv_transfer_params
         self._up = up
         self._lora = lora_name
         self._model = model
@@ -144,6 +148,10 @@ class Generation:
         """(completion tokens, cached prompt tokens) of choice ``index`` so far."""
         t = self._decoders[self._position(index)].totals
         return t.completion_tokens, t.cached_tokens
+
+    def kv_transfer_params(self) -> dict | None:
+        """What the engine's KV connector returned for the (one) choice, once finished."""
+        return self._decoders[0].kv_transfer_params if self._decoders else None
 
     def _position(self, index: int) -> int:
         for pos, job in enumerate(self._jobs):
@@ -207,7 +215,8 @@ class Generation:
         for attempt in range(attempts):
             route = await self._route(job, exclude)
             rid = f"{self.request_id}-{job.index}" + (f"-r{attempt}" if attempt else "")
-            req = GenerateRequest(rid, job.prompt_ids, job.engine_params, self._salt, self._lora)
+            req = GenerateRequest(rid, job.prompt_ids, job.engine_params, self._salt, self._lora,
+                                  self._kv_params)
             guard = (up.watch.guard(route.engine_id, route.url) if up.watch is not None
                      else contextlib.nullcontext())
             try:
