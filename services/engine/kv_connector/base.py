@@ -59,6 +59,7 @@ class ConnectorRequest(Protocol):
     token_ids: list[int]
     block_hashes: list[BlockHash]
     num_cached_tokens: int
+    num_computed_tokens: int
     # The client's params while it runs (P/D: where to pull its prompt's KV, or that its
     # blocks are to be held), the connector's answer once it finished.
     kv_transfer_params: dict[str, Any] | None

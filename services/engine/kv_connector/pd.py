@@ -114,7 +114,7 @@ class PagodaPDConnector:
         self._asked = None
         if not self.role.loads or request.request_id in self._tried:
             return 0, False
-        remote = Remote.parse(getattr(request, "kv_transfer_params", None), self.layout)
+        remote = Remote.parse(request.kv_transfer_params, self.layout)
         if remote is None:
             return 0, False
         first = num_computed_tokens // self.block_size
@@ -142,11 +142,13 @@ class PagodaPDConnector:
     def request_finished(self, request: ConnectorRequest,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._tried.discard(request.request_id)
-        params = getattr(request, "kv_transfer_params", None)
+        params = request.kv_transfer_params
         if self.held is None or not isinstance(params, dict) or \
                 params.get("do_remote_decode") is not True:
             return False, None
-        full = block_ids[:len(request.prompt_token_ids) // self.block_size]
+        # Only blocks whose KV was computed (an abort mid-prompt leaves some unwritten).
+        computed = min(request.num_computed_tokens, len(request.prompt_token_ids))
+        full = block_ids[:computed // self.block_size]
         transfer_id = self.held.add(request.request_id, full) if full else None
         if transfer_id is None:  # nothing full, or too many held: the decode recomputes
             return False, {"do_remote_prefill": False, "do_remote_decode": False}
