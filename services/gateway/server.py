@@ -124,6 +124,7 @@ async def _resources(
         upstreams = Upstreams(
             session, router, metrics, config.max_retries, _CONNECT_TIMEOUT_S, tracer, watch,
             EngineWait(config.engine_wait_timeout, config.engine_wait_max_requests, metrics),
+            config.pd_disaggregation,
         )
         state = GatewayState(config, models, router, upstreams, metrics, pool)
         app[STATE] = state

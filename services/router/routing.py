@@ -121,6 +121,8 @@ class Router:
             for c in eligible
             if c.engine_id not in excluded and normalize_url(c.url) not in excluded
         ]
+        if req.role is not None:  # a P/D leg: engines of its role, or of both
+            candidates = [c for c in candidates if c.kv_role in (req.role, "both")]
         candidates = self._avoid_suspects(req.exclude, eligible, candidates)
         if req.lora_name is not None and candidates:
             candidates = with_adapter(candidates, snapshot, req.lora_name)
@@ -285,6 +287,7 @@ def _candidate(view: EngineView) -> Candidate:
         kv_usage=hb.kv_usage,
         step_ms=hb.step_ms,
         heartbeat_ts=hb.timestamp,
+        kv_role=hb.kv_role,
     )
 
 
