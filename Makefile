@@ -47,6 +47,7 @@ test-gpu:
 		tests/engine/test_triton_moe.py
 	PYTHONPATH=. $(PY) benchmarks/gpu_throughput.py
 
+# The router as a Gateway API endpoint picker (Envoy ext_proc, gRPC): make serve EXT_PROC_PORT=9002
 # Speculative decoding: make serve SPECULATIVE_CONFIG='{"method": "ngram", "num_speculative_tokens": 4}'
 # Multi-LoRA (vLLM's flags): make serve LORA_MODULES='sql=/adapters/sql chat=/adapters/chat'
 #   [MAX_LORAS=2 MAX_LORA_RANK=16 MAX_CPU_LORAS=4]; adapters loaded at run time (POST
@@ -68,6 +69,7 @@ LORA_FLAGS = $(if $(LORA_MODULES)$(LORA_ROOTS),--enable-lora,) \
 serve: install
 	$(PY) -m services.serve --port $(PORT) --engines $(ENGINES) $(if $(MODEL),--model $(MODEL),) \
 		$(if $(SPECULATIVE_CONFIG),--speculative-config '$(SPECULATIVE_CONFIG)',) \
+		$(if $(EXT_PROC_PORT),--ext-proc-port $(EXT_PROC_PORT),) \
 		$(strip $(LORA_FLAGS))
 
 bench: install

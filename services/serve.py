@@ -110,6 +110,10 @@ class ServeConfig:
         (), name="admin-api-key", repeat=True, metavar="KEY",
         help="an API key that may also load and unload LoRA adapters (repeat for several)",
     )
+    ext_proc_port: int = flag(
+        0, help="the router also serves Envoy's ext_proc (a Gateway API endpoint picker) on "
+        "this gRPC port, on loopback (0: off)",
+    )
     allow_runtime_lora_updating: bool = flag(
         False, help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (or "
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true); engines read adapters from --lora-roots",
@@ -118,6 +122,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if not 0 <= self.ext_proc_port < 65536:
+            raise ValueError(f"ext_proc_port must be in 0..65535, got {self.ext_proc_port}")
         if self.engines < 1:
             raise ValueError(f"engines must be >= 1, got {self.engines}")
 
@@ -188,10 +194,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                       cpus=cpus if args.engines > 1 else None)
             wait_http(f"{url}/health", 600, p)
         router_port = free_port()
+        picker = ["--ext-proc-port", str(args.ext_proc_port),
+                  "--tokenizer", f"{model_name}={model_dir}"] if args.ext_proc_port else []
         p = start("router", [_PY, "-m", "services.router", "--host", "127.0.0.1",
                              "--port", str(router_port),
                              "--redis-url", redis_url, "--engines", ",".join(engine_urls),
-                             "--policy", args.policy.value])
+                             "--policy", args.policy.value, *picker])
         wait_http(f"http://127.0.0.1:{router_port}/health", 60, p)
         gw_cmd = [_PY, "-m", "services.gateway", "--host", "127.0.0.1", "--port", str(args.port),
                   "--router-url", f"http://127.0.0.1:{router_port}",
@@ -208,6 +216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     model_name, args.port)
         for i, url in enumerate(engine_urls):  # vLLM's metric families live on each engine
             logger.info("engine-%d metrics: %s/metrics", i, url)
+        if args.ext_proc_port:
+            logger.info("endpoint picker (Envoy ext_proc, gRPC): 127.0.0.1:%d",
+                        args.ext_proc_port)
         logger.info("gateway metrics: http://127.0.0.1:%d/metrics; router metrics: "
                     "http://127.0.0.1:%d/metrics", args.port, router_port)
         while all(p.poll() is None for _, p in procs):
