@@ -90,6 +90,18 @@ def _default_model() -> Path:
     return path
 
 
+def router_flags(args: ServeConfig, port: int, redis_url: str, engine_urls: list[str],
+                 model_name: str, model_dir: Path) -> list[str]:
+    """The router's flags; with ``--ext-proc-port`` it is also the endpoint picker, on
+    loopback, with the served model's tokenizer."""
+    flags = ["--host", "127.0.0.1", "--port", str(port), "--redis-url", redis_url,
+             "--engines", ",".join(engine_urls), "--policy", args.policy.value]
+    if args.ext_proc_port:
+        flags += ["--ext-proc-port", str(args.ext_proc_port),
+                  "--tokenizer", f"{model_name}={model_dir}"]
+    return flags
+
+
 PROG = "python -m services.serve"
 # Set by serve for each engine (--port and --model are serve's own flags as well).
 _FIXED_ENGINE_FLAGS = {"--port", "--model", "--engine-id", "--redis-url"}
@@ -194,12 +206,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                       cpus=cpus if args.engines > 1 else None)
             wait_http(f"{url}/health", 600, p)
         router_port = free_port()
-        picker = ["--ext-proc-port", str(args.ext_proc_port),
-                  "--tokenizer", f"{model_name}={model_dir}"] if args.ext_proc_port else []
-        p = start("router", [_PY, "-m", "services.router", "--host", "127.0.0.1",
-                             "--port", str(router_port),
-                             "--redis-url", redis_url, "--engines", ",".join(engine_urls),
-                             "--policy", args.policy.value, *picker])
+        p = start("router", [_PY, "-m", "services.router",
+                             *router_flags(args, router_port, redis_url, engine_urls,
+                                           model_name, model_dir)])
         wait_http(f"http://127.0.0.1:{router_port}/health", 60, p)
         gw_cmd = [_PY, "-m", "services.gateway", "--host", "127.0.0.1", "--port", str(args.port),
                   "--router-url", f"http://127.0.0.1:{router_port}",
