@@ -13,6 +13,7 @@ import functools
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.redis_index import KVIndexPublisher
 from services.gateway.auth import cache_salt_for, tenant_id
-from services.protocol.block_hash import BlockHasher
+from services.protocol.block_hash import AdapterKey, BlockHasher
+from services.protocol.lora_api import IN_SLOT, AdapterStatus
 from services.router.ext_proc_server import EXT_PROC_PORT_KEY
 from services.router.server import ROUTER_KEY
 from services.text.tokenizer import Tokenizer
@@ -222,3 +224,42 @@ async def test_health_serves_only_when_synced(
                     break
                 await asyncio.sleep(0.1)
             assert await status("readiness") == serving
+
+
+async def test_streamed_mode_continues_each_chunk_and_picks_on_the_last(
+    redis_url: str, publisher: KVIndexPublisher, default_model_path: Path
+) -> None:
+    await register(publisher)
+    await publisher.apply_events("a", MODEL, [stored(blocks_for(default_model_path, None))])
+    async with picker(redis_url, default_model_path) as (_, stub), ep.stream(stub) as s:
+        await s.send(ep.headers(mode=ep.STREAMED))
+        assert ep.only([await s.read()]) == ["request_headers"]  # STREAMED waits for it
+        parts = ep.chunks(ep.chat_body(TEXT, MODEL), 3)
+        for part in parts[:-1]:
+            await s.send(part)
+            answer = await s.read()
+            assert ep.only([answer]) == ["request_body"]
+            assert not answer.request_body.response.HasField("header_mutation")
+        await s.send(parts[-1])
+        assert endpoint_of(await s.read(), "request_body").split(",")[0] == A
+
+
+async def test_an_adapter_name_picks_the_engine_holding_it(
+    redis_url: str, publisher: KVIndexPublisher, default_model_path: Path
+) -> None:
+    """``model`` naming a LoRA adapter: the base model's engines, the one holding it first,
+    and the prompt hashed in the adapter's chain (as the gateway hashes it)."""
+    sql = AdapterStatus("sql", "v1", IN_SLOT)
+    await publisher.publish_heartbeat(
+        replace(heartbeat("a", url=f"http://{A}"), adapters=[sql]), ttl_s=300)
+    await publisher.publish_heartbeat(heartbeat("b", url=f"http://{B}"), ttl_s=300)
+    async with picker(redis_url, default_model_path) as (client, stub):
+        async with ep.stream(stub) as s:
+            await s.send(ep.headers(), ep.body(ep.chat_body(TEXT, "sql"), True))
+            assert endpoint_of(await s.read(), "request_headers").split(",")[0] == A
+        ids = _tokenizer(default_model_path).encode_chat(MESSAGES)
+        adapter_chain = BlockHasher(MODEL, BLOCK_SIZE, None, adapter=AdapterKey("sql", "v1"))
+        snapshot = await client.server.app[ROUTER_KEY].index.lookup(
+            MODEL, adapter_chain.chain(ids))
+        held = {v.heartbeat.engine_id: v.matched_blocks for v in snapshot.engines}
+        assert held["a"] == len(ids) // BLOCK_SIZE  # the pick's write-back, in that chain
