@@ -122,11 +122,16 @@ class RouterConfig:
     ext_proc_max_body_bytes: int = flag(
         4 * 1024 * 1024, help="picker: a request body past this many bytes is refused (413)"
     )
+    ext_proc_max_buffered_bytes: int = flag(
+        256 * 1024 * 1024, help="picker: request-body bytes all streams may hold at once "
+        "(past it a 503)",
+    )
     ext_proc_max_streams: int = flag(
         1024, help="picker: concurrent ext_proc streams (more are refused by gRPC)"
     )
     ext_proc_body_timeout_s: float = flag(
-        30.0, help="picker: seconds from a request's headers to the end of its body (else 408)"
+        30.0, help="picker: seconds from a request's headers to the end of its body (else 408), "
+        "and for its pick (else 503)"
     )
     ext_proc_stream_timeout_s: float = flag(
         3600.0, help="picker: longest life of one ext_proc stream (request and response)"
@@ -193,7 +198,8 @@ class RouterConfig:
     def _check_ext_proc(self) -> None:
         if not 0 <= self.ext_proc_port <= 65535:
             raise ValueError(f"ext_proc_port must be in 0..65535, got {self.ext_proc_port}")
-        for name in ("ext_proc_max_body_bytes", "ext_proc_max_streams", "ext_proc_endpoints",
+        for name in ("ext_proc_max_body_bytes", "ext_proc_max_buffered_bytes",
+                     "ext_proc_max_streams", "ext_proc_endpoints",
                      "ext_proc_body_timeout_s", "ext_proc_stream_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")

@@ -17,9 +17,11 @@ picks engines with the same ``Router`` as ``/route`` and answers with the ordere
   served``); when a fallback served, the prompt's blocks are written back to it.
 - response body: passed on (streamed responses in full duplex, CONTINUE otherwise), never held.
 
-Bounds: a body past ``max_body_bytes`` is a 413 and is not buffered further; the body must end
-within ``body_timeout_s`` of the headers (else 408); the stream lives at most
-``stream_timeout_s``; the server admits ``ext_proc_max_streams`` streams at once.
+Bounds: a body past ``max_body_bytes`` is a 413 and is not buffered further; all streams
+together hold at most ``max_buffered_bytes`` of bodies (past that a 503); the body must end
+within ``body_timeout_s`` of the headers (else 408) and its pick take no longer (else 503); the
+stream lives at most ``stream_timeout_s``; the server admits ``ext_proc_max_streams`` streams
+at once.
 """
 
 from __future__ import annotations
@@ -57,6 +59,26 @@ class PickerLimits:
     stream_timeout_s: float = 3600.0
     endpoints: int = 3  # the pick and its fallbacks
     shed_waiting: int = 0  # 429 when every candidate has this many waiting (0: never)
+    max_buffered_bytes: int = 256 << 20  # request bodies held by all streams together
+
+
+class ByteBudget:
+    """The bytes of request bodies all streams hold at once (one event loop: no lock), so
+    ``max_streams`` bodies of ``max_body_bytes`` cannot add up to more than the router has."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, n: int) -> bool:
+        if self.used + n > self.limit:
+            return False
+        self.used += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.used -= n
+        assert self.used >= 0, "a stream gave back more than it took"
 
 
 class PickerMetrics:
@@ -97,7 +119,14 @@ class Picker:
         self.limits = limits
 
     async def pick(self, given: PickInput, subset: frozenset[str] | None) -> Picked:
-        """Raises Refusal."""
+        """Raises Refusal; 503 when tokenizing and picking take longer than the body may."""
+        try:
+            async with asyncio.timeout(self.limits.body_timeout_s):
+                return await self._pick(given, subset)
+        except TimeoutError:
+            raise Refusal(503, "the endpoint picker is overloaded", "overloaded") from None
+
+    async def _pick(self, given: PickInput, subset: frozenset[str] | None) -> Picked:
         try:
             req = await self.prompts.route_request(given)
         except OpenAIError as exc:
@@ -149,6 +178,7 @@ class _Stream:
     picker: Picker
     limits: PickerLimits
     metrics: PickerMetrics
+    budget: ByteBudget
     request_mode: int = FULL_DUPLEX
     response_mode: int = FULL_DUPLEX
     no_wait: bool = False
@@ -158,6 +188,7 @@ class _Stream:
     deferred: bool = False
     chunks: list[bytes] = field(default_factory=list)
     size: int = 0
+    held: int = 0  # bytes taken from the budget
     picked: Picked | None = None
     done: bool = False  # an immediate response ended the request
 
@@ -203,9 +234,14 @@ class _Stream:
             return []  # Envoy has an answer; nothing more of this body is ours to judge
         self.size += len(body.body)
         if self.size > self.limits.max_body_bytes:
-            self.chunks.clear()
+            self.release()
             return [self.refuse(Refusal(
                 413, f"the request body is larger than {self.limits.max_body_bytes} bytes"))]
+        if not self.budget.take(len(body.body)):
+            self.release()
+            return [self.refuse(Refusal(
+                503, "the endpoint picker holds too many request bodies", "overloaded"))]
+        self.held += len(body.body)
         self.chunks.append(body.body)
         if body.end_of_stream:
             return await self._finish(by_trailers=False)
@@ -220,6 +256,7 @@ class _Stream:
         try:
             self.picked = await self.picker.pick(given, self.subset)
         except Refusal as refusal:
+            self.release()
             return [self.refuse(refusal)]
         self.metrics.answers.labels(status="200").inc()
         common, metadata = em.destination(self.picked.endpoints)
@@ -233,8 +270,14 @@ class _Stream:
                     for i, p in enumerate(pieces)]
         else:
             out += [em.request_body_answer() for _ in self.chunks]
-        self.chunks.clear()
+        self.release()
         return out
+
+    def release(self) -> None:
+        """Drops the held body and gives its bytes back (also when the stream ends early)."""
+        self.chunks.clear()
+        self.budget.give(self.held)
+        self.held = 0
 
     async def _on_response_headers(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         if self.picked is not None:
@@ -259,17 +302,20 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
         self.picker = picker
         self.limits = picker.limits
         self.metrics = metrics
+        self.budget = ByteBudget(picker.limits.max_buffered_bytes)
 
     async def Process(  # noqa: N802 -- the generated servicer's name
         self, request_iterator: AsyncIterator[pb.ProcessingRequest],
         context: grpc.aio.ServicerContext,
     ) -> None:
-        stream = _Stream(self.picker, self.limits, self.metrics)
+        stream = _Stream(self.picker, self.limits, self.metrics, self.budget)
         try:
             async with asyncio.timeout(self.limits.stream_timeout_s):
                 await self._serve(stream, request_iterator, context)
         except TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "ext_proc stream too long")
+        finally:
+            stream.release()  # Envoy gave up mid-body, or the stream timed out
 
     async def _serve(self, stream: _Stream, requests: AsyncIterator[pb.ProcessingRequest],
                      context: grpc.aio.ServicerContext) -> None:

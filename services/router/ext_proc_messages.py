@@ -62,8 +62,14 @@ def subset_hint(msg: pb.ProcessingRequest) -> frozenset[str] | None:
                  if v.WhichOneof("kind") == "string_value"]
     elif kind == "string_value":
         items = [value.string_value]
-    found = {e.strip() for item in items for e in item.split(",")[:MAX_SUBSET]}
-    return frozenset(e for e in found if e)
+    found: set[str] = set()
+    for item in items:  # at most MAX_SUBSET in all, however the hint is split
+        for e in item.split(",", MAX_SUBSET)[:MAX_SUBSET]:
+            if e.strip():
+                found.add(e.strip())
+            if len(found) >= MAX_SUBSET:
+                return frozenset(found)
+    return frozenset(found)
 
 
 def served_endpoint(msg: pb.ProcessingRequest) -> str | None:

@@ -42,6 +42,7 @@ def limits_of(config: RouterConfig) -> PickerLimits:
         stream_timeout_s=config.ext_proc_stream_timeout_s,
         endpoints=config.ext_proc_endpoints,
         shed_waiting=config.ext_proc_shed_waiting,
+        max_buffered_bytes=config.ext_proc_max_buffered_bytes,
     )
 
 

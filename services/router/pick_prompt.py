@@ -84,7 +84,12 @@ class PromptReader:
         first = req.prompts[0] if req.prompts else []
         if isinstance(first, list):
             return first
-        return [] if tok is None else await self._run(lambda: tok.encode(first))
+        if tok is None:
+            return []
+        try:
+            return await self._run(lambda: tok.encode(first))
+        except Exception:  # noqa: BLE001 -- e.g. a lone surrogate the tokenizer cannot encode
+            raise oa.OpenAIError("the prompt cannot be tokenized", param="prompt") from None
 
     async def _run(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
@@ -93,7 +98,7 @@ class PromptReader:
 def _parse(path: str, body: bytes) -> oa.GenerationRequest:
     try:
         obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than Python's stack
         raise oa.OpenAIError("the request body is not valid JSON") from None
     chat = path.rstrip("/").endswith("/chat/completions") or (
         not path.rstrip("/").endswith("/completions") and isinstance(obj, dict)

@@ -137,6 +137,7 @@ async def test_no_eligible_endpoint_bad_body_and_oversized_body(
         cases = [
             (ep.chat_body("hi", "no-such-model"), 1, 503),  # no engine serves the model
             (b"{not json", 1, 400),
+            (b"[" * 1900 + b"]" * 1900, 1, 400),  # nested past Python's recursion limit
             (json.dumps({"model": MODEL}).encode(), 1, 400),  # neither messages nor prompt
             (ep.chat_body("x" * 5000, MODEL), 4, 413),  # over the limit, in chunks
             (ep.chat_body("x" * 5000, MODEL), 1, 413),  # over the limit, one buffered body
@@ -263,3 +264,26 @@ async def test_an_adapter_name_picks_the_engine_holding_it(
             MODEL, adapter_chain.chain(ids))
         held = {v.heartbeat.engine_id: v.matched_blocks for v in snapshot.engines}
         assert held["a"] == len(ids) // BLOCK_SIZE  # the pick's write-back, in that chain
+
+
+async def test_all_streams_together_hold_a_bounded_number_of_body_bytes(
+    redis_url: str, publisher: KVIndexPublisher, default_model_path: Path
+) -> None:
+    await register(publisher)
+    async with picker(redis_url, default_model_path, ext_proc_max_body_bytes=4096,
+                      ext_proc_max_buffered_bytes=6000) as (_, stub):
+        async with ep.stream(stub) as s1:
+            await s1.send(ep.headers(), ep.body(b" " * 3000, False))  # held, body not ended
+            async with ep.stream(stub) as s2:
+                await s2.send(ep.headers(), ep.body(b" " * 3500, False))
+                assert (await s2.read()).immediate_response.status.code == 503
+        # s1 went away mid-body: its bytes are given back, and a body fits again.
+        for _ in range(50):
+            async with ep.stream(stub) as s3:
+                await s3.send(ep.headers(), ep.body(b" " * 3500, False),
+                              ep.body(ep.chat_body("hi", MODEL), True))
+                answer = await s3.read()
+            if not answer.HasField("immediate_response"):
+                break
+            await asyncio.sleep(0.1)  # the cancelled stream's handler has not ended yet
+        assert ep.only([answer]) == ["request_headers"]
