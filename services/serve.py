@@ -93,6 +93,18 @@ def _default_model() -> Path:
     return path
 
 
+def router_flags(args: ServeConfig, port: int, redis_url: str, engine_urls: list[str],
+                 model_name: str, model_dir: Path) -> list[str]:
+    """The router's flags; with ``--ext-proc-port`` it is also the endpoint picker, on
+    loopback, with the served model's tokenizer."""
+    flags = ["--host", "127.0.0.1", "--port", str(port), "--redis-url", redis_url,
+             "--engines", ",".join(engine_urls), "--policy", args.policy.value]
+    if args.ext_proc_port:
+        flags += ["--ext-proc-port", str(args.ext_proc_port),
+                  "--tokenizer", f"{model_name}={model_dir}"]
+    return flags
+
+
 PROG = "python -m services.serve"
 # Set by serve for each engine (--port and --model are serve's own flags as well).
 _FIXED_ENGINE_FLAGS = {"--port", "--model", "--engine-id", "--redis-url"}
@@ -116,6 +128,10 @@ class ServeConfig:
     prefill_engines: int = flag(0, help="disaggregated prefill/decode: prefill engines (with "
                                 "--decode-engines; replaces --engines)")
     decode_engines: int = flag(0, help="disaggregated prefill/decode: decode engines")
+    ext_proc_port: int = flag(
+        0, help="the router also serves Envoy's ext_proc (a Gateway API endpoint picker) on "
+        "this gRPC port, on loopback (0: off)",
+    )
     allow_runtime_lora_updating: bool = flag(
         False, help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (or "
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true); engines read adapters from --lora-roots",
@@ -124,6 +140,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if not 0 <= self.ext_proc_port < 65536:
+            raise ValueError(f"ext_proc_port must be in 0..65535, got {self.ext_proc_port}")
         if self.engines < 1:
             raise ValueError(f"engines must be >= 1, got {self.engines}")
         if self.prefill_engines < 0 or self.decode_engines < 0 or \
@@ -220,10 +238,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                       cpus=cpus if len(roles) > 1 else None)
             wait_http(f"{url}/health", 600, p)
         router_port = free_port()
-        p = start("router", [_PY, "-m", "services.router", "--host", "127.0.0.1",
-                             "--port", str(router_port),
-                             "--redis-url", redis_url, "--engines", ",".join(engine_urls),
-                             "--policy", args.policy.value])
+        p = start("router", [_PY, "-m", "services.router",
+                             *router_flags(args, router_port, redis_url, engine_urls,
+                                           model_name, model_dir)])
         wait_http(f"http://127.0.0.1:{router_port}/health", 60, p)
         gw_cmd = [_PY, "-m", "services.gateway", "--host", "127.0.0.1", "--port", str(args.port),
                   "--router-url", f"http://127.0.0.1:{router_port}",
@@ -242,6 +259,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     model_name, args.port)
         for i, url in enumerate(engine_urls):  # vLLM's metric families live on each engine
             logger.info("engine-%d metrics: %s/metrics", i, url)
+        if args.ext_proc_port:
+            logger.info("endpoint picker (Envoy ext_proc, gRPC): 127.0.0.1:%d",
+                        args.ext_proc_port)
         logger.info("gateway metrics: http://127.0.0.1:%d/metrics; router metrics: "
                     "http://127.0.0.1:%d/metrics", args.port, router_port)
         while all(p.poll() is None for _, p in procs):

@@ -26,7 +26,7 @@ from services.common.http_errors import error_middleware, json_error
 from services.common.logs import setup_logging
 from services.engine.config import EngineConfig
 from services.engine.engine import RequestUpdate
-from services.engine.serving import lora_api
+from services.engine.serving import lora_api, zmq_kv_events
 from services.engine.serving.core_client import CoreClient, InternalEngineError
 from services.engine.serving.core_process import EngineCoreProcess
 from services.engine.serving.engine_thread import EngineThread
@@ -100,6 +100,9 @@ def _engine_ctx(engine_config: EngineConfig):
             tokens)
         if isinstance(core, EngineCoreProcess):
             core.on_death = lambda: _on_core_death(app)
+        cfg = app[SERVER_CONFIG]
+        kv_zmq = zmq_kv_events.attach(cfg.kv_events_config, core,
+                                      redis_drains=bool(cfg.redis_url))
         core.start(asyncio.get_running_loop())
         app[LIFECYCLE].publisher = asyncio.create_task(_publish_loop(app))
         try:
@@ -108,16 +111,19 @@ def _engine_ctx(engine_config: EngineConfig):
             logger.info("stopping the engine")
             await _stop_publishing(app)
             await asyncio.to_thread(core.stop)
+            if kv_zmq is not None:
+                await asyncio.to_thread(kv_zmq.close)
             logger.info("engine stopped")
 
     return ctx
 
 
 def _make_core(engine_config: EngineConfig, server_config: ServerConfig) -> CoreClient:
-    # KV events only for the Redis publisher: without it nobody would drain them.
+    # KV events only for a consumer (Redis, ZeroMQ): without one nobody would drain them.
     core_cls = EngineCoreProcess if server_config.engine_core == "process" else EngineThread
     return core_cls(engine_config, server_config.debug_step_delay_s,
-                    publish_kv_events=bool(server_config.redis_url))
+                    publish_kv_events=bool(server_config.redis_url)
+                    or zmq_kv_events.records_events(server_config.kv_events_config))
 
 
 def _on_core_death(app: web.Application) -> None:

@@ -29,6 +29,10 @@ class ServerConfig:
     redis_url: str | None = flag(
         None, help="Redis for heartbeats and KV events (default: none, no routing index)"
     )
+    kv_events_config: str | None = flag(
+        None, help="vLLM's KV-event publisher, as JSON: '{\"enable_kv_cache_events\": true, "
+        "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"topic\": \"\"}' (beside Redis)",
+    )
     heartbeat_interval_s: float = flag(
         1.0, help="seconds between heartbeats (sooner when requests arrive or finish)")
     heartbeat_ttl_s: float = flag(5.0, help="seconds a heartbeat stays live in Redis")
@@ -69,6 +73,9 @@ class ServerConfig:
             raise ValueError(f"engine_core must be one of {', '.join(ENGINE_CORES)}, "
                              f"got {self.engine_core!r}")
         check_log_level(self.log_level)
+        from services.engine.serving.zmq_kv_events import KVEventsConfig
+
+        KVEventsConfig.parse(self.kv_events_config)  # validates
 
     def resolved_engine_id(self) -> str:
         return self.engine_id or f"{socket.gethostname()}-{self.port}"
