@@ -62,8 +62,10 @@ _DEFAULT_CPU_KV_BYTES = 2 * 1024**3
 _GPU_MEMORY_FRACTION = 0.85
 # The other ranks' entry, run as ``python -m``: builds their shard with this runner.
 TP_WORKER_MODULE = "services.engine.tp_worker"
-# Flags a worker node may set differently from its leader (its own place, its own cores).
-_PER_NODE_FLAGS = frozenset({"model", "node_rank", "cpu_threads", "device", "master_addr"})
+# Flags a worker node may set differently from its leader (its own place, its own cores), and
+# those the identity names by what they resolve to (the model's name, the dtype).
+_NOT_COMPARED_FLAGS = frozenset({"model", "node_rank", "cpu_threads", "device", "master_addr",
+                                 "served_model_name", "dtype"})
 
 
 def node_group(config: EngineConfig) -> NodeGroup | None:
@@ -84,7 +86,7 @@ def group_identity(config: EngineConfig, model_path: str) -> dict[str, str]:
         "pagoda version": package_version(),
     }
     for f in dataclasses.fields(config):
-        if f.name not in _PER_NODE_FLAGS:
+        if f.name not in _NOT_COMPARED_FLAGS:
             identity["--" + f.name.replace("_", "-")] = repr(getattr(config, f.name))
     return identity
 

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import signal
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -95,17 +96,6 @@ def test_lws_environment_sets_the_node_group() -> None:
         configs_from_args(["--pipeline-parallel-size", "2"], env={})
 
 
-def test_a_group_from_the_lws_environment_serves_one_engines_tokens(fast_model_dir) -> None:
-    expected = _reference(fast_model_dir)
-    port = free_port()
-    with _launched(_worker(fast_model_dir, port)) as worker, \
-            _stack(fast_model_dir, port) as stack:
-        worker.wait_healthy()  # joined, its shard loaded
-        assert _complete(stack.base_url, stack.model) == expected
-        with urllib.request.urlopen(worker.url + "/health", timeout=5) as r:
-            assert json.loads(r.read())["role"] == "worker"
-
-
 def test_a_worker_with_another_dtype_is_refused(fast_model_dir) -> None:
     port = free_port()
     leader = ServiceProcess("services.engine.serving.server",
@@ -142,38 +132,61 @@ def _stream_until_error(url: str) -> list[object]:
     return frames
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill", "stop"])
-def test_a_lost_worker_takes_the_group_out_of_routing(fast_model_dir, sig) -> None:
-    import threading
+def _lose_worker(stack: PagodaStack, worker: ServiceProcess, sig: signal.Signals) -> None:
+    """Sends ``sig`` to the worker node while a stream decodes on the leader: the leader must
+    leave routing within 5 s, end the stream with an error frame and exit non-zero; the
+    worker must not outlive its group."""
+    leader, router = stack.engines[0], stack.routers[0].url
+    wait_for(lambda: router_engines(router) == {stack.engine_id(0)}, 10, "router sees it")
+    frames: list[object] = []
+    streaming = threading.Thread(target=lambda: frames.extend(_stream_until_error(leader.url)))
+    streaming.start()
+    time.sleep(1.0)  # the request is decoding
+    os.kill(worker.proc.pid, sig)
+    lost_at = time.monotonic()
+    wait_for(lambda: stack.engine_id(0) not in router_engines(router), 5.0,
+             "the leader leaves routing")
+    left_after = time.monotonic() - lost_at
+    code = leader.proc.wait(10)
+    streaming.join(10)
+    print(f"\n{sig.name}: the leader left routing after {left_after:.2f}s, exit {code}")
+    assert code != 0, leader.log_tail()
+    assert any(isinstance(f, engine_api.ErrorFrame) for f in frames), frames[-3:]
+    assert "worker node rank 1" in leader.log_text()
+    if sig == signal.SIGSTOP:
+        os.kill(worker.proc.pid, signal.SIGCONT)
+    assert worker.proc.wait(10) != 0
 
-    port = free_port()
-    stack = _stack(fast_model_dir, port)
+
+def _slow_stack(model: Path, port: int) -> PagodaStack:
+    stack = _stack(model, port)  # slow steps: a stream is still decoding when the worker goes
     stack.options.engine_args = [[*_group_args(port), "--debug-step-delay-s", "0.05"]]
+    return stack
+
+
+def test_a_group_serves_one_engines_tokens_and_a_killed_worker_ends_it(fast_model_dir) -> None:
+    """From the LWS environment alone: the tokens of a single-process engine through the
+    router and gateway; SIGKILL on the worker takes the leader out of routing; the group,
+    started again (as LWS recreates it), serves the same tokens."""
+    expected = _reference(fast_model_dir)
+    port = free_port()
+    stack = _slow_stack(fast_model_dir, port)
     with _launched(_worker(fast_model_dir, port)) as worker, stack:
-        worker.wait_healthy()
-        leader, router = stack.engines[0], stack.routers[0].url
-        wait_for(lambda: router_engines(router) == {stack.engine_id(0)}, 10, "router sees it")
-        frames: list[object] = []
-        streaming = threading.Thread(target=lambda: frames.extend(_stream_until_error(leader.url)))
-        streaming.start()
-        time.sleep(1.0)  # the request is decoding
-        os.kill(worker.proc.pid, sig)
-        lost_at = time.monotonic()
-        wait_for(lambda: stack.engine_id(0) not in router_engines(router), 5.0,
-                 "the leader leaves routing")
-        left_after = time.monotonic() - lost_at
-        code = leader.proc.wait(10)
-        streaming.join(10)
-        print(f"\n{sig.name}: the leader left routing after {left_after:.2f}s, exit {code}")
-        assert code != 0, leader.log_tail()
-        assert any(isinstance(f, engine_api.ErrorFrame) for f in frames), frames[-3:]
-        assert "worker node rank 1" in leader.log_text()
-        if sig == signal.SIGSTOP:
-            os.kill(worker.proc.pid, signal.SIGCONT)
-        assert worker.proc.wait(10) != 0  # a worker never outlives its leader's group
-        # the group comes back (LWS recreates every pod of it) and serves again
+        worker.wait_healthy()  # joined, its shard loaded
+        assert _complete(stack.base_url, stack.model) == expected
+        with urllib.request.urlopen(worker.url + "/health", timeout=5) as r:
+            assert json.loads(r.read())["role"] == "worker"
+        _lose_worker(stack, worker, signal.SIGKILL)
         with _launched(_worker(fast_model_dir, port)) as again:
             stack.restart_engine(0)
             again.wait_healthy()
-            wait_for(lambda: router_engines(router) == {stack.engine_id(0)}, 10, "back")
-            assert _complete(stack.base_url, stack.model)
+            wait_for(lambda: stack.engine_id(0) in router_engines(stack.routers[0].url), 10,
+                     "the group is back in routing")
+            assert _complete(stack.base_url, stack.model) == expected
+
+
+def test_a_stopped_worker_takes_the_group_out_of_routing(fast_model_dir) -> None:
+    port = free_port()
+    stack = _slow_stack(fast_model_dir, port)
+    with _launched(_worker(fast_model_dir, port)) as worker, stack:
+        _lose_worker(stack, worker, signal.SIGSTOP)

@@ -218,12 +218,14 @@ def _send(conn: socket.socket, message: dict) -> None:
 
 
 def _receive(conn: socket.socket) -> dict:
-    data = b""
+    """One line, read a byte at a time: the heartbeats that follow an answer on the same
+    connection must stay unread for the link (a handshake is read once, and is short)."""
+    data = bytearray()
     while not data.endswith(b"\n"):
-        chunk = conn.recv(4096)
-        if not chunk:
+        byte = conn.recv(1)
+        if not byte:
             raise ValueError("the peer closed the connection mid-handshake")
-        data += chunk
+        data += byte
         if len(data) > _MAX_MESSAGE:
             raise ValueError(f"handshake message over {_MAX_MESSAGE} bytes")
     message = json.loads(data)
