@@ -91,25 +91,29 @@ class Door:
 
     def __init__(self, nodes: NodeGroup) -> None:
         self.nodes = nodes
+        self.tokens = internal_tokens()
         self.listener = _listen(nodes.master_addr, nodes.master_port)
 
     def admit(self, identity: Identity, store_port: int, prefix: str,
               timeout_s: float) -> dict[int, socket.socket]:
         """Admits ranks 1..N-1 (each once); returns their links by rank. ``TimeoutError``
         when they are not all in within ``timeout_s``."""
-        tokens = internal_tokens()
         wanted = set(range(1, self.nodes.nnodes))
         links: dict[int, socket.socket] = {}
         deadline = time.monotonic() + timeout_s
         try:
             while wanted - set(links):
+                missing = (f"worker nodes {sorted(wanted - set(links))} did not join within "
+                           f"{timeout_s:.0f}s")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"worker nodes {sorted(wanted - set(links))} did not join "
-                                       f"within {timeout_s:.0f}s")
+                    raise TimeoutError(missing)
                 self.listener.settimeout(left)
-                conn, peer = self.listener.accept()
-                rank = self._handshake(conn, peer, identity, tokens, wanted - set(links),
+                try:
+                    conn, peer = self.listener.accept()
+                except TimeoutError:
+                    raise TimeoutError(missing) from None
+                rank = self._handshake(conn, peer, identity, self.tokens, wanted - set(links),
                                        (store_port, prefix))
                 if rank is None:
                     conn.close()

@@ -91,6 +91,8 @@ class NodeLinks:
         """Reads what ``name`` sent; why the link is lost, ``"!"`` for a goodbye, or None."""
         try:
             data = self._links[name].recv(4096)
+        except ConnectionResetError:  # closed with our pings unread: a death too
+            data = b""
         except OSError as exc:
             return f"{name}'s connection failed ({exc})"
         if not data:
