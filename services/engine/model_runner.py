@@ -138,7 +138,10 @@ class ModelRunner:
         ``tensor_parallel_size`` > 1 is rank 0: it starts the other ranks (``parallel.workers``)
         and sends them every step; only rank 0 samples."""
         self.workers: WorkerGroup | None = None
-        assert tp is not None or config.node_rank == 0, "a worker node is built with its group"
+        if tp is None and config.node_rank != 0:
+            raise ValueError(f"node_rank={config.node_rank}: a worker node joins its leader "
+                             "through `python -m services.engine.serving.server` (it serves "
+                             "no requests itself)")
         if tp is None and config.tensor_parallel_size > 1:
             # before anything starts: a model whose heads do not split is an error at once
             check_sizes(ModelConfig.from_hf_dir(model_path), config.tensor_parallel_size)
