@@ -52,8 +52,12 @@ def test_the_leader_admits_the_right_worker_and_refuses_others(monkeypatch, capl
         node_join.request_admission(NodeGroup(2, 5, "127.0.0.1", leader.master_port),
                                     IDENTITY, 10)
 
+    mute = socket.create_connection(("127.0.0.1", leader.master_port))  # says nothing
+    start = time.monotonic()
     admission = node_join.request_admission(worker, IDENTITY, 10)
+    assert time.monotonic() - start < 2  # the mute peer held no one up
     thread.join(10)
+    mute.close()
     assert (admission.store_port, admission.prefix) == (1234, "p" * 32)
     assert set(out["links"]) == {1}
     assert "differs from the leader" in caplog.text

@@ -15,9 +15,9 @@ What a stranger who can reach the rendezvous port meets (read as an attacker wou
 * The torch rendezvous store (``TCPStore``: no authentication of its own) is reached only
   under a random 128-bit key prefix that only admitted workers learn, so a stranger who finds
   the store's port cannot register as a rank.
-* A rank is admitted once; the door closes once every rank is in. A peer that connects and
-  says nothing delays the admission by at most ``_HANDSHAKE_S`` (connections are taken one at
-  a time).
+* A rank is admitted once; the door closes once every rank is in. Each connection is heard
+  on its own thread and dropped after ``_HANDSHAKE_S``, so a peer that connects and says
+  nothing delays no one.
 
 A worker whose identity (model, weights digest, dtype, Pagoda version, engine flags) differs
 from the leader's is refused with the differences named: the leader logs them and keeps
@@ -32,6 +32,7 @@ import logging
 import os
 import secrets
 import socket
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ TOKENS_ENV = "PAGODA_INTERNAL_TOKENS"
 _MAX_MESSAGE = 64 * 1024
 _HANDSHAKE_S = 10.0
 _RETRY_S = 0.5  # a worker that starts before its leader listens tries again this often
+_ACCEPT_POLL_S = 0.2
 
 Identity = Mapping[str, str]
 
@@ -97,54 +99,57 @@ class Door:
     def admit(self, identity: Identity, store_port: int, prefix: str,
               timeout_s: float) -> dict[int, socket.socket]:
         """Admits ranks 1..N-1 (each once); returns their links by rank. ``TimeoutError``
-        when they are not all in within ``timeout_s``."""
-        wanted = set(range(1, self.nodes.nnodes))
-        links: dict[int, socket.socket] = {}
+        when they are not all in within ``timeout_s``. Each knock is heard on its own thread,
+        so a peer that connects and says nothing delays no one."""
+        wanted = frozenset(range(1, self.nodes.nnodes))
+        admitted: dict[int, socket.socket] = {}
+        lock = threading.Lock()
         deadline = time.monotonic() + timeout_s
+        self.listener.settimeout(_ACCEPT_POLL_S)
         try:
-            while wanted - set(links):
-                missing = (f"worker nodes {sorted(wanted - set(links))} did not join within "
-                           f"{timeout_s:.0f}s")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(missing)
-                self.listener.settimeout(left)
+            while True:
+                with lock:
+                    missing = sorted(wanted - set(admitted))
+                if not missing:
+                    return dict(admitted)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"worker nodes {missing} did not join within "
+                                       f"{timeout_s:.0f}s")
                 try:
                     conn, peer = self.listener.accept()
                 except TimeoutError:
-                    raise TimeoutError(missing) from None
-                rank = self._handshake(conn, peer, identity, self.tokens, wanted - set(links),
-                                       (store_port, prefix))
-                if rank is None:
-                    conn.close()
-                else:
-                    links[rank] = conn
+                    continue
+                threading.Thread(target=self._handshake, name="node-join", daemon=True,
+                                 args=(conn, peer, identity, (store_port, prefix), wanted,
+                                       admitted, lock)).start()
         except BaseException:
-            for conn in links.values():
-                conn.close()
+            with lock:
+                for conn in admitted.values():
+                    conn.close()
             raise
         finally:
             self.listener.close()  # nobody else may knock once the group is whole
-        return links
 
     def _handshake(self, conn: socket.socket, peer: object, identity: Identity,
-                   tokens: tuple[str, ...], open_ranks: set[int],
-                   store: tuple[int, str]) -> int | None:
+                   store: tuple[int, str], wanted: frozenset[int],
+                   admitted: dict[int, socket.socket], lock: threading.Lock) -> None:
+        """One knock: the rank is claimed and answered under ``lock`` (never twice)."""
         conn.settimeout(_HANDSHAKE_S)
         try:
             hello = _receive(conn)
-            verdict = _judge(hello, identity, tokens, open_ranks)
-            if verdict is not None:
-                logger.error("refused a worker node from %s: %s", peer, verdict)
-                _send(conn, {"ok": False, "error": verdict})
-                return None
-            _send(conn, {"ok": True, "store_port": store[0], "prefix": store[1]})
+            with lock:
+                verdict = _judge(hello, identity, self.tokens, wanted - set(admitted))
+                if verdict is None:
+                    _send(conn, {"ok": True, "store_port": store[0], "prefix": store[1]})
+                    conn.settimeout(None)
+                    admitted[hello["rank"]] = conn
+                    logger.info("worker node rank=%d joined from %s", hello["rank"], peer)
+                    return
+            logger.error("refused a worker node from %s: %s", peer, verdict)
+            _send(conn, {"ok": False, "error": verdict})
         except (OSError, ValueError) as exc:
             logger.warning("a join from %s failed: %s", peer, exc)
-            return None
-        conn.settimeout(None)
-        logger.info("worker node rank=%d joined from %s", hello["rank"], peer)
-        return int(hello["rank"])
+        conn.close()
 
 
 def _judge(hello: dict, identity: Identity, tokens: tuple[str, ...],
