@@ -93,6 +93,20 @@ class EngineConfig:
         help="model ranks (GPUs) the model is split over, Megatron style: one process each, "
         "over NCCL on GPUs (gloo on the CPU)",
     )
+    pipeline_parallel_size: int = flag(
+        1, help="pipeline stages (vLLM's flag); only 1 is supported yet")
+    # A node group: ranks in several pods, each started on its own (``parallel.node_group``);
+    # in a LeaderWorkerSet these come from its environment (LWS_GROUP_SIZE, ...).
+    nnodes: int = flag(
+        1, help="pods (nodes) the engine's ranks span, one rank each for now: "
+        "tensor_parallel_size must equal it (default: $LWS_GROUP_SIZE, else 1)")
+    node_rank: int = flag(
+        0, help="this pod's place in its node group: 0 is the leader (serves HTTP, joins the "
+        "router), others are workers that join it (default: $LWS_WORKER_INDEX, else 0)")
+    master_addr: str = flag(
+        "127.0.0.1", help="the leader's address, where worker nodes join it "
+        "(default: $LWS_LEADER_ADDRESS, else 127.0.0.1)")
+    master_port: int = flag(29501, help="the leader's rendezvous port for worker nodes")
 
     enable_lora: bool = flag(
         False, help="serve LoRA adapters of the model (vLLM's flag); off, the engine has none"
@@ -154,6 +168,7 @@ class EngineConfig:
         self.hash_algorithm = _enum(HashAlgorithm, self.hash_algorithm, "hash_algorithm")
         for name in ("block_size", "max_num_seqs", "tensor_parallel_size"):
             _require_positive(name, getattr(self, name))
+        self._check_nodes()
         for name in ("num_blocks", "kv_cache_memory", "max_model_len", "cpu_threads",
                      "max_num_batched_tokens"):
             if getattr(self, name) is not None:
@@ -176,6 +191,25 @@ class EngineConfig:
             if spec is not None and spec.method is SpecMethod.DRAFT_MODEL:
                 raise ValueError("kv_offloading_size / kv_store_url are not supported with a "
                                  "draft model yet (its KV is not offloaded); ngram works")
+
+    def _check_nodes(self) -> None:
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} is not "
+                             "supported yet (only 1)")
+        _require_positive("nnodes", self.nnodes)
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in 0..{self.nnodes - 1} (nnodes={self.nnodes}), "
+                             f"got {self.node_rank!r}")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be in 1..65535, got {self.master_port!r}")
+        if self.nnodes > 1 and self.tensor_parallel_size != self.nnodes:
+            raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) must equal "
+                             f"nnodes ({self.nnodes}): one rank per pod for now")
+
+    @property
+    def ranks_per_node(self) -> int:
+        """The ranks in this pod (they share its cores)."""
+        return self.tensor_parallel_size // self.nnodes
 
     def _check_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):

@@ -478,6 +478,9 @@ async def _publish_loop(app: web.Application) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     engine_config, server_config = configs_from_args(argv)  # flags: server_config.py
+    if engine_config.node_rank != 0:  # a worker node: no API, no router (node_worker.py)
+        _run_worker_node(engine_config, server_config)
+        return
     setup_logging(server_config.log_level, "engine")
     global _EXIT_ON_CORE_DEATH
     _EXIT_ON_CORE_DEATH = True
@@ -493,6 +496,15 @@ def main(argv: list[str] | None = None) -> None:
     if app[LIFECYCLE].core_died:
         logger.error("exiting: the engine core process died")
         raise SystemExit(1)
+
+
+def _run_worker_node(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    from services.engine.models.default import default_model_path
+    from services.engine.serving import node_worker
+
+    setup_logging(server_config.log_level, f"engine-node{engine_config.node_rank}")
+    node_worker.run(engine_config, server_config,
+                    engine_config.model or str(default_model_path()))
 
 
 if __name__ == "__main__":
