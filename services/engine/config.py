@@ -12,6 +12,7 @@ from services.common.cli import flag
 from services.common.default_model import default_model_dir, is_converted
 from services.engine.cpu_ops.isa import has_amx
 from services.engine.lora.request import LoRAModule
+from services.engine.quantization import SCHEMES
 from services.engine.spec_decode.config import SpecMethod, SpeculativeConfig, check_draft_matches
 from services.protocol.block_hash import HashAlgorithm
 
@@ -89,6 +90,13 @@ class EngineConfig:
         "over NCCL on GPUs (gloo on the CPU)",
     )
 
+    quantization: str | None = flag(
+        None,
+        help="the checkpoint's quantization method (vLLM's flag): read from its config.json "
+        "quantization_config; set, it must name the same (compressed-tensors); a checkpoint is "
+        "never quantized at load (default: the checkpoint's)",
+    )
+
     enable_lora: bool = flag(
         False, help="serve LoRA adapters of the model (vLLM's flag); off, the engine has none"
     )
@@ -144,6 +152,9 @@ class EngineConfig:
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = self._default_step_tokens()
         self._check_lora()
+        if self.quantization is not None and self.quantization not in SCHEMES:
+            raise ValueError(f"quantization must be one of {sorted(SCHEMES)}, got "
+                             f"{self.quantization!r}")
         self._check_kv_tiers()
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

@@ -23,9 +23,11 @@ from torch import nn
 from services.engine.attention.base import AttentionBackend
 from services.engine.models.config import ModelConfig
 from services.engine.models.layer_kernels import select_kernels
-from services.engine.models.layers import CausalLM
+from services.engine.models.layers import CausalLM, Linear
 from services.engine.models.parallel_layers import ShardRange
 from services.engine.models.registry import get_model_class
+from services.engine.quantization import quant_config_for
+from services.engine.quantization.base import QuantConfig
 
 logger = logging.getLogger(__name__)
 
@@ -49,24 +51,33 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     attn_backend: AttentionBackend | None = None,
+    quantization: str | None = None,
 ) -> CausalLM:
     """Builds the model for the HF directory ``path`` and loads its safetensors weights.
 
-    ``attn_backend`` defaults to the torch (CPU reference) backend.
+    ``attn_backend`` defaults to the torch (CPU reference) backend. The checkpoint's
+    ``quantization_config`` decides how each linear layer holds its weight; ``quantization``
+    (the engine's flag) must agree with it (``quantization.quant_config_for``).
     """
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"unsupported dtype {dtype}; supported: {SUPPORTED_DTYPES}")
     path = Path(path)
     config = ModelConfig.from_hf_dir(path)
+    quant = quant_config_for(config.quantization, quantization, torch.device(device))
     if attn_backend is None:
         attn_backend = _default_backend()
     start = time.perf_counter()
     with torch.device("meta"):
         model = get_model_class(config.architecture)(config, attn_backend, dtype)
+        if quant is not None:
+            _assign_methods(model, quant)
     model = model.to_empty(device=torch.device(device))
     model.reset_buffers()
     model.use_kernels(select_kernels(device, dtype))  # once: layers never check the device
     num_tensors = load_weights(model, path)
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.method.process_weights_after_loading(module)
     model.after_load()
     model.eval()
     logger.info(
@@ -80,6 +91,20 @@ def load_model(
         time.perf_counter() - start,
     )
     return model
+
+
+def _assign_methods(model: CausalLM, quant: QuantConfig) -> None:
+    """Hands every linear layer its method from ``quant``, by the checkpoint names of the
+    weights it holds (a fused projection's stacked sources)."""
+    stacked = model.stacked_params()
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear) or not module.quantizable:
+            continue
+        parent, _, short = name.rpartition(".")
+        sources = tuple(f"{parent}.{s}" if parent else s for s in stacked.get(short, (short,)))
+        method = quant.linear_method(sources)
+        if method is not None:
+            module.use_method(method)
 
 
 def _default_backend() -> AttentionBackend:
@@ -112,6 +137,9 @@ def load_weights(model: CausalLM, path: Path) -> int:
             tensor = file.get_tensor(stored)
         else:
             tensor, target = _read_shard(file, stored, slot.shard, target)
+        if target.dtype not in SUPPORTED_DTYPES and tensor.dtype != target.dtype:
+            raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype}; its quantized "
+                             f"layer expects {target.dtype}")
         if not _fits(tensor.shape, target.shape):
             raise ValueError(
                 f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "

@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.models.layers import Embedding, Linear
-from services.engine.models.onednn import packed_linear
 from services.engine.models.partition import head_shard, vocab_shard
 from services.engine.parallel.group import TPGroup, current
 
@@ -61,9 +60,10 @@ class ColumnParallelLinear(Linear):
         self._full = full_sizes
 
     def checkpoint_range(self, leaf: str, index: int) -> ShardRange | None:
-        if self.tp.size == 1:
+        dim = self.method.layout(leaf).output_dim
+        if self.tp.size == 1 or dim is None:
             return None
-        return ShardRange(0, self._starts[index], self.shard_sizes[index], self._full[index])
+        return ShardRange(dim, self._starts[index], self.shard_sizes[index], self._full[index])
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -107,16 +107,14 @@ class RowParallelLinear(Linear):
         self._full_in = in_features
 
     def checkpoint_range(self, leaf: str, index: int) -> ShardRange | None:
-        if self.tp.size == 1 or leaf == "bias":
+        dim = self.method.layout(leaf).input_dim  # a bias or per-channel scale: all of it
+        if self.tp.size == 1 or dim is None:
             return None
         local = self._full_in // self.tp.size
-        return ShardRange(1, self.tp.rank * local, local, self._full_in)
+        return ShardRange(dim, self.tp.rank * local, local, self._full_in)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            y = packed_linear(x, self.packed)
-        else:
-            y = F.linear(x, self.weight, self.bias if self.tp.is_first else None)
+        y = self.method.apply(self, x, self.bias if self.tp.is_first else None)
         if self.lora is not None:  # this rank's partial product too: one all-reduce for both
             y = self.lora(x, y)
         return self.tp.all_reduce(y)
