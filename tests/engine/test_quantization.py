@@ -7,6 +7,7 @@ run, a ``--quantization`` that disagrees with the checkpoint.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -150,3 +151,74 @@ def test_the_flag_must_name_the_checkpoints_scheme(family) -> None:
     config = quant_config_for(_ct(W8, A8), "compressed-tensors", torch.device("cpu"))
     assert isinstance(config.linear_method(("model.layers.0.mlp.down_proj",)), W8A8Int8Method)
     assert config.linear_method(("lm_head",)) is None
+
+
+# --------------------------------------------------------------------------- the default model
+
+# SmolLM2-135M carries activations of several hundred in a few channels: per-token int8 then
+# rounds most of such a row to one or two steps, and float-level differences flip steps. No
+# independent float path reproduces its W8A8 tokens: transformers' own reference, switched from
+# SDPA to eager attention, moves log-probabilities by up to 2.1 and 15% of the argmaxes of a
+# random prompt (measured). So on this model the test checks every quantized product on the
+# activations the engine feeds it, and the quality of the whole on English text; token-for-token
+# equality is checked on the tiny families above.
+PRODUCT_RTOL = 1e-5
+PPL_RTOL = 0.03  # measured 1.3%: the same flips as above, summed over the text
+TEXT_TOKENS = 384
+
+
+@pytest.fixture(scope="module")
+def default_w8a8(default_model_path: Path, tmp_path_factory) -> Path:
+    return write_w8a8(default_model_path, tmp_path_factory.mktemp("smollm2-w8a8"))
+
+
+def _english(path: Path, n: int) -> list[int]:
+    from pydoc_data.topics import topics
+
+    from transformers import AutoTokenizer
+
+    text = "\n".join(topics[k] for k in sorted(topics))
+    return AutoTokenizer.from_pretrained(path)(text[: 8 * n])["input_ids"][:n]
+
+
+def _nll(model, ids: list[int]) -> float:
+    """Mean negative log-likelihood of ``ids[1:]`` in one prefill."""
+    blocks = list(range(-(-len(ids) // 16)))
+    kv = [tuple(torch.zeros(len(blocks), 16, *k.shape[2:]) for k in pair)
+          for pair in _kv_caches(model)]
+    (logits,) = _step(model, kv, [ids], [0], [len(ids)], [blocks])
+    return torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:])).item()
+
+
+def test_default_model_w8a8_products_are_the_reference_math(default_model_path,
+                                                            default_w8a8) -> None:
+    model = load_model(default_w8a8)
+    seen: list[tuple[Linear, torch.Tensor, torch.Tensor]] = []
+    for m in model.modules():
+        if isinstance(m, Linear) and isinstance(m.method, W8A8Int8Method):
+            m.register_forward_hook(  # copies: the step reuses its buffers in place
+                lambda mod, args, out: seen.append((mod, args[0].clone(), out.clone())))
+    ids = _english(default_model_path, 48)
+    _step(model, _kv_caches(model), [ids], [0], [len(ids)], [[4, 0, 7]])
+    assert len(seen) == 4 * model.config.num_layers  # qkv, o, gate_up, down per layer
+    for layer, x, y in seen:
+        scale = (x.abs().amax(-1, keepdim=True) / 127).clamp_min(1e-30)
+        xq = torch.round(x / scale).clamp(-128, 127) * scale
+        expected = xq.double() @ (layer.weight.double() * layer.weight_scale.double()).T
+        assert ((y - expected).abs().max() / expected.abs().max()).item() < PRODUCT_RTOL
+
+
+def test_default_model_w8a8_perplexity_is_the_references(default_model_path,
+                                                         default_w8a8) -> None:
+    """On English text the engine's W8A8 perplexity is the reference's (to PPL_RTOL); that is
+    within 10% of the unquantized model's (measured +7.4% on these 384 tokens: round-to-nearest
+    int8 without smoothing costs this model that much)."""
+    ids = _english(default_model_path, TEXT_TOKENS)
+    plain = _nll(load_model(default_model_path), ids)
+    quantized = _nll(load_model(default_w8a8), ids)
+    reference = w8a8_reference(default_model_path, default_w8a8)
+    with torch.inference_mode():
+        logits = reference(torch.tensor([ids])).logits[0]
+    expected = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:])).item()
+    assert abs(math.exp(quantized - expected) - 1) < PPL_RTOL, (quantized, expected)
+    assert 1 < math.exp(quantized - plain) < 1.1, (quantized, plain)
