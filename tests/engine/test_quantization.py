@@ -14,14 +14,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.engine import LoRARequest
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
+from services.engine.model_runner import ModelRunner
 from services.engine.models.layers import Linear
 from services.engine.models.loader import load_model
+from services.engine.parallel.step_broadcast import StepBatch
 from services.engine.quantization import quant_config_for
 from services.engine.quantization.w8a8_int8 import W8A8Int8Method
 from services.protocol.sampling_params import SamplingParams
 from tests.engine.test_models import _kv_caches, _random_ids, _step
+from tests.support.lora import write_adapter
 from tests.support.quantized import w8a8_reference, write_w8a8
 
 PHI3 = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": None, "hidden_size": 128}
@@ -222,3 +226,48 @@ def test_default_model_w8a8_perplexity_is_the_references(default_model_path,
     expected = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:])).item()
     assert abs(math.exp(quantized - expected) - 1) < PPL_RTOL, (quantized, expected)
     assert 1 < math.exp(quantized - plain) < 1.1, (quantized, plain)
+
+
+# --------------------------------------------------------------------------- TP and LoRA
+
+def test_w8a8_over_two_ranks_matches_the_reference(tiny_model_dir, tmp_path) -> None:
+    """Two ranks quantize each row-parallel input per token over their own half of its columns
+    (as vLLM): the reference does the same (``w8a8_reference(ranks=2)``)."""
+    original = tiny_model_dir("LlamaForCausalLM")
+    quantized = write_w8a8(original, tmp_path / "w8a8")
+    ids = _random_ids(256, 29, seed=3)
+    reference = w8a8_reference(original, quantized, ranks=2)
+    with torch.inference_mode():
+        expected = reference(torch.tensor([ids])).logits[0]
+    config = EngineConfig(model=str(quantized), num_blocks=8, tensor_parallel_size=2)
+    runner = ModelRunner(config, str(quantized))
+    try:
+        step = StepBatch.of(ids, [[3, 1]], [len(ids)], [len(ids)], [0], [0, len(ids)])
+        scored: list[torch.Tensor] = []
+        runner.forward_logits(step, scored.append)
+    finally:
+        runner.close()
+    assert (scored[0] - expected).abs().max().item() < ATOL
+
+
+def test_lora_on_a_w8a8_base(tiny_model_dir, tmp_path) -> None:
+    """The adapter runs in float32 on the unquantized activations, beside the int8 product: the
+    reference is PEFT's adapter (unmerged) over transformers' W8A8 model."""
+    from peft import PeftModel
+
+    original = tiny_model_dir("LlamaForCausalLM")
+    quantized = write_w8a8(original, tmp_path / "w8a8")
+    adapter = write_adapter(original, tmp_path / "adapter", seed=3)
+    reference = PeftModel.from_pretrained(w8a8_reference(original, quantized), adapter).eval()
+    prompts = [_random_ids(256, n, seed=50 + n) for n in (11, 19)]
+    expected = [_reference_greedy(reference, p, NEW_TOKENS) for p in prompts]
+    engine = _engine(quantized, enable_lora=True)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    lora = LoRARequest("a", 1, str(adapter))
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"r{i}", ids, params, lora_request=lora)
+    out: dict[str, list[int]] = {"r0": [], "r1": []}
+    while engine.has_unfinished_requests():
+        for update in engine.step():
+            out[update.request_id].extend(update.new_token_ids)
+    assert [out["r0"], out["r1"]] == expected

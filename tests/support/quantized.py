@@ -62,15 +62,31 @@ def _checkpoint(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _quantize_input(_module: torch.nn.Module, args: tuple) -> tuple:
-    x = args[0].float()
+def _fake_quant(x: torch.Tensor) -> torch.Tensor:
     scale = x.abs().amax(-1, keepdim=True) / 127
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    return (torch.round(x / scale).clamp(-128, 127) * scale,)
+    return torch.round(x / scale).clamp(-128, 127) * scale
 
 
-def w8a8_reference(original: Path, quantized: Path) -> torch.nn.Module:
-    """transformers' float32 model of ``original`` running ``quantized``'s W8A8 math."""
+def _quantize_input(_module: torch.nn.Module, args: tuple) -> tuple:
+    return (_fake_quant(args[0].float()),)
+
+
+# Row-parallel projections: under tensor parallelism each rank holds a block of their input.
+_ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def _per_rank(ranks: int):
+    def hook(_module: torch.nn.Module, args: tuple) -> tuple:
+        parts = args[0].float().chunk(ranks, dim=-1)
+        return (torch.cat([_fake_quant(p) for p in parts], dim=-1),)
+    return hook
+
+
+def w8a8_reference(original: Path, quantized: Path, ranks: int = 1) -> torch.nn.Module:
+    """transformers' float32 model of ``original`` running ``quantized``'s W8A8 math; with
+    ``ranks``, a row-parallel projection's input is quantized per token in ``ranks`` blocks of
+    columns, each with its own scale, as that many tensor-parallel ranks do."""
     model = AutoModelForCausalLM.from_pretrained(original, dtype=torch.float32).eval()
     stored = _checkpoint(quantized)
     with torch.no_grad():
@@ -78,5 +94,7 @@ def w8a8_reference(original: Path, quantized: Path) -> torch.nn.Module:
             scale = stored.get(f"{name}.weight_scale")
             if isinstance(module, torch.nn.Linear) and scale is not None:
                 module.weight.copy_(stored[f"{name}.weight"].float() * scale.float())
-                module.register_forward_pre_hook(_quantize_input)
+                row_parallel = ranks > 1 and name.endswith(_ROW_PARALLEL)
+                module.register_forward_pre_hook(_per_rank(ranks) if row_parallel
+                                                 else _quantize_input)
     return model
