@@ -26,7 +26,7 @@ from services.engine.quantization.w8a8_int8 import W8A8Int8Method
 from services.protocol.sampling_params import SamplingParams
 from tests.engine.test_models import _kv_caches, _random_ids, _step
 from tests.support.lora import write_adapter
-from tests.support.quantized import w8a8_reference, write_w8a8
+from tests.support.quantized import fp8_reference, w8a8_reference, write_fp8_w8a16, write_w8a8
 
 PHI3 = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": None, "hidden_size": 128}
 FAMILIES = [
@@ -271,3 +271,22 @@ def test_lora_on_a_w8a8_base(tiny_model_dir, tmp_path) -> None:
         for update in engine.step():
             out[update.request_id].extend(update.new_token_ids)
     assert [out["r0"], out["r1"]] == expected
+
+
+# --------------------------------------------------------------------------- FP8 W8A16
+
+
+@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
+def test_fp8_w8a16_matches_the_reference(tiny_model_dir, tmp_path, architecture) -> None:
+    original = tiny_model_dir(architecture)
+    quantized = write_fp8_w8a16(original, tmp_path / "fp8")
+    model = load_model(quantized)
+    assert {m.weight.dtype for m in model.modules() if isinstance(m, Linear)} == {torch.float32}
+    reference = fp8_reference(original, quantized)
+    ids = _random_ids(256, 29, seed=3)
+    (logits,) = _step(model, _kv_caches(model), [ids], [0], [len(ids)], [[5, 1, 11, 2]])
+    with torch.inference_mode():
+        assert (logits - reference(torch.tensor([ids])).logits[0]).abs().max().item() < 1e-4
+    prompts = [_random_ids(256, n, seed=30 + n) for n in (13, 21)]
+    expected = [_reference_greedy(reference, p, NEW_TOKENS) for p in prompts]
+    assert _generate(_engine(quantized), prompts, NEW_TOKENS) == expected

@@ -3,7 +3,8 @@ plain-torch reference that applies the same quantization math on transformers' m
 
 ``write_w8a8`` quantizes an HF checkpoint with compressed-tensors exactly as llm-compressor's
 W8A8 recipe does for the weights (its min-max observer per output channel, then
-``ModelCompressor`` to the ``int-quantized`` format), with ``lm_head`` left unquantized.
+``ModelCompressor`` to the ``int-quantized`` format), with ``lm_head`` left unquantized;
+``write_fp8_w8a16`` the same with FP8 weights per channel and activations left alone.
 llm-compressor itself would pin another transformers than the project's, so it is not used.
 
 ``w8a8_reference`` is transformers' model with every quantized ``nn.Linear`` running on the
@@ -24,17 +25,31 @@ _NOT_WEIGHTS = ("*.safetensors", "model.safetensors.index.json", "config.json")
 
 
 def write_w8a8(src: Path, out: Path, ignore: tuple[str, ...] = ("lm_head",)) -> Path:
+    from compressed_tensors.quantization.quant_scheme import INT8_W8A8
+
+    return _write(src, out, INT8_W8A8, ignore)
+
+
+def write_fp8_w8a16(src: Path, out: Path) -> Path:
+    """FP8 weights per output channel, activations left alone (``float-quantized``)."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    weights = QuantizationArgs(num_bits=8, type="float", strategy="channel", symmetric=True,
+                               dynamic=False)
+    return _write(src, out, {"weights": weights}, ("lm_head",))
+
+
+def _write(src: Path, out: Path, args: dict, ignore: tuple[str, ...]) -> Path:
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationConfig,
         QuantizationScheme,
         apply_quantization_config,
     )
-    from compressed_tensors.quantization.quant_scheme import INT8_W8A8
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    scheme = QuantizationScheme(targets=["Linear"], **INT8_W8A8)
+    scheme = QuantizationScheme(targets=["Linear"], **args)
     apply_quantization_config(
         model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore)))
     with torch.no_grad():
@@ -81,6 +96,19 @@ def _per_rank(ranks: int):
         parts = args[0].float().chunk(ranks, dim=-1)
         return (torch.cat([_fake_quant(p) for p in parts], dim=-1),)
     return hook
+
+
+def fp8_reference(original: Path, quantized: Path) -> torch.nn.Module:
+    """transformers' float32 model of ``original`` with ``quantized``'s FP8 weights times their
+    scales."""
+    model = AutoModelForCausalLM.from_pretrained(original, dtype=torch.float32).eval()
+    stored = _checkpoint(quantized)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if f"{name}.weight_scale" in stored:
+                module.weight.copy_(stored[f"{name}.weight"].float()
+                                    * stored[f"{name}.weight_scale"].float())
+    return model
 
 
 def w8a8_reference(original: Path, quantized: Path, ranks: int = 1) -> torch.nn.Module:

@@ -5,7 +5,8 @@ with ``targets`` (``"Linear"``, a module name, or ``"re:<regex>"``), the ``weigh
 ``input_activations`` arguments, and a global ``ignore`` list in the same syntax. A layer is
 matched by its checkpoint module names; a fused projection's sources must all get the same
 scheme. Schemes served: ``W8A8Int8Method`` (``int-quantized``: channel int8 weights, dynamic
-per-token int8 activations). Anything else (sparsity, transforms, KV-cache schemes, other bit
+per-token int8 activations) and ``FP8W8A16Method`` (``float-quantized``: channel FP8 weights,
+unquantized activations). Anything else (sparsity, transforms, KV-cache schemes, other bit
 widths) is refused at start, naming the scheme.
 """
 
@@ -19,11 +20,13 @@ from typing import Any
 import torch
 
 from services.engine.quantization.base import LinearMethod, QuantConfig
+from services.engine.quantization.fp8_w8a16 import FP8W8A16Method
 from services.engine.quantization.w8a8_int8 import W8A8Int8Method
 
 # (scheme's description, the devices it runs on, a test of a config group, the method).
 _W8A8 = "W8A8 int8 (per-channel symmetric int8 weights, dynamic per-token int8 activations)"
-SUPPORTED = {_W8A8: ("cpu",)}
+_FP8 = "FP8 W8A16 (per-channel float8_e4m3fn weights, activations unquantized)"
+SUPPORTED = {_W8A8: ("cpu",), _FP8: ("cpu",)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,8 +43,14 @@ def _int8_w8a8(weights: dict[str, Any], acts: dict[str, Any] | None) -> bool:
     )
 
 
+def _fp8_w8a16(weights: dict[str, Any], acts: dict[str, Any] | None) -> bool:
+    return acts is None and _is(weights, type="float", num_bits=8, strategy="channel",
+                                symmetric=True, dynamic=False)
+
+
 _SCHEMES: tuple[tuple[str, Callable[..., bool], LinearMethod], ...] = (
     (_W8A8, _int8_w8a8, W8A8Int8Method()),
+    (_FP8, _fp8_w8a16, FP8W8A16Method()),
 )
 
 
