@@ -26,7 +26,14 @@ from services.engine.quantization.w8a8_int8 import W8A8Int8Method
 from services.protocol.sampling_params import SamplingParams
 from tests.engine.test_models import _kv_caches, _random_ids, _step
 from tests.support.lora import write_adapter
-from tests.support.quantized import fp8_reference, w8a8_reference, write_fp8_w8a16, write_w8a8
+from tests.support.quantized import (
+    fp8_reference,
+    int4_reference,
+    w8a8_reference,
+    write_fp8_w8a16,
+    write_int4,
+    write_w8a8,
+)
 
 PHI3 = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": None, "hidden_size": 128}
 FAMILIES = [
@@ -290,3 +297,45 @@ def test_fp8_w8a16_matches_the_reference(tiny_model_dir, tmp_path, architecture)
     prompts = [_random_ids(256, n, seed=30 + n) for n in (13, 21)]
     expected = [_reference_greedy(reference, p, NEW_TOKENS) for p in prompts]
     assert _generate(_engine(quantized), prompts, NEW_TOKENS) == expected
+
+
+# --------------------------------------------------------------------------- GPTQ and AWQ W4A16
+
+WIDE = {"hidden_size": 128, "intermediate_size": 256}  # group 128 divides every input
+INT4 = [
+    ("gptq-g128", "gptq", 128, False, "LlamaForCausalLM", WIDE),
+    ("gptq-per-channel", "gptq", -1, False, "Qwen2ForCausalLM", {}),
+    ("gptq-g32-act-order", "gptq", 32, True, "LlamaForCausalLM", {}),
+    ("awq-g128", "awq", 128, False, "LlamaForCausalLM", WIDE),
+    ("awq-g32-phi3-fused", "awq", 32, False, "Phi3ForCausalLM", PHI3),
+]
+
+
+@pytest.mark.parametrize("case", INT4, ids=[c[0] for c in INT4])
+def test_int4_matches_the_reference(tiny_model_dir, tmp_path, case) -> None:
+    _, fmt, group, act_order, architecture, overrides = case
+    original = tiny_model_dir(architecture, **overrides)
+    quantized, dense = write_int4(original, tmp_path / fmt, fmt, group, act_order)
+    model = load_model(quantized)
+    reference = int4_reference(original, dense)
+    ids = _random_ids(256, 29, seed=3)
+    (logits,) = _step(model, _kv_caches(model), [ids], [0], [len(ids)], [[5, 1, 11, 2]])
+    with torch.inference_mode():
+        expected = reference(torch.tensor([ids])).logits[0]
+    assert (logits - expected).abs().max().item() < 1e-4
+    prompts = [_random_ids(256, n, seed=30 + n) for n in (13, 21)]
+    wanted = [_reference_greedy(reference, p, NEW_TOKENS) for p in prompts]
+    assert _generate(_engine(quantized), prompts, NEW_TOKENS) == wanted
+
+
+def test_a_fused_projections_parts_must_share_their_g_idx(tiny_model_dir, tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    quantized, _ = write_int4(tiny_model_dir("LlamaForCausalLM"), tmp_path / "g", "gptq", 32,
+                              act_order=True)
+    tensors = load_file(quantized / "model.safetensors")
+    name = "model.layers.0.self_attn.k_proj.g_idx"
+    tensors[name] = tensors[name].flip(0).contiguous()
+    save_file(tensors, quantized / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="differs from the one stacked with it"):
+        load_model(quantized)

@@ -27,7 +27,7 @@ from services.engine.models.layers import CausalLM, Linear
 from services.engine.models.parallel_layers import ShardRange
 from services.engine.models.registry import get_model_class
 from services.engine.quantization import quant_config_for
-from services.engine.quantization.base import QuantConfig
+from services.engine.quantization.base import ParamLayout, QuantConfig
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,8 @@ class _Slot:
     offset: int
     rows: int
     shard: ShardRange | None = None  # this rank's slice of the checkpoint tensor; None: all
+    dim: int = 0  # the parameter's output dim, along which stacked sources follow each other
+    shared: bool = False  # every stacked source holds all of it (GPTQ's g_idx): they must agree
 
 
 def load_model(
@@ -124,6 +126,7 @@ def load_weights(model: CausalLM, path: Path) -> int:
     slots = _slot_table(model)
     tied = model.config.tie_word_embeddings
     filled: set[str] = set()
+    filled_params: set[str] = set()
     count = 0
     for stored, file in _iter_checkpoint(path):
         name = model.checkpoint_name(stored)  # a family's checkpoint layout -> the model's
@@ -132,7 +135,7 @@ def load_weights(model: CausalLM, path: Path) -> int:
         slot = slots.get(name)
         if slot is None:
             raise ValueError(f"checkpoint tensor {name!r} has no matching model parameter")
-        target = params[slot.param].narrow(0, slot.offset, slot.rows)
+        target = params[slot.param].narrow(slot.dim, slot.offset, slot.rows)
         if slot.shard is None:
             tensor = file.get_tensor(stored)
         else:
@@ -145,6 +148,10 @@ def load_weights(model: CausalLM, path: Path) -> int:
                 f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
                 f"model expects {tuple(target.shape)}"
             )
+        if slot.shared and slot.param in filled_params and not torch.equal(target, tensor):
+            raise ValueError(f"checkpoint tensor {name!r} differs from the one stacked with it "
+                             f"into {slot.param!r}; a fused projection holds one")
+        filled_params.add(slot.param)
         target.copy_(tensor)  # converts dtype and device in one go; broadcasts per-head norms
         filled.add(name)
         count += 1
@@ -200,11 +207,14 @@ def _slot_table(model: CausalLM) -> dict[str, _Slot]:
         if sources is None:
             table[param_name] = _Slot(param_name, 0, param.shape[0], _shard(module, leaf, 0))
             continue
+        layout = module.method.layout(leaf) if isinstance(module, Linear) else ParamLayout()
+        dim, pack = layout.output_dim, layout.output_pack
         offset = 0
         for i, (source, rows) in enumerate(zip(sources, module.shard_sizes, strict=True)):
-            table[f"{parent}.{source}.{leaf}"] = _Slot(
-                param_name, offset, rows, _shard(module, leaf, i)
-            )
+            shard = _shard(module, leaf, i)
+            table[f"{parent}.{source}.{leaf}"] = (
+                _Slot(param_name, 0, param.shape[0], shard, shared=True) if dim is None
+                else _Slot(param_name, offset // pack, rows // pack, shard, dim))
             offset += rows
     return table
 

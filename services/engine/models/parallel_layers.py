@@ -60,10 +60,12 @@ class ColumnParallelLinear(Linear):
         self._full = full_sizes
 
     def checkpoint_range(self, leaf: str, index: int) -> ShardRange | None:
-        dim = self.method.layout(leaf).output_dim
+        layout = self.method.layout(leaf)
+        dim, p = layout.output_dim, layout.output_pack
         if self.tp.size == 1 or dim is None:
             return None
-        return ShardRange(dim, self._starts[index], self.shard_sizes[index], self._full[index])
+        return ShardRange(dim, self._starts[index] // p, self.shard_sizes[index] // p,
+                          self._full[index] // p)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -107,11 +109,12 @@ class RowParallelLinear(Linear):
         self._full_in = in_features
 
     def checkpoint_range(self, leaf: str, index: int) -> ShardRange | None:
-        dim = self.method.layout(leaf).input_dim  # a bias or per-channel scale: all of it
+        layout = self.method.layout(leaf)  # a bias or per-channel scale: all of it
+        dim, p = layout.input_dim, layout.input_pack
         if self.tp.size == 1 or dim is None:
             return None
-        local = self._full_in // self.tp.size
-        return ShardRange(dim, self.tp.rank * local, local, self._full_in)
+        local = self._full_in // self.tp.size // p
+        return ShardRange(dim, self.tp.rank * local, local, self._full_in // p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.apply(self, x, self.bias if self.tp.is_first else None)

@@ -14,12 +14,16 @@ from typing import Any
 
 import torch
 
+from services.engine.quantization.awq import AWQConfig
 from services.engine.quantization.base import QuantConfig
 from services.engine.quantization.compressed_tensors import CompressedTensorsConfig
+from services.engine.quantization.gptq import GPTQConfig
 
 # quant_method -> parser of its quantization_config.
 SCHEMES: dict[str, Callable[[dict[str, Any], torch.device], QuantConfig]] = {
     CompressedTensorsConfig.name: CompressedTensorsConfig.from_hf,
+    GPTQConfig.name: GPTQConfig.from_hf,
+    AWQConfig.name: AWQConfig.from_hf,
 }
 
 

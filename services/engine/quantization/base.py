@@ -35,10 +35,13 @@ if TYPE_CHECKING:
 class ParamLayout:
     """Where a parameter's dims meet the layer's ``[out, in]`` weight. ``None``: the parameter
     does not run along that dim (a per-channel scale has no input dim: a row-parallel rank reads
-    all of it)."""
+    all of it). A pack is how many outputs (inputs) share one index of that dim: 8 for 4-bit
+    values packed in int32, the group size for a group's scale."""
 
     output_dim: int | None = 0
     input_dim: int | None = 1
+    output_pack: int = 1
+    input_pack: int = 1
 
 
 WEIGHT = ParamLayout()
