@@ -129,7 +129,7 @@ def test_a_plain_checkpoint_with_a_quantization_flag_is_refused() -> None:
 
 def test_an_unknown_scheme_is_named_with_the_supported_ones() -> None:
     with pytest.raises(ValueError, match="'bitsandbytes' is not supported; supported: "
-                                         "compressed-tensors"):
+                                         "awq, compressed-tensors, gptq"):
         quant_config_for({"quant_method": "bitsandbytes"}, None, torch.device("cpu"))
 
 
