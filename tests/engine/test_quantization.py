@@ -339,3 +339,10 @@ def test_a_fused_projections_parts_must_share_their_g_idx(tiny_model_dir, tmp_pa
     save_file(tensors, quantized / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="differs from the one stacked with it"):
         load_model(quantized)
+
+
+def test_int4_over_several_ranks_is_refused_at_start(tiny_model_dir, tmp_path) -> None:
+    quantized, _ = write_int4(tiny_model_dir("LlamaForCausalLM"), tmp_path / "g", "gptq", 32)
+    config = EngineConfig(model=str(quantized), num_blocks=8, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="gptq checkpoints run on one rank only"):
+        ModelRunner(config, str(quantized))

@@ -18,7 +18,12 @@ from services.engine.quantization.base import (
     QuantConfig,
     frozen_param,
 )
-from services.engine.quantization.int4 import dequantize, replace_with_dense, unpack
+from services.engine.quantization.int4 import (
+    dequantize,
+    refuse_tensor_parallel,
+    replace_with_dense,
+    unpack,
+)
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _PACKED = ("qweight", "qzeros", "scales")
@@ -31,6 +36,7 @@ class AWQMethod(LinearMethod):
         self.group_size = group_size
 
     def create_weights(self, layer: torch.nn.Module) -> None:
+        refuse_tensor_parallel(layer, "awq")
         out, inp, g = layer.out_features, layer.in_features, self.group_size
         assert out % 8 == 0 and inp % g == 0, (inp, out, g)
         layer.qweight = frozen_param(inp, out // 8, dtype=torch.int32)

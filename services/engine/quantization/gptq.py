@@ -20,7 +20,12 @@ from services.engine.quantization.base import (
     QuantConfig,
     frozen_param,
 )
-from services.engine.quantization.int4 import dequantize, replace_with_dense, unpack
+from services.engine.quantization.int4 import (
+    dequantize,
+    refuse_tensor_parallel,
+    replace_with_dense,
+    unpack,
+)
 
 _PACKED = ("qweight", "qzeros", "scales", "g_idx")
 
@@ -35,6 +40,7 @@ class GPTQMethod(LinearMethod):
         return layer.in_features if self.group_size == -1 else self.group_size
 
     def create_weights(self, layer: torch.nn.Module) -> None:
+        refuse_tensor_parallel(layer, "gptq")
         out, inp, g = layer.out_features, layer.in_features, self._group(layer)
         assert inp % 8 == 0 and out % 8 == 0 and inp % g == 0, (inp, out, g)
         layer.qweight = frozen_param(inp // 8, out, dtype=torch.int32)

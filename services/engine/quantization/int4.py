@@ -37,6 +37,15 @@ def dequantize(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
     return ((q.float() - z) * s).t().contiguous()
 
 
+def refuse_tensor_parallel(layer: torch.nn.Module, scheme: str) -> None:
+    """4-bit shards (packed rows, group scales, act-order's scattered groups) have not been
+    tested over several ranks: refused at start rather than served wrong."""
+    tp = getattr(layer, "tp", None)
+    if tp is not None and tp.size > 1:
+        raise ValueError(f"{scheme} checkpoints run on one rank only for now "
+                         f"(tensor_parallel_size={tp.size})")
+
+
 def replace_with_dense(
     layer: torch.nn.Module, weight: torch.Tensor, packed: tuple[str, ...]
 ) -> None:
