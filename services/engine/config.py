@@ -14,6 +14,7 @@ from services.engine.cpu_ops.isa import has_amx
 from services.engine.kv_connector.config import DEFAULT_TIMEOUT_S, KVTransferConfig
 from services.engine.kv_connector.registry import TIERS
 from services.engine.lora.request import LoRAModule
+from services.engine.quantization import SCHEMES
 from services.engine.spec_decode.config import SpecMethod, SpeculativeConfig, check_draft_matches
 from services.protocol.block_hash import HashAlgorithm
 
@@ -108,6 +109,13 @@ class EngineConfig:
         "(default: $LWS_LEADER_ADDRESS, else 127.0.0.1)")
     master_port: int = flag(29501, help="the leader's rendezvous port for worker nodes")
 
+    quantization: str | None = flag(
+        None,
+        help="the checkpoint's quantization method (vLLM's flag): read from its config.json "
+        "quantization_config; set, it must name the same (compressed-tensors); a checkpoint is "
+        "never quantized at load (default: the checkpoint's)",
+    )
+
     enable_lora: bool = flag(
         False, help="serve LoRA adapters of the model (vLLM's flag); off, the engine has none"
     )
@@ -179,6 +187,9 @@ class EngineConfig:
         if self.kv_transfer_config is not None:
             self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
             self._merge_tier_settings(self.kv_transfer_config)
+        if self.quantization is not None and self.quantization not in SCHEMES:
+            raise ValueError(f"quantization must be one of {sorted(SCHEMES)}, got "
+                             f"{self.quantization!r}")
         self._check_kv_tiers()
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

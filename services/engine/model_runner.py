@@ -169,7 +169,8 @@ class ModelRunner:
         self.attn_backend = get_attention_backend(self.device, config.attention_backend,
                                                   self.dtype)
         with building(self.tp):
-            self.model = load_model(model_path, self.dtype, self.device, self.attn_backend)
+            self.model = load_model(model_path, self.dtype, self.device, self.attn_backend,
+                                    config.quantization)
         if config.max_model_len is not None:
             self.model.limit_context(config.max_model_len)
         self.lora: ModelLoRA | None = None  # before packing: it reads the weights' shapes
