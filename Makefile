@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PORT ?= 8000
 ENGINES ?= 1
+PREFILL_ENGINES ?=
+DECODE_ENGINES ?= 1
 MODEL ?=
 PYTEST_ARGS ?=
 
@@ -47,7 +49,11 @@ test-gpu:
 		tests/engine/test_triton_moe.py
 	PYTHONPATH=. $(PY) benchmarks/gpu_throughput.py
 
+# The router as a Gateway API endpoint picker (Envoy ext_proc, gRPC): make serve EXT_PROC_PORT=9002
+# Disaggregated prefill/decode on one machine: make serve PREFILL_ENGINES=1 DECODE_ENGINES=1
 # Speculative decoding: make serve SPECULATIVE_CONFIG='{"method": "ngram", "num_speculative_tokens": 4}'
+# KV connectors (vLLM's flag): make serve KV_TRANSFER_CONFIG='{"kv_connector": "PagodaTiersConnector",
+#   "kv_role": "kv_both", "kv_connector_extra_config": {"kv_offloading_size": 2}}'
 # Multi-LoRA (vLLM's flags): make serve LORA_MODULES='sql=/adapters/sql chat=/adapters/chat'
 #   [MAX_LORAS=2 MAX_LORA_RANK=16 MAX_CPU_LORAS=4]; adapters loaded at run time (POST
 #   /v1/load_lora_adapter, paths inside LORA_ROOTS, admin keys only): LORA_ROOTS=/adapters
@@ -70,6 +76,9 @@ LORA_FLAGS = $(if $(LORA_MODULES)$(LORA_ROOTS),--enable-lora,) \
 serve: install
 	$(PY) -m services.serve --port $(PORT) --engines $(ENGINES) $(if $(MODEL),--model $(MODEL),) \
 		$(if $(SPECULATIVE_CONFIG),--speculative-config '$(SPECULATIVE_CONFIG)',) \
+		$(if $(KV_TRANSFER_CONFIG),--kv-transfer-config '$(KV_TRANSFER_CONFIG)',) \
+		$(if $(EXT_PROC_PORT),--ext-proc-port $(EXT_PROC_PORT),) \
+		$(if $(PREFILL_ENGINES),--prefill-engines $(PREFILL_ENGINES) --decode-engines $(DECODE_ENGINES),) \
 		$(strip $(LORA_FLAGS))
 
 bench: install

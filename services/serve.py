@@ -4,6 +4,7 @@ Starts a real redis-server on loopback (installing it if missing), ENGINES engin
 the router and the gateway; Ctrl-C (or SIGTERM) stops all of it, engines first drained.
 
     python -m services.serve --port 8000 --engines 1 [--model PATH] [engine flags]
+    python -m services.serve --prefill-engines 1 --decode-engines 1   # disaggregated P/D
 
 Every child gets the internal credential in ``$PAGODA_INTERNAL_TOKENS``: the one in serve's
 environment, else a random token made for this run (``child_env``).
@@ -15,6 +16,7 @@ engine, as ``vllm serve`` takes the engine's arguments.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -31,6 +33,7 @@ from pathlib import Path
 from services.common import cli, internal_auth
 from services.common.cli import flag
 from services.common.default_model import default_model_dir, is_converted
+from services.common.internal_auth import ensure_tokens
 from services.common.logs import setup_logging
 from services.router.config import PolicyName
 
@@ -102,6 +105,18 @@ def _default_model() -> Path:
     return path
 
 
+def router_flags(args: ServeConfig, port: int, redis_url: str, engine_urls: list[str],
+                 model_name: str, model_dir: Path) -> list[str]:
+    """The router's flags; with ``--ext-proc-port`` it is also the endpoint picker, on
+    loopback, with the served model's tokenizer."""
+    flags = ["--host", "127.0.0.1", "--port", str(port), "--redis-url", redis_url,
+             "--engines", ",".join(engine_urls), "--policy", args.policy.value]
+    if args.ext_proc_port:
+        flags += ["--ext-proc-port", str(args.ext_proc_port),
+                  "--tokenizer", f"{model_name}={model_dir}"]
+    return flags
+
+
 PROG = "python -m services.serve"
 # Set by serve for each engine (--port and --model are serve's own flags as well).
 _FIXED_ENGINE_FLAGS = {"--port", "--model", "--engine-id", "--redis-url"}
@@ -122,6 +137,13 @@ class ServeConfig:
         (), name="admin-api-key", repeat=True, metavar="KEY",
         help="an API key that may also load and unload LoRA adapters (repeat for several)",
     )
+    prefill_engines: int = flag(0, help="disaggregated prefill/decode: prefill engines (with "
+                                "--decode-engines; replaces --engines)")
+    decode_engines: int = flag(0, help="disaggregated prefill/decode: decode engines")
+    ext_proc_port: int = flag(
+        0, help="the router also serves Envoy's ext_proc (a Gateway API endpoint picker) on "
+        "this gRPC port, on loopback (0: off)",
+    )
     allow_runtime_lora_updating: bool = flag(
         False, help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (or "
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true); engines read adapters from --lora-roots",
@@ -130,8 +152,31 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if not 0 <= self.ext_proc_port < 65536:
+            raise ValueError(f"ext_proc_port must be in 0..65535, got {self.ext_proc_port}")
         if self.engines < 1:
             raise ValueError(f"engines must be >= 1, got {self.engines}")
+        if self.prefill_engines < 0 or self.decode_engines < 0 or \
+                (self.prefill_engines > 0) != (self.decode_engines > 0):
+            raise ValueError("prefill_engines and decode_engines go together, each >= 1")
+
+    @property
+    def pd(self) -> bool:
+        return self.prefill_engines > 0
+
+
+def engine_roles(config: ServeConfig) -> list[str | None]:
+    """Each engine's P/D ``kv_role`` (None: no P/D connector), in start order."""
+    if not config.pd:
+        return [None] * config.engines
+    return ["kv_producer"] * config.prefill_engines + ["kv_consumer"] * config.decode_engines
+
+
+def pd_flags(role: str | None) -> list[str]:
+    if role is None:
+        return []
+    return ["--kv-transfer-config", json.dumps({"kv_connector": "PagodaPDConnector",
+                                                "kv_role": role})]
 
 
 def args_from(argv: Sequence[str] | None = None) -> tuple[ServeConfig, list[str]]:
@@ -142,7 +187,8 @@ def args_from(argv: Sequence[str] | None = None) -> tuple[ServeConfig, list[str]
         epilog="Any other flag is passed to every engine "
         "(python -m services.engine.serving.server --help).",
     )
-    fixed = sorted({f.split("=")[0] for f in engine_flags} & _FIXED_ENGINE_FLAGS)
+    fixed = sorted({f.split("=")[0] for f in engine_flags} & (
+        _FIXED_ENGINE_FLAGS | ({"--kv-transfer-config"} if config.pd else set())))
     if fixed:  # as argparse says it: status 2
         print(f"{PROG}: error: serve sets {', '.join(fixed)} for each engine itself",
               file=sys.stderr)
@@ -183,13 +229,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 p.kill()
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    if args.pd:  # the engines' transfer ports accept only the stack's own credential
+        ensure_tokens(os.environ)
+    roles = engine_roles(args)
     try:
         redis_port = free_port()
         start("redis", [ensure_redis_server(), "--port", str(redis_port), "--bind", "127.0.0.1",
                         "--save", "", "--appendonly", "no", "--loglevel", "warning"])
         redis_url = f"redis://127.0.0.1:{redis_port}/0"
         engine_urls = []
-        for i, cpus in enumerate(engine_cores(sorted(os.sched_getaffinity(0)), args.engines)):
+        for i, cpus in enumerate(engine_cores(sorted(os.sched_getaffinity(0)), len(roles))):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             engine_urls.append(url)
@@ -197,14 +246,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                                       "--port", str(port),
                                       "--model", str(model_dir), "--engine-id", f"engine-{i}",
                                       "--redis-url", redis_url, "--cpu-threads", str(len(cpus)),
-                                      "--dtype", args.dtype, *engine_flags],
-                      cpus=cpus if args.engines > 1 else None)
+                                      "--dtype", args.dtype, *pd_flags(roles[i]),
+                                      *engine_flags],
+                      cpus=cpus if len(roles) > 1 else None)
             wait_http(f"{url}/health", 600, p)
         router_port = free_port()
-        p = start("router", [_PY, "-m", "services.router", "--host", "127.0.0.1",
-                             "--port", str(router_port),
-                             "--redis-url", redis_url, "--engines", ",".join(engine_urls),
-                             "--policy", args.policy.value])
+        p = start("router", [_PY, "-m", "services.router",
+                             *router_flags(args, router_port, redis_url, engine_urls,
+                                           model_name, model_dir)])
         wait_http(f"http://127.0.0.1:{router_port}/health", 60, p)
         gw_cmd = [_PY, "-m", "services.gateway", "--host", "127.0.0.1", "--port", str(args.port),
                   "--router-url", f"http://127.0.0.1:{router_port}",
@@ -215,12 +264,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             gw_cmd += ["--admin-api-key", key]
         if args.allow_runtime_lora_updating:
             gw_cmd.append("--allow-runtime-lora-updating")
+        if args.pd:
+            gw_cmd.append("--pd-disaggregation")
         p = start("gateway", gw_cmd)
         wait_http(f"http://127.0.0.1:{args.port}/health", 120, p)
         logger.info("Pagoda is serving %s at http://127.0.0.1:%d/v1 (Ctrl-C stops)",
                     model_name, args.port)
         for i, url in enumerate(engine_urls):  # vLLM's metric families live on each engine
             logger.info("engine-%d metrics: %s/metrics", i, url)
+        if args.ext_proc_port:
+            logger.info("endpoint picker (Envoy ext_proc, gRPC): 127.0.0.1:%d",
+                        args.ext_proc_port)
         logger.info("gateway metrics: http://127.0.0.1:%d/metrics; router metrics: "
                     "http://127.0.0.1:%d/metrics", args.port, router_port)
         while all(p.poll() is None for _, p in procs):

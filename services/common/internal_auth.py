@@ -172,6 +172,14 @@ def ensure_tokens(environ: MutableMapping[str, str]) -> InternalCredential:
     return InternalCredential(read_tokens(None, environ))
 
 
+def export(credential: InternalCredential | None, environ: MutableMapping[str, str]) -> None:
+    """Puts the credential's tokens (read from a file, say) into ``environ``: the parts of a
+    service that read the environment (the engine's KV transfer port, its node-group join)
+    and its children then hold the same credential as its routes."""
+    if credential is not None:
+        environ[TOKENS_ENV] = ",".join(credential.tokens)
+
+
 def client_headers(credential: InternalCredential | None) -> dict[str, str]:
     """What a client sends: the credential's header, or nothing when auth is off."""
     return {} if credential is None else credential.headers()

@@ -81,8 +81,8 @@ class BlockManager:
         # Token counters behind vllm:prefix_cache_queries / vllm:prefix_cache_hits.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        # KV tiers (kv_offload): blocks cached since the last take_new_cached, to write
-        # through to the lower tiers; tracked only when a tier drains them.
+        # KV connectors that save: blocks cached since the last take_new_cached, to write
+        # out; tracked only when a connector drains them.
         self.track_cached = False
         self._new_cached: list[tuple[KVBlock, BlockHash, tuple[int, ...]]] = []
 
@@ -282,7 +282,7 @@ class BlockManager:
         return cached
 
     def hold(self, block_ids: list[int]) -> None:
-        """An extra reference on each block, for a copy that reads it (kv_offload): while it
+        """An extra reference on each block, for a copy that reads it (a KV connector): while it
         holds, neither a finish, an abort nor a preemption lets the block be reused."""
         for block_id in block_ids:
             self._take_ref(self._blocks[block_id])

@@ -11,13 +11,19 @@ import torch
 from services.common.cli import flag
 from services.common.default_model import default_model_dir, is_converted
 from services.engine.cpu_ops.isa import has_amx
+from services.engine.kv_connector.config import DEFAULT_TIMEOUT_S, KVTransferConfig
+from services.engine.kv_connector.registry import TIERS
 from services.engine.kv_offload.secret import load_store_secret
 from services.engine.lora.request import LoRAModule
+from services.engine.quantization import SCHEMES
 from services.engine.spec_decode.config import SpecMethod, SpeculativeConfig, check_draft_matches
 from services.protocol.block_hash import HashAlgorithm
 
 E = TypeVar("E", bound=Enum)
 
+# The tier flags PagodaTiersConnector's kv_connector_extra_config may set, and their types.
+_NUMBER = (int, float)
+_TIER_KEYS = {"kv_offloading_size": _NUMBER, "kv_store_url": str, "kv_store_timeout_s": _NUMBER}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -89,6 +95,27 @@ class EngineConfig:
         help="model ranks (GPUs) the model is split over, Megatron style: one process each, "
         "over NCCL on GPUs (gloo on the CPU)",
     )
+    pipeline_parallel_size: int = flag(
+        1, help="pipeline stages (vLLM's flag); only 1 is supported yet")
+    # A node group: ranks in several pods, each started on its own (``parallel.node_group``);
+    # in a LeaderWorkerSet these come from its environment (LWS_GROUP_SIZE, ...).
+    nnodes: int = flag(
+        1, help="pods (nodes) the engine's ranks span, one rank each for now: "
+        "tensor_parallel_size must equal it (default: $LWS_GROUP_SIZE, else 1)")
+    node_rank: int = flag(
+        0, help="this pod's place in its node group: 0 is the leader (serves HTTP, joins the "
+        "router), others are workers that join it (default: $LWS_WORKER_INDEX, else 0)")
+    master_addr: str = flag(
+        "127.0.0.1", help="the leader's address, where worker nodes join it "
+        "(default: $LWS_LEADER_ADDRESS, else 127.0.0.1)")
+    master_port: int = flag(29501, help="the leader's rendezvous port for worker nodes")
+
+    quantization: str | None = flag(
+        None,
+        help="the checkpoint's quantization method (vLLM's flag): read from its config.json "
+        "quantization_config; set, it must name the same (compressed-tensors); a checkpoint is "
+        "never quantized at load (default: the checkpoint's)",
+    )
 
     enable_lora: bool = flag(
         False, help="serve LoRA adapters of the model (vLLM's flag); off, the engine has none"
@@ -137,6 +164,18 @@ class EngineConfig:
         "model (at least 16 bytes): values are authenticated with it, and one written without "
         "it is a miss (default: $PAGODA_KV_STORE_SECRET; kv_store_url needs one of them)",
     )
+    kv_transfer_config: KVTransferConfig | None = flag(
+        None,
+        parse=KVTransferConfig.parse,
+        metavar="JSON",
+        help="KV connectors, vLLM's JSON object: {\"kv_connector\": NAME, \"kv_role\": "
+        "\"kv_producer\" | \"kv_consumer\" | \"kv_both\", \"kv_connector_extra_config\": "
+        "{...}}; also kv_transfer_timeout (seconds a finished request's blocks may be held "
+        "for sending). Connectors: PagodaTiersConnector (the KV tiers; extra keys "
+        "kv_offloading_size, kv_store_url, kv_store_timeout_s, as the flags) and "
+        "MultiConnector ({\"connectors\": [...]}, tried in order). With the tier flags, the "
+        "tiers come first (default: the tier flags' connector, if any)",
+    )
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -149,6 +188,7 @@ class EngineConfig:
         self.hash_algorithm = _enum(HashAlgorithm, self.hash_algorithm, "hash_algorithm")
         for name in ("block_size", "max_num_seqs", "tensor_parallel_size"):
             _require_positive(name, getattr(self, name))
+        self._check_nodes()
         for name in ("num_blocks", "kv_cache_memory", "max_model_len", "cpu_threads",
                      "max_num_batched_tokens"):
             if getattr(self, name) is not None:
@@ -156,6 +196,12 @@ class EngineConfig:
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = self._default_step_tokens()
         self._check_lora()
+        if self.kv_transfer_config is not None:
+            self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
+            self._merge_tier_settings(self.kv_transfer_config)
+        if self.quantization is not None and self.quantization not in SCHEMES:
+            raise ValueError(f"quantization must be one of {sorted(SCHEMES)}, got "
+                             f"{self.quantization!r}")
         self._check_kv_tiers()
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -168,6 +214,25 @@ class EngineConfig:
             if spec is not None and spec.method is SpecMethod.DRAFT_MODEL:
                 raise ValueError("kv_offloading_size / kv_store_url are not supported with a "
                                  "draft model yet (its KV is not offloaded); ngram works")
+
+    def _check_nodes(self) -> None:
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} is not "
+                             "supported yet (only 1)")
+        _require_positive("nnodes", self.nnodes)
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in 0..{self.nnodes - 1} (nnodes={self.nnodes}), "
+                             f"got {self.node_rank!r}")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be in 1..65535, got {self.master_port!r}")
+        if self.nnodes > 1 and self.tensor_parallel_size != self.nnodes:
+            raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) must equal "
+                             f"nnodes ({self.nnodes}): one rank per pod for now")
+
+    @property
+    def ranks_per_node(self) -> int:
+        """The ranks in this pod (they share its cores)."""
+        return self.tensor_parallel_size // self.nnodes
 
     def _check_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):
@@ -207,6 +272,38 @@ class EngineConfig:
     @property
     def kv_tiers_enabled(self) -> bool:
         return self.kv_offloading_size is not None or self.kv_store_url is not None
+
+    def _merge_tier_settings(self, transfer: KVTransferConfig) -> None:
+        """The tiers' extra config sets the tier flags it names: the tiers read one place."""
+        named = [leaf for leaf in transfer.leaves() if leaf.kv_connector == TIERS]
+        if len(named) > 1:
+            raise ValueError(f"kv_transfer_config.kv_connector names {TIERS} more than once")
+        where = "kv_transfer_config.kv_connector_extra_config"
+        for key, value in named[0].kv_connector_extra_config.items() if named else ():
+            kind = _TIER_KEYS.get(key)
+            if kind is None:
+                raise ValueError(f"{where}.{key} is not a key of {TIERS} (known: "
+                                 f"{', '.join(_TIER_KEYS)})")
+            if isinstance(value, bool) or not isinstance(value, kind):
+                wanted = "number" if kind is _NUMBER else "string"
+                raise ValueError(f"{where}.{key} must be a {wanted}, got {value!r}")  # noqa: TRY004
+            setattr(self, key, value)
+        if named and not self.kv_tiers_enabled:
+            raise ValueError(f"{where}: {TIERS} needs kv_offloading_size or kv_store_url "
+                             "(there, or as flags)")
+
+    def kv_connector_specs(self) -> list[KVTransferConfig]:
+        """The connectors to build, in order: the tiers (from their flags, unless
+        kv_transfer_config names them), then kv_transfer_config's."""
+        leaves = [] if self.kv_transfer_config is None else list(self.kv_transfer_config.leaves())
+        if self.kv_tiers_enabled and all(leaf.kv_connector != TIERS for leaf in leaves):
+            leaves.insert(0, KVTransferConfig(TIERS))
+        return leaves
+
+    @property
+    def kv_transfer_timeout_s(self) -> float:
+        t = self.kv_transfer_config
+        return DEFAULT_TIMEOUT_S if t is None else t.kv_transfer_timeout
 
     def _check_speculation(self, spec: SpeculativeConfig) -> None:
         if spec.num_speculative_tokens >= self.max_num_batched_tokens:

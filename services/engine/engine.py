@@ -9,10 +9,13 @@ import logging
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from services.engine.async_scheduling import StepPipeline
 from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
+from services.engine.kv_connector import registry as kv_connectors
+from services.engine.kv_connector.base import ConnectorContext, KVConnector
 from services.engine.kv_offload.tiers import KVTiers, KVTierStats
 from services.engine.logit_bias import LogitBias, check_logit_bias
 from services.engine.lora import manager as lora_manager
@@ -27,6 +30,7 @@ from services.engine.spec_decode.metrics import SpecDecodeStats
 from services.engine.spec_step import Speculator
 from services.engine.structured.compiler import GrammarCompiler
 from services.engine.structured.masks import GrammarState
+from services.protocol import kv_transfer_params as kv_params
 from services.protocol.block_hash import AdapterKey, BlockHasher, HashAlgorithm
 from services.protocol.engine_api import TokenLogprobs
 from services.protocol.kv_events import KVEvent
@@ -57,6 +61,7 @@ class RequestUpdate:
     # tokens (or its last, if it ends with none), never again
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     max_tokens: int = 0  # the client's max_tokens (0: none), for vllm:request_params_max_tokens
+    kv_transfer_params: dict[str, Any] | None = None  # its KV connector's, on its last update
 
 
 @dataclass(slots=True)
@@ -97,7 +102,7 @@ class LLMEngine:
         else:  # built (loaded, warmed up) on the thread that will run it: see StepPipeline
             self.runner = self.pipeline.start(lambda: ModelRunner(config, model_path))
         # ``close``, or the engine collected, or the interpreter's exit: whichever comes first.
-        closers: list[KVTiers] = []  # filled below: closed before the runner
+        closers: list[KVConnector] = []  # filled below: closed before the runner
         self._release = weakref.finalize(self, _release, self.pipeline, self.runner, closers)
         self._hashers: dict[tuple[str | None, AdapterKey | None], BlockHasher] = {}
         mc = self.runner.model_config
@@ -114,13 +119,18 @@ class LLMEngine:
             self.max_model_len,
             config.max_loras if config.enable_lora else 0,
         )
-        self.tiers: KVTiers | None = None
-        if config.kv_tiers_enabled:
-            self.tiers = KVTiers(config, self.runner, self.block_manager, self.model_name,
-                                 self.hasher().seed, record_events=kv_events,
-                                 model_path=model_path)
-            self.scheduler.tiers = self.tiers
-            closers.append(self.tiers)
+        # What moves KV in and out of the pool (--kv-transfer-config, the tier flags): the
+        # scheduler and the step reach it only through the connector contract.
+        self.kv_connector = kv_connectors.build(config.kv_connector_specs(), ConnectorContext(
+            config, self.runner.kv_caches, self.block_manager, self.model_name,
+            self.hasher().seed, kv_events, model_path))
+        self._kv_loads: list[object] = []  # connector metadata whose loads wait for a step
+        self.tiers: KVTiers | None = None  # the tiers' own handle, for their stats
+        if self.kv_connector is not None:
+            self.scheduler.set_connector(self.kv_connector, config.kv_transfer_timeout_s)
+            closers.append(self.kv_connector)
+            parts = getattr(self.kv_connector, "connectors", [self.kv_connector])
+            self.tiers = next((c for c in parts if isinstance(c, KVTiers)), None)
         self.speculator = None if config.speculative_config is None else Speculator(
             config.speculative_config, self.max_model_len)
         self.requests: dict[str, Request] = {}
@@ -184,10 +194,14 @@ class LLMEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
         lora_request: LoRARequest | str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> Request:
         """``lora_request``: the adapter to run under, a ``LoRARequest`` (the offline API: read
-        on first use) or the name of a loaded adapter (the server); None: the base model."""
-        if request_id in self.requests:
+        on first use) or the name of a loaded adapter (the server); None: the base model.
+        ``kv_transfer_params``: vLLM's, for the KV connector (P/D: hold the prompt's blocks
+        for a decode engine, or pull them from a prefill engine)."""
+        kv_transfer_params = kv_params.check(kv_transfer_params)
+        if request_id in self.requests or self.scheduler.holds_blocks_of(request_id):
             raise BadRequest(f"request_id {request_id!r} is already in the engine", "request_id")
         max_tokens = self.check_request(prompt_token_ids, params)
         adapter = None
@@ -212,6 +226,7 @@ class LLMEngine:
             logit_bias=LogitBias.build(params.logit_bias, self.runner.device),
             grammar=grammar,
             lora=adapter,
+            kv_transfer_params=kv_transfer_params,
         )
         self.requests[request_id] = req
         self.scheduler.add(req)
@@ -313,9 +328,18 @@ class LLMEngine:
             self.speculator.propose(self.scheduler.running, self.runner.input_batch)
         sched = self.scheduler.schedule()
         self._release_rows()  # the preempted ones': before the runner gives rows to joiners
-        if self.tiers is not None and (self.pipeline is None or self.pipeline.in_flight is None):
-            self.tiers.submit_loads()  # no step in flight writes to the blocks they fill
+        if self.kv_connector is not None:
+            self._kv_loads.append(sched.kv_connector_metadata)
+            if self.pipeline is None or self.pipeline.in_flight is None:
+                self._start_kv_loads()  # no step in flight writes to the blocks they fill
         return sched
+
+    def _start_kv_loads(self) -> None:
+        """Starts the connector's loads scheduled so far (called when no step that was in
+        flight when their blocks were allocated can still write to them)."""
+        for metadata in self._kv_loads:
+            self.kv_connector.start_load_kv(metadata)
+        self._kv_loads.clear()
 
     def _release_rows(self) -> None:
         """Gives the input-batch rows of the requests that left back at once (the step in
@@ -336,9 +360,9 @@ class LLMEngine:
         out, spec = result.sampler_output, result.spec
         sampled = self.scheduler.update(sched, out.token_ids, None if spec is None else spec.runs)
         self._release_rows()
-        if self.tiers is not None:  # the step is done: its full blocks' KV is final
-            self.tiers.save_new()
-            self.tiers.submit_loads()
+        if self.kv_connector is not None:  # the step is done: its full blocks' KV is final
+            self.kv_connector.save_kv()
+            self._start_kv_loads()
         if spec is None:
             lps = [[lp] for lp in out.logprobs]
         else:  # each run's tokens, as the scheduler cut it
@@ -377,6 +401,8 @@ class LLMEngine:
             num_preemptions=req.num_preemptions,
             prompt_logprobs=(req.prompt_logprobs or None) if first else None,
             max_tokens=req.params.max_tokens or 0,
+            # Until it finishes the field holds the client's params: never echoed back.
+            kv_transfer_params=req.kv_transfer_params if finished and self.kv_connector else None,
         )
 
     @property
@@ -393,15 +419,15 @@ class LLMEngine:
 
     def take_kv_events(self) -> list[KVEvent]:
         events = self.block_manager.take_events()
-        if self.tiers is not None:
-            events.extend(self.tiers.take_events())
+        if self.kv_connector is not None:
+            events.extend(self.kv_connector.take_events())
         return events
 
     def snapshot_kv_events(self) -> list[KVEvent]:
         """Every tier's cache as events ("cleared", then each tier's cached hashes)."""
         events = self.block_manager.snapshot_events()
-        if self.tiers is not None:
-            events.extend(self.tiers.snapshot_events())
+        if self.kv_connector is not None:
+            events.extend(self.kv_connector.snapshot_events())
         return events
 
     def stats(self) -> EngineStats:
@@ -422,11 +448,12 @@ class LLMEngine:
         )
 
 
-def _release(pipeline: StepPipeline | None, runner: ModelRunner, tiers: list) -> None:
+def _release(pipeline: StepPipeline | None, runner: ModelRunner,
+             connectors: list[KVConnector]) -> None:
     """``LLMEngine.close``'s work, given what it releases (never the engine: see
     ``weakref.finalize``)."""
-    for t in tiers:  # the copy thread first: it reads the runner's caches
-        t.close()
+    for c in connectors:  # their threads first: they read the runner's caches
+        c.close()
     if pipeline is not None:
         pipeline.close()
     runner.close()

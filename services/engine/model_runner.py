@@ -9,14 +9,17 @@ run at full speed.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from services.common.version import package_version
 from services.engine import cpu_threads, prompt_logprobs, spec_step
 from services.engine.attention.base import AttentionMetadata
 from services.engine.attention.contract import check_kv_caches, check_step
@@ -37,7 +40,9 @@ from services.engine.models.config import ModelConfig
 from services.engine.models.loader import load_model
 from services.engine.models.onednn import FULL_PASS_ROWS, ROW_BUCKETS, warm_up_products
 from services.engine.models.partition import check_sizes, local_kv_heads
+from services.engine.models.weights_digest import weights_digest
 from services.engine.parallel.group import SINGLE, TPGroup, building
+from services.engine.parallel.node_group import NodeGroup
 from services.engine.parallel.step_broadcast import StepBatch, send_step
 from services.engine.parallel.workers import WorkerGroup
 from services.engine.request import Request
@@ -57,6 +62,33 @@ _DEFAULT_CPU_KV_BYTES = 2 * 1024**3
 _GPU_MEMORY_FRACTION = 0.85
 # The other ranks' entry, run as ``python -m``: builds their shard with this runner.
 TP_WORKER_MODULE = "services.engine.tp_worker"
+# Flags a worker node may set differently from its leader (its own place, its own cores), and
+# those the identity names by what they resolve to (the model's name, the dtype).
+_NOT_COMPARED_FLAGS = frozenset({"model", "node_rank", "cpu_threads", "device", "master_addr",
+                                 "served_model_name", "dtype"})
+
+
+def node_group(config: EngineConfig) -> NodeGroup | None:
+    """The engine's node group when its ranks span pods; None in one pod."""
+    if config.nnodes == 1:
+        return None
+    return NodeGroup(config.nnodes, config.node_rank, config.master_addr, config.master_port)
+
+
+def group_identity(config: EngineConfig, model_path: str) -> dict[str, str]:
+    """What every node of a group must share to be admitted (``parallel.node_join``): the
+    model's name and weights, the dtype, Pagoda's version and every engine flag but the
+    per-node ones, each by name so a refusal names the difference."""
+    identity = {
+        "model": config.served_model_name or Path(model_path).name,
+        "weights digest": weights_digest(model_path),
+        "dtype": str(config.torch_dtype()).removeprefix("torch."),
+        "pagoda version": package_version(),
+    }
+    for f in dataclasses.fields(config):
+        if f.name not in _NOT_COMPARED_FLAGS:
+            identity["--" + f.name.replace("_", "-")] = repr(getattr(config, f.name))
+    return identity
 
 
 @dataclass(slots=True)
@@ -106,11 +138,18 @@ class ModelRunner:
         ``tensor_parallel_size`` > 1 is rank 0: it starts the other ranks (``parallel.workers``)
         and sends them every step; only rank 0 samples."""
         self.workers: WorkerGroup | None = None
+        if tp is None and config.node_rank != 0:
+            raise ValueError(f"node_rank={config.node_rank}: a worker node joins its leader "
+                             "through `python -m services.engine.serving.server` (it serves "
+                             "no requests itself)")
         if tp is None and config.tensor_parallel_size > 1:
             # before anything starts: a model whose heads do not split is an error at once
             check_sizes(ModelConfig.from_hf_dir(model_path), config.tensor_parallel_size)
+            nodes = node_group(config)
+            identity = None if nodes is None else group_identity(config, model_path)
             self.workers = WorkerGroup(TP_WORKER_MODULE, config.tensor_parallel_size,
-                                       config.torch_device(), (config, model_path))
+                                       config.torch_device(), (config, model_path), nodes,
+                                       identity)
             tp, config = self.workers.tp, replace(config, device=str(self.workers.device))
         self.tp = tp or SINGLE
         try:
@@ -126,11 +165,12 @@ class ModelRunner:
         self.dtype = config.torch_dtype()
         if self.device.type == "cpu":
             # once, before the first GEMM; each rank takes its share of the cores
-            cpu_threads.configure(config.cpu_threads, config.tensor_parallel_size)
+            cpu_threads.configure(config.cpu_threads, config.ranks_per_node)
         self.attn_backend = get_attention_backend(self.device, config.attention_backend,
                                                   self.dtype)
         with building(self.tp):
-            self.model = load_model(model_path, self.dtype, self.device, self.attn_backend)
+            self.model = load_model(model_path, self.dtype, self.device, self.attn_backend,
+                                    config.quantization)
         if config.max_model_len is not None:
             self.model.limit_context(config.max_model_len)
         self.lora: ModelLoRA | None = None  # before packing: it reads the weights' shapes

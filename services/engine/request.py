@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -86,6 +86,9 @@ class Request:
     # Timestamps (monotonic seconds) for metrics and traces.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # The client's params for the KV connector until it finishes, then what the connector
+    # returned (P/D: where its blocks can be fetched).
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

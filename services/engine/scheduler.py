@@ -30,11 +30,14 @@ computed; the blocks past what its tokens then need go back to the pool (``trim`
 input batch's row is told (``take_trimmed``). A step with drafts is never in flight while the
 next is scheduled (its tokens decide the next step's), so none of this meets a placeholder.
 
-KV tiers (``tiers``: host memory, the shared store): an admission whose prefix continues past
-its pool hit in a lower tier gets its blocks and waits in ``loading`` while the copy thread
-fills them; the step goes on without it. Once the copy is done it joins the running set with
-those tokens computed (and cached in the pool), at the start of a later ``schedule``. An abort
-while it loads frees its blocks only when the copy thread is done with them.
+KV from outside the pool (``connector``: any ``kv_connector.base.KVConnector``): an admission
+whose prefix the connector can deliver past its pool hit gets its blocks and waits for KV in
+``loading`` while the connector fills them; the step goes on without it. Once the connector
+reports the load done it joins the running set with the tokens that arrived computed (and
+cached in the pool), at the start of a later ``schedule``. An abort while it loads frees its
+blocks only once the load is reported. A finished request whose blocks the connector holds for
+sending keeps them until the connector reports them sent, or ``kv_transfer_timeout_s`` has
+passed.
 """
 
 from __future__ import annotations
@@ -44,8 +47,11 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.engine.block_manager import BlockManager
+from services.engine.kv_connector.base import FinishedTransfers, KVConnector
+from services.engine.kv_connector.config import DEFAULT_TIMEOUT_S
 from services.engine.lora.admission import AdapterAdmission
 from services.engine.prompt_logprobs import reads_prefix_cache
 from services.engine.request import Request, RequestStatus
@@ -68,10 +74,20 @@ class ScheduledRequest:
 
 
 @dataclass(slots=True)
+class WaitingForKV:
+    """A request in ``Scheduler.loading``: its blocks are allocated and being filled."""
+
+    request: Request
+    num_pool_tokens: int  # the pool's hit, before the loaded tokens
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
+    # The connector's metadata for the step (the loads it planned), for its worker side.
+    kv_connector_metadata: Any = None
 
     @property
     def is_empty(self) -> bool:
@@ -102,25 +118,51 @@ class Scheduler:
         self._left: list[Request] = []
         # (request, blocks it kept) after giving back rejected drafts' blocks (``trim``).
         self._trimmed: list[tuple[Request, int]] = []
-        self.tiers = None  # kv_offload.tiers.KVTiers, when the engine has lower KV tiers
-        # Admitted, waiting for their blocks' copies from a lower tier (request id -> request).
-        self.loading: dict[str, Request] = {}
+        self.connector: KVConnector | None = None  # moves KV from outside the pool, if any
+        self.kv_transfer_timeout_s = DEFAULT_TIMEOUT_S
+        # Admitted, waiting for KV from outside the pool (the one "waiting for KV" state).
+        self.loading: dict[str, WaitingForKV] = {}
+        self._cancelled_loads: set[str] = set()  # aborted while loading: freed once reported
+        self._held: dict[str, float] = {}  # finished, blocks held for sending: id -> deadline
 
     # -- queue management -------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
+    def set_connector(self, connector: KVConnector, timeout_s: float) -> None:
+        self.connector, self.kv_transfer_timeout_s = connector, timeout_s
+
     def abort(self, request: Request) -> None:
-        """Removes a request wherever it is; its blocks go back to the pool."""
-        if self.loading.pop(request.request_id, None) is not None:
-            return  # its blocks are being written: freed when the copy is done
+        """Removes a request wherever it is; its blocks go back to the pool (held first, if
+        the connector is still writing or sending them)."""
+        rid = request.request_id
+        if self.loading.pop(rid, None) is not None:  # its blocks are being written
+            self._cancelled_loads.add(rid)
+            self.connector.request_finished(request, self.block_manager.block_ids(rid))
+            return
+        block_ids = []
         if request in self.running:
             self.running.remove(request)
             self._left.append(request)
+            block_ids = self.block_manager.block_ids(rid)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.block_manager.free(request.request_id)
+        self._free_finished(request, block_ids)
+
+    def holds_blocks_of(self, request_id: str) -> bool:
+        """Whether a request that left still has blocks (its id cannot be reused yet)."""
+        return request_id in self._held or request_id in self._cancelled_loads
+
+    def _free_finished(self, req: Request, block_ids: list[int]) -> None:
+        """Frees a finished or aborted request's blocks, unless the connector holds them for
+        sending (then ``get_finished`` or the timeout frees them)."""
+        if self.connector is not None:
+            delay, req.kv_transfer_params = self.connector.request_finished(req, block_ids)
+            if delay:
+                self._held[req.request_id] = time.monotonic() + self.kv_transfer_timeout_s
+                return
+        self.block_manager.free(req.request_id)
 
     def take_left(self) -> list[Request]:
         """The requests that left the running set since the last call (each at most once per
@@ -140,13 +182,14 @@ class Scheduler:
     # -- one step ---------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        if self.tiers is None:
+        if self.connector is None:
             return self._schedule()
-        self._admit_loaded(self.tiers.poll())
+        self._admit_loaded(self.connector.get_finished())
         out = self._schedule()
-        if out.is_empty and self.loading:  # nothing else to run: wait for a copy, briefly
-            self._admit_loaded(self.tiers.poll(timeout=0.05))
+        if out.is_empty and self.loading:  # nothing else to run: wait for a load, briefly
+            self._admit_loaded(self.connector.get_finished(timeout=0.05))
             out = self._schedule()
+        out.kv_connector_metadata = self.connector.build_connector_meta()
         return out
 
     def _schedule(self) -> SchedulerOutput:
@@ -233,8 +276,8 @@ class Scheduler:
         logger.debug("preempted request_id=%s", req.request_id)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        loras = AdapterAdmission([*self.running, *self.loading.values()],  # loading: to run
-                                 self.max_loras) if self.max_loras else None
+        loras = AdapterAdmission([*self.running, *(w.request for w in self.loading.values())],
+                                 self.max_loras) if self.max_loras else None  # loading: to run
         while self.waiting and budget > 0 and (
                 len(self.running) + len(self.loading) < self.max_num_seqs):
             req = self.waiting[0]
@@ -248,7 +291,7 @@ class Scheduler:
                 self.block_manager.get_computed_blocks(req.token_ids, req.block_hashes)
                 if reads_prefix_cache(req) else ([], 0)
             )
-            if self.tiers is not None and reads_prefix_cache(req):
+            if self.connector is not None and reads_prefix_cache(req):
                 started = self._start_load(req, blocks, num_cached)
                 if started is False:
                     break  # FCFS: the head waits for blocks
@@ -261,8 +304,9 @@ class Scheduler:
                 break  # FCFS: the head waits for blocks; nothing overtakes it
             self.waiting.popleft()
             self.block_manager.record_prefix_lookup(req.num_tokens, num_cached)
-            if self.tiers is not None:
-                self.tiers.record_admission(req, num_cached, 0, 0, reads_prefix_cache(req))
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(
+                    req, self.block_manager.block_ids(req.request_id), 0)
             self._start_running(req, num_cached)
             out.scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
@@ -283,38 +327,50 @@ class Scheduler:
         self.running.append(req)
 
     def _start_load(self, req: Request, blocks: list, num_cached: int) -> bool | None:
-        """Starts loading the request's next blocks from a lower tier, if any holds them:
-        True (it waits in ``loading``), None (nothing to load: admit it as usual) or False
-        (no free blocks for them: it waits)."""
-        plan = self.tiers.plan(req, len(blocks))
-        if plan is None:
+        """Starts loading the KV the connector has after the pool's hit, if any: True (it
+        waits in ``loading``), None (nothing to load: admit it as usual) or False (no free
+        blocks for them: it waits)."""
+        num_external, is_async = self.connector.get_num_new_matched_tokens(req, num_cached)
+        if not num_external:
             return None
+        assert is_async, "a connector's loads are asynchronous (the only kind the step has)"
         bm = self.block_manager
-        if not bm.allocate_slots(req.request_id, num_cached + plan.num_blocks * bm.block_size,
-                                 blocks):
+        if not bm.allocate_slots(req.request_id, num_cached + num_external, blocks):
             return False
         self.waiting.popleft()
-        ids = bm.block_ids(req.request_id)
-        self.tiers.start_load(req, plan, ids[plan.first:plan.first + plan.num_blocks])
-        self.loading[req.request_id] = req
+        self.connector.update_state_after_alloc(req, bm.block_ids(req.request_id), num_external)
+        self.loading[req.request_id] = WaitingForKV(req, num_cached)
         return True
 
-    def _admit_loaded(self, done: list) -> None:
-        """Requests whose lower-tier blocks were copied in: cached in the pool, and running
-        with those tokens computed (an aborted one's blocks are freed now)."""
-        bm, bs = self.block_manager, self.block_manager.block_size
-        for req, first, num_host, num_remote in done:
-            if self.loading.pop(req.request_id, None) is None:
-                bm.free(req.request_id)  # aborted while its blocks were written
+    def _admit_loaded(self, done: FinishedTransfers) -> None:
+        """Applies the connector's report: requests whose KV arrived are cached in the pool
+        and run with those tokens computed; blocks held for sending, or by an aborted load,
+        are freed (held ones also once their timeout has passed)."""
+        bm = self.block_manager
+        for rid in done.sending:
+            if self._held.pop(rid, None) is not None:
+                bm.free(rid)
+        for rid, num_loaded in done.recving.items():
+            if rid in self._cancelled_loads:
+                self._cancelled_loads.discard(rid)
+                bm.free(rid)
                 continue
-            pool_tokens = first * bs
-            loaded = (num_host + num_remote) * bs
-            num_cached = pool_tokens + loaded
-            if loaded:
-                bm.cache_full_blocks(req.request_id, req.token_ids, req.block_hashes, num_cached)
-            bm.record_prefix_lookup(req.num_tokens, pool_tokens)
-            self.tiers.record_admission(req, pool_tokens, loaded, num_host * bs, True)
+            waiting = self.loading.pop(rid)
+            req, num_cached = waiting.request, waiting.num_pool_tokens + num_loaded
+            if num_loaded:
+                bm.cache_full_blocks(rid, req.token_ids, req.block_hashes, num_cached)
+            bm.record_prefix_lookup(req.num_tokens, waiting.num_pool_tokens)
             self._start_running(req, num_cached)
+        if self._held:
+            self._free_expired()
+
+    def _free_expired(self) -> None:
+        now = time.monotonic()
+        for rid in [rid for rid, deadline in self._held.items() if deadline <= now]:
+            del self._held[rid]
+            self.block_manager.free(rid)
+            logger.warning("request_id=%s: its KV was not taken within %.0f s; freed",
+                           rid, self.kv_transfer_timeout_s)
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         start = req.num_computed_tokens + req.num_scheduled_tokens
@@ -393,7 +449,8 @@ class Scheduler:
                 continue  # surely not the last token: the exact rules below need not run
             if self._stopped(req, tok):
                 finished = True
-                self.block_manager.free(req.request_id)
+                self._free_finished(req, [] if status is preempted else (
+                    self.block_manager.block_ids(req.request_id)))
                 if status is preempted:  # by a step scheduled since
                     self.waiting.remove(req)
         if finished:  # one pass, not a list.remove per finished request
@@ -419,7 +476,7 @@ class Scheduler:
             self._cache_blocks(req, after)
         req.num_computed_tokens = after
         if stopped:
-            self.block_manager.free(req.request_id)
+            self._free_finished(req, self.block_manager.block_ids(req.request_id))
             return True
         kept = self.block_manager.trim(req.request_id, after + 1)
         if kept is not None:

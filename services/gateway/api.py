@@ -87,7 +87,7 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     share = -(-len(await request.read()) // len(plan.jobs))
     gen = Generation(state.upstreams, model, plan.rid, plan.jobs, plan.salt,
                      None if adapter is None else adapter.name,
-                     HoldCost(request.get(TENANT_KEY), share))
+                     HoldCost(request.get(TENANT_KEY), share), req.kv_transfer_params)
     timer: asyncio.TimerHandle | None = None
     state.metrics.in_flight.labels(endpoint, model.name).inc()
     try:
@@ -126,6 +126,9 @@ async def _plan(
         raise oa.OpenAIError(
             f"prompts x n must be at most {oa.MAX_CHOICES}, got {choices}", param="n"
         )
+    if req.kv_transfer_params is not None and choices != 1:
+        raise oa.OpenAIError("kv_transfer_params needs one prompt and n = 1",
+                             param="kv_transfer_params")
     prompts = await prepare_prompts(state.tokenize_pool, model, req)
     prompt_param = "messages" if req.kind == "chat" else "prompt"
     max_param = "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"
@@ -237,6 +240,8 @@ async def _collect(
         state.metrics.stream_errors.labels(plan.model.name).inc()
         raise oa.OpenAIError(f"generation failed: {exc}", status=502) from None
     body = builder.response(_usage(plan, gen))
+    if plan.req.kv_transfer_params is not None:  # vLLM's field: the P/D leg's answer
+        body["kv_transfer_params"] = gen.kv_transfer_params()
     state.metrics.e2e.labels(plan.model.name).observe(time.monotonic() - started)
     _log_done(plan, gen, "ok")
     return web.json_response(body, headers=_headers(plan, gen))

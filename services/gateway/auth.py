@@ -14,7 +14,6 @@ share cached prefixes even when they send the same ``cache_salt``. Without keys 
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 from collections.abc import Iterable
 from typing import Any
@@ -22,16 +21,13 @@ from typing import Any
 from aiohttp import web
 
 from services.protocol.openai import OpenAIError
+from services.protocol.tenancy import bearer_token, cache_salt_for, tenant_id
+
+__all__ = ["ApiKeyAuth", "TENANT_KEY", "auth_middleware", "cache_salt_for", "tenant_id"]
 
 OPEN_PATHS = frozenset(
     {"/health", "/ready", "/metrics", "/metrics/engines", "/openapi.json", "/version"}
 )
-_TENANT_DOMAIN = b"pagoda/tenant/v1\x00"
-
-
-def tenant_id(api_key: str) -> str:
-    """A stable, one-way id for a key: safe to use as a salt and to put in logs."""
-    return hashlib.sha256(_TENANT_DOMAIN + api_key.encode()).hexdigest()[:32]
 
 
 class ApiKeyAuth:
@@ -49,10 +45,10 @@ class ApiKeyAuth:
         """The tenant id of the key in ``header``; None when auth is off. Raises 401."""
         if not self._keys:
             return None
-        scheme, _, token = (header or "").partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
+        token = bearer_token(header)
+        if token is None:
             raise _unauthorized("missing bearer API key in the Authorization header")
-        given = token.strip().encode()
+        given = token.encode()
         found = None
         for key in self._keys:  # every key is compared, so timing reveals nothing
             if hmac.compare_digest(given, key):
@@ -85,10 +81,3 @@ def auth_middleware(auth: ApiKeyAuth) -> Any:
         return await handler(request)
 
     return middleware
-
-
-def cache_salt_for(tenant: str | None, requested: str | None) -> str | None:
-    """The salt the block-hash chain and the engine use for this request (see module doc)."""
-    if tenant is None:
-        return requested
-    return f"tenant:{tenant}" if requested is None else f"tenant:{tenant}/{requested}"

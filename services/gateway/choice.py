@@ -57,6 +57,7 @@ class ChoiceDecoder:
         self._stop_ids = frozenset(stop_ids)
         self.totals = ChoiceTotals()
         self.finished = False
+        self.kv_transfer_params: dict | None = None  # the engine's, from its finished frame
 
     def on_frame(self, frame: TokensFrame | FinishedFrame) -> ChoiceDelta:
         """Folds one tokens or finished frame in. After a delta with a finish_reason the
@@ -86,6 +87,7 @@ class ChoiceDecoder:
     def _finish(self, frame: FinishedFrame) -> ChoiceDelta:
         self.finished = True
         self.totals.cached_tokens = frame.cached_tokens
+        self.kv_transfer_params = frame.kv_transfer_params
         return ChoiceDelta(
             self.index,
             text=self._stops.flush(),

@@ -102,6 +102,10 @@ class GatewayConfig:
     )
     request_timeout: float = flag(600.0, help="seconds one generation may take")
     max_retries: int = flag(2, help="other engines tried when one fails before its first token")
+    pd_disaggregation: bool = flag(
+        False, help="disaggregated prefill/decode: each choice's prompt runs on a prefill engine "
+        "first (max_tokens 1), then on a decode engine that pulls its KV (the router picks each "
+        "by the role in the engines' heartbeats); the client sees one completion")
     router_timeout: float = flag(5.0, help="seconds per router call")
     engines_refresh: float = flag(5.0, help="seconds between polls of the router's /engines")
     shutdown_grace: float = flag(30.0, help="seconds open generations get to finish on SIGTERM")

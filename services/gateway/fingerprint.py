@@ -11,14 +11,10 @@ is computed when one of those changes, never per request.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 
+from services.common.version import package_version
 
-def package_version() -> str:
-    try:
-        return importlib.metadata.version("pagoda")
-    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
-        return "0+unknown"
+__all__ = ["package_version", "system_fingerprint"]
 
 
 def system_fingerprint(name: str, path: str, block_size: int, max_model_len: int | None) -> str:

@@ -32,7 +32,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.models import ServedModel
 from services.gateway.router_client import RouterClient
 from services.protocol.block_hash import BlockHash
-from services.protocol.engine_api import GenerateRequest
+from services.protocol.engine_api import FinishedFrame, GenerateRequest
 from services.protocol.messages import RouteRequest, RouteResponse
 from services.protocol.openai import OpenAIError
 from services.protocol.sampling_params import SamplingParams
@@ -66,6 +66,7 @@ class Upstreams:
     tracer: trace.Tracer | None = None  # None: the global one (no-op unless tracing is set up)
     watch: EngineWatch | None = None  # fails over waits on engines that stopped answering
     engine_wait: EngineWait | None = None  # holds requests while their model has no engine
+    pd: bool = False  # disaggregated prefill/decode: a prefill leg before each choice
 
 
 class GenerationFailed(Exception):
@@ -86,9 +87,13 @@ class Generation:
         cache_salt: str | None,
         lora_name: str | None = None,
         hold: HoldCost = FREE,
+        kv_transfer_params: dict | None = None,
     ) -> None:
         """``lora_name``: the LoRA adapter every choice runs under (None: the base model).
-        ``hold``: what each choice costs while it waits for an engine (``EngineWait``)."""
+        ``hold``: what each choice costs while it waits for an engine (``EngineWait``).
+        ``kv_transfer_params``: the client's, for the engine's KV connector (one choice)."""
+        assert kv_transfer_params is None or len(jobs) == 1
+        self._kv_params = kv_transfer_params
         self._up = up
         self._lora = lora_name
         self._hold = hold
@@ -146,6 +151,10 @@ class Generation:
         """(completion tokens, cached prompt tokens) of choice ``index`` so far."""
         t = self._decoders[self._position(index)].totals
         return t.completion_tokens, t.cached_tokens
+
+    def kv_transfer_params(self) -> dict | None:
+        """What the engine's KV connector returned for the (one) choice, once finished."""
+        return self._decoders[0].kv_transfer_params if self._decoders else None
 
     def _position(self, index: int) -> int:
         for pos, job in enumerate(self._jobs):
@@ -214,10 +223,14 @@ class Generation:
         up, model = self._up, self._model
         exclude: list[str] = []
         attempts = up.max_retries + 1
+        kv_params, role = self._kv_params, None
+        if up.pd and kv_params is None:  # the client drives no legs itself: the gateway does
+            kv_params, role = await self._prefill(job), "decode"
         for attempt in range(attempts):
-            route = await self._route(job, exclude)
+            route = await self._route(job, exclude, role)
             rid = f"{self.request_id}-{job.index}" + (f"-r{attempt}" if attempt else "")
-            req = GenerateRequest(rid, job.prompt_ids, job.engine_params, self._salt, self._lora)
+            req = GenerateRequest(rid, job.prompt_ids, job.engine_params, self._salt, self._lora,
+                                  kv_params)
             guard = (up.watch.guard(route.engine_id, route.url) if up.watch is not None
                      else contextlib.nullcontext())
             try:
@@ -246,7 +259,33 @@ class Generation:
         )
 
 
-    async def _route(self, job: ChoiceJob, exclude: list[str]) -> RouteResponse:
+    async def _prefill(self, job: ChoiceJob) -> dict | None:
+        """The prefill leg: the prompt on a prefill engine, which holds its KV; returns the
+        params that tell the decode engine where to pull it, or None when the leg failed (the
+        decode engine then computes the prompt itself)."""
+        up = self._up
+        rid = f"{self.request_id}-{job.index}-prefill"
+        params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        stream = None
+        try:
+            route = await self._route(job, [], "prefill")
+            req = GenerateRequest(rid, job.prompt_ids, params, self._salt, self._lora,
+                                  {"do_remote_decode": True})
+            stream = await open_stream(up.session, route.engine_id, route.url, req,
+                                       up.connect_timeout, up.tracer)
+            async for frame in stream.frames():
+                if isinstance(frame, FinishedFrame):
+                    return frame.kv_transfer_params
+        except (OpenAIError, EngineUnavailable, EngineStreamError, TimeoutError) as exc:
+            logger.warning("prefill leg failed request_id=%s: %s: the decode engine computes "
+                           "the prompt", self.request_id, exc)
+        finally:
+            if stream is not None:
+                stream.close()
+        return None
+
+    async def _route(self, job: ChoiceJob, exclude: list[str],
+                     role: str | None = None) -> RouteResponse:
         """The router's choice; a first ask may wait for an engine (``EngineWait``)."""
         up, model = self._up, self._model
 
@@ -260,6 +299,7 @@ class Generation:
                     request_id=self.request_id,
                     waited_s=waited_s,
                     lora_name=self._lora,
+                    role=role,
                 )
             )
 

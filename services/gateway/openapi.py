@@ -139,6 +139,13 @@ _SAMPLING: dict[str, Any] = {
         "description": "namespaces the prefix cache (scoped per API key when keys are set)",
     },
     "user": {"type": "string"},
+    "kv_transfer_params": {
+        "type": "object",
+        "nullable": True,
+        "description": "vLLM's, for disaggregated prefill/decode: passed to the engine's KV "
+        "connector (one prompt, n=1); the response returns the engine's (a flat object of "
+        "scalars)",
+    },
     "response_format": {
         "type": "object",
         "nullable": True,

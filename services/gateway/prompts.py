@@ -10,32 +10,15 @@ import asyncio
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from services.gateway.models import ServedModel
 from services.protocol.openai import GenerationRequest, OpenAIError
-from services.protocol.openai_structured import template_messages
+from services.text.chat_prompt import chat_renderer, render_chat, template_kwargs
 
 T = TypeVar("T")
 
-# chat_template_kwargs the client may not set: they would change what the call returns, or
-# (chat_template) run a template of the client's choosing.
-_RESERVED_TEMPLATE_KWARGS = frozenset(
-    {
-        "tokenize",
-        "return_dict",
-        "return_tensors",
-        "conversation",
-        "messages",
-        "tools",
-        "documents",
-        "padding",
-        "truncation",
-        "max_length",
-        "tokenizer_kwargs",
-        "chat_template",
-    }
-)
+__all__ = ["Prompt", "prepare_prompts", "template_kwargs", "tokenize_in"]
 
 
 @dataclass(slots=True)
@@ -53,24 +36,12 @@ async def prepare_prompts(
 ) -> list[Prompt]:
     tok = model.tokenizer
     if req.kind == "chat":
-        kwargs = template_kwargs(req.chat_template_kwargs)
-        tools = req.constraint.tools
-        if tools is not None:  # the template shows them to the model, as transformers does
-            kwargs = {**kwargs, "tools": tools.tools}
-        messages = template_messages(req.messages)
+        messages, kwargs = chat_renderer(req)
 
         def render() -> Prompt:
-            text = tok.apply_chat_template(messages, **kwargs)
-            return Prompt(text, tok.encode(text, add_special_tokens=False))
+            return Prompt(*render_chat(tok, messages, kwargs))
 
-        try:
-            return [await tokenize_in(pool, render)]
-        except OpenAIError:
-            raise
-        except Exception as exc:  # noqa: BLE001 -- jinja2 and tokenizers raise many types
-            raise OpenAIError(
-                f"cannot apply the chat template: {_first_line(exc)}", param="messages"
-            ) from None
+        return [await tokenize_in(pool, render)]
 
     texts = [p for p in req.prompts if isinstance(p, str)]
     encoded = iter(await tokenize_in(pool, lambda: [tok.encode(t) for t in texts]) if texts else [])
@@ -82,19 +53,6 @@ async def prepare_prompts(
             _check_vocab(model, p)
             prompts.append(Prompt(None, p))
     return prompts
-
-
-def template_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    bad = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
-    if bad:
-        raise OpenAIError(f"chat_template_kwargs may not set {bad}", param="chat_template_kwargs")
-    gen = kwargs.get("add_generation_prompt", True)
-    if not isinstance(gen, bool):
-        raise OpenAIError(
-            "chat_template_kwargs.add_generation_prompt must be a boolean",
-            param="chat_template_kwargs",
-        )
-    return kwargs
 
 
 def _check_vocab(model: ServedModel, ids: list[int]) -> None:
@@ -148,7 +106,3 @@ def check_length(
             code="context_length_exceeded",
         )
 
-
-def _first_line(exc: Exception) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else type(exc).__name__

@@ -133,6 +133,7 @@ async def _resources(
             EngineWait(config.engine_wait_timeout, config.engine_wait_max_requests, metrics,
                        max_bytes=config.engine_wait_max_bytes,
                        max_tenant_bytes=config.engine_wait_max_tenant_bytes),
+            config.pd_disaggregation,
         )
         state = GatewayState(config, models, router, upstreams, metrics, pool)
         app[STATE] = state

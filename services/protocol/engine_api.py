@@ -7,7 +7,8 @@ stream of msgpack frames, one after another: ``TokensFrame``, ``FinishedFrame`` 
     {"type": "tokens", "token_ids": [...], "logprobs": [...] | None,
      "cached_tokens": n (first frame only)}                           (zero or more)
     {"type": "finished", "finish_reason": "stop"|"length"|"abort", "stop_reason": ...,
-     "usage": {"prompt_tokens", "completion_tokens", "cached_tokens"}}  (last frame)
+     "usage": {"prompt_tokens", "completion_tokens", "cached_tokens"},
+     "kv_transfer_params": {...} (only when the KV connector returned some)}  (last frame)
     {"type": "error", "message": ...}                                   (last frame, on failure)
 
 A request the engine refuses (malformed body, bad params, prompt too long) gets a 400 with a
@@ -30,6 +31,7 @@ from typing import Any
 
 import msgpack
 
+from services.protocol import kv_transfer_params as kv_params
 from services.protocol.sampling_params import SamplingParams
 from services.protocol.wire import (
     MAX_CACHE_SALT_CHARS,
@@ -96,6 +98,9 @@ class GenerateRequest(Message):
     cache_salt: str | None = field(metadata=bounds(MAX_CACHE_SALT_CHARS), default=None)
     # a LoRA adapter the engine has loaded (None: the base model)
     lora_name: str | None = field(metadata=bounds(MAX_NAME_CHARS, min_len=1), default=None)
+    # vLLM's, for the engine's KV connector (P/D); checked flat and bounded
+    kv_transfer_params: dict[str, Any] | None = field(
+        metadata=codec(kv_params.check, lambda v: v), default=None)
 
     def _check(self) -> None:
         if min(self.prompt_token_ids) < 0:
@@ -215,9 +220,10 @@ class FinishedFrame:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    kv_transfer_params: dict[str, Any] | None = None  # the KV connector's (P/D: where to pull)
 
     def to_msgpack(self) -> bytes:
-        return msgpack.packb({
+        frame: dict[str, Any] = {
             "type": "finished",
             "finish_reason": self.finish_reason,
             "stop_reason": self.stop_reason,
@@ -226,7 +232,10 @@ class FinishedFrame:
                 "completion_tokens": self.completion_tokens,
                 "cached_tokens": self.cached_tokens,
             },
-        })
+        }
+        if self.kv_transfer_params is not None:
+            frame["kv_transfer_params"] = self.kv_transfer_params
+        return msgpack.packb(frame)
 
     @classmethod
     def _from_map(cls, raw: dict[str, Any]) -> FinishedFrame:
@@ -238,7 +247,11 @@ class FinishedFrame:
         counts = [usage.get(k) for k in ("prompt_tokens", "completion_tokens", "cached_tokens")]
         if not all(_is_count(c) for c in counts):
             raise MalformedFrame("malformed engine frame: usage")
-        return cls(reason, stop, *counts)
+        try:
+            params = kv_params.check(raw.get("kv_transfer_params"))
+        except BadRequest:
+            raise MalformedFrame("malformed engine frame: kv_transfer_params") from None
+        return cls(reason, stop, *counts, params)
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,13 +43,28 @@ def encode_batch(engine_id: str, timestamp: float, events: list[KVEvent]) -> byt
     events, engine]; ``BlockStored``: [tag, hashes, parent, token_ids, block_size, lora_id,
     medium]; ``BlockRemoved``: [tag, hashes, medium]; ``AllBlocksCleared``: [tag]), so a
     subscriber written for vLLM's events reads Pagoda's (hashes are 16 raw bytes)."""
-    out = []
+    return msgpack.packb([timestamp, _vllm_events(events, False), engine_id], use_bin_type=True)
+
+
+def encode_vllm_batch(timestamp: float, events: list[KVEvent], data_parallel_rank: int = 0,
+                      lora_name: str | None = None) -> bytes:
+    """The same events exactly as vLLM's ZeroMQ publisher sends a ``KVEventBatch`` (msgspec,
+    array-like, trailing defaults left out): [ts, events, data_parallel_rank], ``BlockStored``
+    with ``lora_name`` after ``medium``; what llm-d's KV-event subscribers decode."""
+    return msgpack.packb([timestamp, _vllm_events(events, True, lora_name), data_parallel_rank],
+                         use_bin_type=True)
+
+
+def _vllm_events(events: list[KVEvent], with_lora_name: bool,
+                 lora_name: str | None = None) -> list[list[object]]:
+    out: list[list[object]] = []
     for e in events:
         if e.kind is KVEventKind.STORED:
-            out.append(["BlockStored", list(e.block_hashes), e.parent_hash, list(e.token_ids),
-                        e.block_size, None, e.medium.value])
+            stored: list[object] = ["BlockStored", list(e.block_hashes), e.parent_hash,
+                                    list(e.token_ids), e.block_size, None, e.medium.value]
+            out.append(stored + [lora_name] if with_lora_name else stored)
         elif e.kind is KVEventKind.REMOVED:
             out.append(["BlockRemoved", list(e.block_hashes), e.medium.value])
         else:
             out.append(["AllBlocksCleared"])
-    return msgpack.packb([timestamp, out, engine_id], use_bin_type=True)
+    return out

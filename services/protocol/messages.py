@@ -49,6 +49,8 @@ def _check_non_negative(where: str, value: float) -> None:
         raise ValueError(f"{where} must be a finite number >= 0, got {value!r}")
 
 
+ENGINE_ROLES = ("prefill", "decode", "both")
+
 @dataclass(frozen=True, slots=True)
 class EngineHeartbeat(Message):
     """An engine's liveness and load, published to Redis every few seconds with a TTL."""
@@ -75,8 +77,14 @@ class EngineHeartbeat(Message):
     # LoRA adapters the engine serves (registered), with where each one is: the router
     # prefers an engine holding a request's adapter, and the gateway lists them.
     adapters: list[AdapterStatus] = field(metadata=bounds(MAX_ADAPTERS), default_factory=list)
+    # Disaggregated serving: "prefill" (its KV connector only sends), "decode" (only
+    # receives) or "both" (every engine without a P/D connector).
+    kv_role: str = "both"
 
     def _check(self) -> None:
+        if self.kv_role not in ENGINE_ROLES:
+            raise ValueError(f"EngineHeartbeat.kv_role must be one of {', '.join(ENGINE_ROLES)}"
+                             f", got {self.kv_role!r}")
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"EngineHeartbeat.url must be an http(s) URL, got {self.url!r}")
         if self.block_size <= 0:
@@ -121,8 +129,13 @@ class RouteRequest(Message):
     waited_s: float = 0.0
     # the LoRA adapter the request runs under (its block hashes are that adapter's chain)
     lora_name: str | None = field(metadata=bounds(MAX_NAME_CHARS, min_len=1), default=None)
+    # P/D: the leg to route ("prefill" or "decode": engines of that role or "both");
+    # None: any engine
+    role: str | None = None
 
     def _check(self) -> None:
+        if self.role is not None and self.role not in ("prefill", "decode"):
+            raise ValueError(f"RouteRequest.role must be prefill or decode, got {self.role!r}")
         _check_non_negative("RouteRequest.prompt_len", self.prompt_len)
         _check_non_negative("RouteRequest.waited_s", self.waited_s)
         if self.prompt_len > MAX_PROMPT_TOKENS:

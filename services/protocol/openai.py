@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.protocol import kv_transfer_params as kv_params
 from services.protocol.openai_structured import (
     Constraint,
     FieldError,
@@ -116,6 +117,8 @@ class GenerationRequest:
     top_logprobs: int | None = None  # chat: how many alternatives per token to report
     cache_salt: str | None = None
     user: str | None = None
+    # vLLM's, passed to the engine's KV connector (P/D legs) and returned in the response
+    kv_transfer_params: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # response_format / structured_outputs / tools: what the engine enforces, and the tools
     constraint: Constraint = field(default_factory=Constraint)
@@ -250,8 +253,13 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise OpenAIError("user must be a string", param="user")
+    try:
+        kv = kv_params.check(body.get("kv_transfer_params"))
+    except ValueError as exc:  # BadRequest: its text names the field
+        raise OpenAIError(str(exc), param="kv_transfer_params") from None
     return {"stream": stream, "include_usage": include_usage,
-            "continuous_usage": include_usage and continuous, "cache_salt": salt, "user": user}
+            "continuous_usage": include_usage and continuous, "cache_salt": salt, "user": user,
+            "kv_transfer_params": kv}
 
 
 def _prompts(prompt: Any) -> list[str | list[int]]:

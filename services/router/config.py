@@ -115,6 +115,44 @@ class RouterConfig:
     deletion_cost_window_s: float = flag(
         300.0, help="the window of prefix hits a pod's deletion cost counts"
     )
+    # -- the endpoint picker (Envoy ext_proc, services.router.ext_proc) --------------------
+    ext_proc_port: int = flag(
+        0, help="serve Envoy's ext_proc as a Gateway API InferencePool endpoint picker on this "
+        "gRPC port (0: off)",
+    )
+    ext_proc_max_body_bytes: int = flag(
+        4 * 1024 * 1024, help="picker: a request body past this many bytes is refused (413)"
+    )
+    ext_proc_max_buffered_bytes: int = flag(
+        256 * 1024 * 1024, help="picker: request-body bytes all streams may hold at once "
+        "(past it a 503)",
+    )
+    ext_proc_max_streams: int = flag(
+        1024, help="picker: concurrent ext_proc streams (more are refused by gRPC)"
+    )
+    ext_proc_body_timeout_s: float = flag(
+        30.0, help="picker: seconds from a request's headers to the end of its body (else 408), "
+        "and for its pick (else 503)"
+    )
+    ext_proc_stream_timeout_s: float = flag(
+        3600.0, help="picker: longest life of one ext_proc stream (request and response)"
+    )
+    ext_proc_endpoints: int = flag(
+        3, help="picker: endpoints in the ordered list it answers (the pick, then fallbacks)"
+    )
+    ext_proc_shed_waiting: int = flag(
+        0, help="picker: answer 429 when every eligible engine has at least this many requests "
+        "waiting or pending (0: never shed)",
+    )
+    ext_proc_tenant_from_key: bool = flag(
+        True, help="picker: scope the cache salt to the tenant of the request's bearer key, "
+        "as Pagoda's gateway does with --api-key",
+    )
+    tokenizer: tuple[str, ...] = flag(
+        (), repeat=True, metavar="MODEL=HF_DIR",
+        help="picker: the tokenizer and chat template of a base model (repeatable); a model "
+        "without one is picked by load only",
+    )
     log_level: str = flag("INFO", help="logging level")
     internal_token_file: str | None = token_file_flag()
     insecure_no_internal_auth: bool = insecure_flag()
@@ -122,6 +160,7 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        self._check_ext_proc()
         if urlsplit(self.redis_url).scheme not in ("redis", "rediss", "unix"):
             raise ValueError(
                 f"redis_url must be redis://, rediss:// or unix://: {redact_url(self.redis_url)!r}"
@@ -159,6 +198,19 @@ class RouterConfig:
         if self.max_blocks_per_engine <= 0:
             raise ValueError(f"max_blocks_per_engine must be > 0, got {self.max_blocks_per_engine}")
 
+    def _check_ext_proc(self) -> None:
+        if not 0 <= self.ext_proc_port <= 65535:
+            raise ValueError(f"ext_proc_port must be in 0..65535, got {self.ext_proc_port}")
+        for name in ("ext_proc_max_body_bytes", "ext_proc_max_buffered_bytes",
+                     "ext_proc_max_streams", "ext_proc_endpoints",
+                     "ext_proc_body_timeout_s", "ext_proc_stream_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.ext_proc_shed_waiting < 0:
+            raise ValueError(f"ext_proc_shed_waiting must be >= 0, got "
+                             f"{self.ext_proc_shed_waiting}")
+        tokenizer_dirs(self.tokenizer)  # validates
+
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None) -> RouterConfig:
         return cli.config_from_args(cls, argv, prog=PROG, description=DESCRIPTION)
@@ -170,6 +222,17 @@ def _enum(cls: type[Enum], value: Any, name: str) -> Any:
     except ValueError:
         allowed = ", ".join(m.value for m in cls)
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}") from None
+
+
+def tokenizer_dirs(specs: Sequence[str]) -> dict[str, str]:
+    """``MODEL=HF_DIR`` flags as {model: directory}."""
+    out = {}
+    for spec in specs:
+        name, sep, path = (x.strip() for x in spec.partition("="))
+        if not sep or not name or not path:
+            raise ValueError(f"tokenizer must be MODEL=HF_DIR, got {spec!r}")
+        out[name] = path
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -161,6 +161,10 @@ class RouterIndex:
     def cached_models(self) -> list[str]:
         return sorted(self._seen)
 
+    def heartbeats(self, model: str) -> list[EngineHeartbeat]:
+        """The model's heartbeats as the last lookup saw them (no Redis call)."""
+        return [hb for hb, _ in self._seen.get(model, {}).values()]
+
     def local_pending(self, model: str) -> dict[str, int]:
         """Requests routed per engine while degraded (reset when Redis answers again)."""
         return dict(self._local_pending.get(model, {}))

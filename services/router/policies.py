@@ -32,6 +32,7 @@ class Candidate:
     adapter: int = -1
     reach_blocks: int = 0  # leading blocks in its pool or host tier (KV tiers; >= matched)
     shared_blocks: int = 0  # leading blocks in the model's shared KV store (every engine's)
+    kv_role: str = "both"  # disaggregated serving: "prefill", "decode" or "both"
 
     @property
     def load(self) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -49,6 +49,18 @@ class RouteObserver(Protocol):
     async def observe(self, req: RouteRequest, chosen: Candidate | None) -> None:
         """``chosen`` is None when no engine of the model is live (a 503). Never raises."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class Pick:
+    """A decision with the runners-up, for callers that take an ordered fallback list (the
+    endpoint picker): ``ranked[0]`` is the policy's choice, the rest by prefix then load."""
+
+    response: RouteResponse
+    ranked: list[Candidate]
+
+
+Admit = Callable[[Candidate], bool]
 
 
 class NoEngineError(Exception):
@@ -104,23 +116,32 @@ class Router:
 
     async def route(self, req: RouteRequest) -> RouteResponse:
         """One decision, in a ``router.decision`` span. Raises NoEngineError."""
-        if not self._traced:
-            return await self._route(req, trace.INVALID_SPAN)
-        with self.tracer.start_as_current_span("router.decision") as span:
-            return await self._route(req, span)
+        return (await self.pick(req)).response
 
-    async def _route(self, req: RouteRequest, span: trace.Span) -> RouteResponse:
+    async def pick(self, req: RouteRequest, admit: Admit | None = None) -> Pick:
+        """``route``, among the engines ``admit`` accepts (all when None), with the runners-up.
+        Raises NoEngineError (503 when ``admit`` leaves none)."""
+        if not self._traced:
+            return await self._route(req, trace.INVALID_SPAN, admit)
+        with self.tracer.start_as_current_span("router.decision") as span:
+            return await self._route(req, span, admit)
+
+    async def _route(self, req: RouteRequest, span: trace.Span, admit: Admit | None) -> Pick:
         start = time.perf_counter()
         snapshot = await self.index.lookup(req.model, req.block_hashes)
         lookup_s = time.perf_counter() - start
         eligible = self._eligible(req.model, snapshot)
         self._gauge_live(req.model, len(eligible))
+        if admit is not None:
+            eligible = [c for c in eligible if admit(c)]
         excluded = set(req.exclude) | {normalize_url(x) for x in req.exclude}
         candidates = [
             c
             for c in eligible
             if c.engine_id not in excluded and normalize_url(c.url) not in excluded
         ]
+        if req.role is not None:  # a P/D leg: engines of its role, or of both
+            candidates = [c for c in candidates if c.kv_role in (req.role, "both")]
         candidates = self._avoid_suspects(req.exclude, eligible, candidates)
         if req.lora_name is not None and candidates:
             candidates = with_adapter(candidates, snapshot, req.lora_name)
@@ -159,7 +180,11 @@ class Router:
             chosen.matched_blocks,
             reason,
         )
-        return RouteResponse(chosen.engine_id, chosen.url, chosen.matched_blocks, reason, policy)
+        response = RouteResponse(chosen.engine_id, chosen.url, chosen.matched_blocks, reason,
+                                 policy)
+        rest = sorted((c for c in candidates if c is not chosen),
+                      key=lambda c: (-c.matched_blocks, c.load, c.engine_id))
+        return Pick(response, [chosen, *rest])
 
     async def engines(self, model: str | None = None) -> tuple[list[EngineStatus], bool]:
         """Live engines (all models, or one) and whether the answer is degraded."""
@@ -285,6 +310,7 @@ def _candidate(view: EngineView) -> Candidate:
         kv_usage=hb.kv_usage,
         step_ms=hb.step_ms,
         heartbeat_ts=hb.timestamp,
+        kv_role=hb.kv_role,
     )
 
 

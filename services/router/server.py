@@ -10,6 +10,7 @@ GET  /ready     200 once engine discovery has synced, else 503 (Redis does not g
                 without Redis the router still routes, by load)
 GET  /metrics   Prometheus text, with the per-model demand (``services.router.demand``)
 GET/POST/DELETE /adapters   the registry of runtime-loaded LoRA adapters (router.adapters)
+gRPC on --ext-proc-port     Envoy ext_proc: the Gateway API endpoint picker (router.ext_proc)
 
 Every route but /health, /ready and /metrics requires the internal credential
 (``services.common.internal_auth``): a 401 JSON without it.
@@ -42,6 +43,8 @@ from services.router.discovery import (
     StaticDiscovery,
     default_api_client,
 )
+from services.router.ext_proc import PickerMetrics
+from services.router.ext_proc_server import EXT_PROC_PORT_KEY, serve_ext_proc
 from services.router.index import RouterIndex
 from services.router.metrics import RouterMetrics
 from services.router.policies import make_policy
@@ -79,6 +82,8 @@ def create_app(config: RouterConfig) -> web.Application:
     app.router.add_get("/ready", handle_ready)
     app.router.add_get("/metrics", handle_metrics)
     adapters.add_routes(app)  # the LoRA adapter registry
+    if config.ext_proc_port:
+        app.cleanup_ctx.append(_ext_proc)  # after _lifecycle: the picker stops first
     return app
 
 
@@ -153,6 +158,13 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             await deletion_cost.stop()
         await discovery.stop()
         await redis.aclose()
+
+
+async def _ext_proc(app: web.Application) -> AsyncIterator[None]:
+    metrics = PickerMetrics(app[METRICS_KEY].registry)
+    async with serve_ext_proc(app[CONFIG_KEY], app[ROUTER_KEY], metrics) as port:
+        app[EXT_PROC_PORT_KEY] = port
+        yield
 
 
 async def handle_route(request: web.Request) -> web.Response:

@@ -179,6 +179,14 @@ KV_TIERS: dict[str, Any] = {
     "networkPolicy": {"enabled": True},
 }
 
+# The Gateway API Inference Extension: a pool per model (one tokenizer from an image, one
+# from a claim) behind a Gateway in another namespace.
+GATEWAY_API: dict[str, Any] = {
+    **TWO_MODELS,
+    "gatewayAPI": {"enabled": True, "failureMode": "FailOpen",
+                   "gateway": {"name": "inference-gateway", "namespace": "gateways"}},
+}
+
 SCENARIOS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "two-models": TWO_MODELS,
@@ -190,6 +198,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "speculative": SPECULATIVE,
     "lora": LORA,
     "kv-tiers": KV_TIERS,
+    "gateway-api": GATEWAY_API,
 }
 
 

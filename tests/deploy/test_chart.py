@@ -44,7 +44,10 @@ kubernetes_validate = pytest.importorskip(
 # version (Chart.yaml kubeVersion >=1.29) and a recent one.
 KUBE_VERSIONS = ("1.29.0", "1.33.0")
 # Custom resources: no bundled schema; their fields are checked by the tests below.
-CUSTOM_KINDS = {"ServiceMonitor": "monitoring.coreos.com/v1", "ScaledObject": "keda.sh/v1alpha1"}
+CUSTOM_KINDS = {"ServiceMonitor": "monitoring.coreos.com/v1", "ScaledObject": "keda.sh/v1alpha1",
+                # checked against their vendored CRDs in test_gateway_api_chart.py
+                "InferencePool": "inference.networking.k8s.io/v1",
+                "HTTPRoute": "gateway.networking.k8s.io/v1"}
 # Cluster-scoped, and GA (admissionregistration.k8s.io/v1) from Kubernetes 1.30: the chart
 # renders them only there (Capabilities.KubeVersion), so they validate against 1.30+ schemas.
 ADMISSION_KINDS = ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")

@@ -1,7 +1,10 @@
 """The engine thread's side of the KV tiers: what to save, where a prefix continues, and the
 bookkeeping of the copies in flight (see the package docstring for the lifecycle).
 
-Only the engine thread calls ``KVTiers``; the copy thread reports through ``copier.done``.
+``KVTiers`` is a KV connector (``services.engine.kv_connector.base``, registered as
+``PagodaTiersConnector``): the scheduler asks it where a prefix continues and hands it a
+request's blocks, the engine starts its loads and saves through the connector's worker side.
+Only the engine thread calls it; the copy thread reports through ``copier.done``.
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ from typing import Any, Protocol
 
 import torch
 
+from services.engine.kv_connector.base import ConnectorContext, FinishedTransfers
+from services.engine.kv_connector.base import ConnectorRequest as Request
+from services.engine.kv_connector.config import KVTransferConfig
 from services.engine.kv_offload.block_value import BlockCodec
 from services.engine.kv_offload.copier import KVCopier, LoadDone, LoadJob, SaveDone, SaveJob
 from services.engine.kv_offload.host_store import HostBlockStore
@@ -26,20 +32,6 @@ logger = logging.getLogger(__name__)
 
 _GIB = 1024**3
 _MAX_SKIP_UPLOAD = 65536
-
-
-class Request(Protocol):
-    """What the tiers read of a request (the engine's ``Request``; the core imports this
-    package, not the other way round)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    block_hashes: list[BlockHash]
-    num_cached_tokens: int
-
-    @property
-    def num_tokens(self) -> int: ...
 
 
 class BlockManager(Protocol):
@@ -88,18 +80,21 @@ class _Load:
     request: Request
     plan: LoadPlan
     pool_ids: list[int] = field(default_factory=list)
+    aborted: bool = False  # the request went away while its blocks were written
 
 
 class KVTiers:
-    def __init__(self, config, runner, block_manager: BlockManager, model_name: str,
-                 seed: bytes, record_events: bool = False,
-                 model_path: str | None = None) -> None:  # noqa: ANN001
-        """``model_path``: the weights' directory (needed with the shared store: its digest is
-        in the store's namespace)."""
-        assert config.tensor_parallel_size == 1 and runner.draft is None  # EngineConfig
+    def __init__(self, spec: KVTransferConfig, ctx: ConnectorContext) -> None:
+        # The tier flags (or this connector's extra config, merged into them by EngineConfig),
+        # which also refuses what the tiers cannot serve (tensor parallelism, a draft model).
+        config, block_manager = ctx.engine_config, ctx.block_manager
+        model_name, seed, record_events = ctx.model_name, ctx.seed, ctx.record_events
+        assert config.tensor_parallel_size == 1
+        self.role = spec.kv_role
+        model_path = ctx.model_path  # the shared store's namespace has its weights' digest
         self.bm = block_manager
         self.block_size = bs = block_manager.block_size
-        caches = runner.kv_caches
+        caches = ctx.kv_caches
         k0 = caches[0][0]
         self.block_shape = (len(caches), 2, bs, k0.shape[2], k0.shape[3])
         block_bytes = torch.Size(self.block_shape).numel() * k0.element_size()
@@ -122,17 +117,65 @@ class KVTiers:
         self.stats = KVTierStats(host_capacity=0 if self.host is None else self.host.num_slots)
         self._loads: dict[str, _Load] = {}
         self._to_submit: list[LoadJob] = []
+        # The last request asked for (id, its pool tokens, the plan): update_state_after_alloc
+        # follows for the same request when its blocks are allocated.
+        self._asked: tuple[str, int, LoadPlan | None] | None = None
         self._saves_in_flight = 0
         self._skip_upload: set[BlockHash] = set()  # loaded from a tier: no need to write back
         self.record_events = record_events
         self._events: list[KVEvent] = []  # the shared store's (medium SHARED)
-        block_manager.track_cached = True
+        block_manager.track_cached = self.role.saves  # else nobody drains the list
         logger.info("KV tiers: host=%s blocks (%.2f GiB), shared store=%s",
                     0 if self.host is None else self.host.num_slots,
                     0.0 if self.host is None else self.host.num_slots * block_bytes / _GIB,
                     "off" if self.remote is None else "on")
 
-    # -- admission (the scheduler) -----------------------------------------------------------
+    # -- the connector's scheduler side --------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, req: Request,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens the host store and the shared store hold after the pool's hit (always
+        loaded asynchronously, by the copy thread)."""
+        plan = self.plan(req, num_computed_tokens // self.block_size) if self.role.loads else None
+        self._asked = (req.request_id, num_computed_tokens, plan)
+        return (0, False) if plan is None else (plan.num_blocks * self.block_size, True)
+
+    def update_state_after_alloc(self, req: Request, block_ids: list[int],
+                                 num_external_tokens: int) -> None:
+        asked = self._asked is not None and self._asked[0] == req.request_id
+        pool_tokens, plan = self._asked[1:] if asked else (0, None)
+        self._asked = None
+        if not num_external_tokens:  # admitted as usual: counted now
+            self.record_admission(req, pool_tokens, 0, 0, asked)
+            return
+        assert plan is not None and num_external_tokens == plan.num_blocks * self.block_size
+        self.start_load(req, plan, block_ids[plan.first:plan.first + plan.num_blocks])
+
+    def build_connector_meta(self) -> list[LoadJob]:
+        """The loads planned since the last call, for ``start_load_kv``."""
+        jobs, self._to_submit = self._to_submit, []
+        return jobs
+
+    def request_finished(self, req: Request, block_ids: list[int]) -> tuple[bool, None]:
+        """The tiers hold no finished request's blocks (a save holds its blocks itself)."""
+        load = self._loads.get(req.request_id)
+        if load is not None:  # aborted while loading: reported when the copy is done
+            load.aborted = True
+        return False, None
+
+    # -- the connector's worker side --------------------------------------------------------
+
+    def start_load_kv(self, jobs: list[LoadJob]) -> None:
+        """Hands the planned loads to the copy thread (the engine calls it when no step in
+        flight could still write to the blocks they fill)."""
+        for job in jobs:
+            self.copier.submit(job)
+
+    def save_kv(self) -> None:
+        if self.role.saves:
+            self.save_new()
+
+    # -- admission -----------------------------------------------------------------------------
 
     def plan(self, req: Request, num_pool_blocks: int) -> LoadPlan | None:
         """Where the request's prefix continues after its pool hit, or None (nothing to load).
@@ -164,13 +207,6 @@ class KVTiers:
         self._loads[req.request_id] = _Load(req, plan, pool_ids)
         self._to_submit.append(job)
 
-    def submit_loads(self) -> None:
-        """Hands the planned loads to the copy thread (the engine calls it when no step in
-        flight could still write to the blocks they fill)."""
-        for job in self._to_submit:
-            self.copier.submit(job)
-        self._to_submit.clear()
-
     def record_admission(self, req: Request, pool_tokens: int, tier_tokens: int,
                          host_tokens: int, asked: bool) -> None:
         s = self.stats
@@ -191,11 +227,11 @@ class KVTiers:
     def busy(self) -> bool:
         return bool(self._loads or self._saves_in_flight)
 
-    def poll(self, timeout: float = 0.0) -> list[tuple[Request, int, int, int]]:
-        """Applies the copies done since the last call; returns (request, its pool-hit
-        blocks, host blocks, shared blocks loaded) for each load done. With ``timeout``,
-        waits that long for the first."""
-        done = []
+    def get_finished(self, timeout: float = 0.0) -> FinishedTransfers:
+        """Applies the copies done since the last call; reports each load done with the
+        tokens it loaded (an aborted request's too: its blocks may be freed now). With
+        ``timeout``, waits that long for the first."""
+        done = FinishedTransfers()
         while True:
             try:
                 item = self.copier.done.get(timeout=timeout) if timeout else (
@@ -206,9 +242,11 @@ class KVTiers:
             if isinstance(item, SaveDone):
                 self._saved(item)
             else:
-                done.append(self._loaded(item))
+                done.recving[item.job.request_id] = self._loaded(item)
 
-    def _loaded(self, item: LoadDone) -> tuple[Request, int, int, int]:
+    poll = get_finished  # the name the tiers' own tests use
+
+    def _loaded(self, item: LoadDone) -> int:
         load = self._loads.pop(item.job.request_id)
         req, first = load.request, load.plan.first
         for h in req.block_hashes[first:first + len(item.job.host_slots)]:
@@ -217,7 +255,11 @@ class KVTiers:
         if len(self._skip_upload) > _MAX_SKIP_UPLOAD:
             self._skip_upload.clear()
         self._skip_upload.update(loaded)
-        return req, first, item.num_host, item.num_remote
+        bs = self.block_size
+        tokens = (item.num_host + item.num_remote) * bs
+        if not load.aborted:  # before the scheduler admits it (its first admission or not)
+            self.record_admission(req, first * bs, tokens, item.num_host * bs, True)
+        return tokens
 
     def _saved(self, item: SaveDone) -> None:
         job = item.job

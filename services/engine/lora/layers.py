@@ -49,9 +49,7 @@ class LoRAProjection:
 
     def __init__(self, module: Linear, num_slices: int, state: LoRAState, num_slots: int,
                  max_rank: int, device: torch.device) -> None:
-        assert module.weight is not None, "LoRA is attached before the weights are packed"
-        out_local, in_local = module.weight.shape
-        dtype = module.weight.dtype
+        out_local, in_local, dtype = module.out_features, module.in_features, module.dtype
         self.state = state
         self.max_rank = max_rank
         width = num_slices * max_rank
@@ -135,7 +133,7 @@ class ModelLoRA:
         self.max_rank = max_rank
         self.num_slots = max_loras
         self.segments = segments
-        self.dtype = next(iter(self.targets.modules.values())).weight.dtype
+        self.dtype = next(iter(self.targets.modules.values())).dtype
         self.projections: dict[str, LoRAProjection] = {}
         for path, module in self.targets.modules.items():
             proj = LoRAProjection(module, self.targets.num_slices[path], self.state, max_loras,

@@ -77,8 +77,7 @@ def _full_rows(module: Linear, index: int) -> int:
 
 
 def _full_in(module: Linear) -> int:
-    assert module.weight is not None, "LoRA is attached before the weights are packed"
-    local = module.weight.shape[1]
+    local = module.in_features
     shard = module.checkpoint_range("weight", 0) if hasattr(module, "checkpoint_range") \
         else None
     return shard.full if shard is not None and shard.dim == 1 else local

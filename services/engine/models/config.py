@@ -11,7 +11,7 @@ longrope) are parsed here, each into a field that says what it does.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +117,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     pad_token_id: int | None = None
     checkpoint_dtype: str | None = None  # dtype the weights were saved in, informational
+    # config.json's quantization_config, as stored (``services.engine.quantization`` reads it)
+    quantization: dict[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         for name in (
@@ -218,6 +220,7 @@ class ModelConfig:
             bos_token_id=_optional_int(generation_field(raw, generation, "bos_token_id")),
             pad_token_id=_optional_int(generation_field(raw, generation, "pad_token_id")),
             checkpoint_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+            quantization=raw.get("quantization_config"),
         )
 
 

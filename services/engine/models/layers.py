@@ -21,7 +21,9 @@ from torch import nn
 
 from services.engine.attention.base import AttentionMetadata
 from services.engine.models.layer_kernels import LayerKernels, torch_kernels
-from services.engine.models.onednn import PackedWeight, can_pack, pack, packed_linear
+from services.engine.models.onednn import PackedWeight
+from services.engine.models.unquantized_linear import UNQUANTIZED
+from services.engine.quantization.base import LinearMethod
 
 if TYPE_CHECKING:
     from services.engine.models.config import ModelConfig, RopeConfig
@@ -151,8 +153,11 @@ class HeadRMSNorm(nn.Module):
 class Linear(nn.Module):
     """``y = x W^T + b``; a fused projection records the sizes of the weights stacked in it.
 
-    On the CPU the runner calls ``pack()`` once the weights are loaded: the weight moves into
-    oneDNN's blocked layout (``onednn``) and the plain copy is dropped.
+    How the weight is held and applied is the layer's ``method`` (``quantization.base``): the
+    unquantized one unless the loader hands it a checkpoint scheme's (``use_method``, on the meta
+    device, before the weights are read). On the CPU the runner calls ``pack()`` once the
+    weights are loaded: an unquantized weight moves into oneDNN's blocked layout (``onednn``)
+    and the plain copy is dropped.
 
     ``lora``: in an engine with LoRA enabled, a target projection's adapter slots
     (``services.engine.lora.layers.LoRAProjection``): ``lora(x, y)`` adds the step's adapter
@@ -160,6 +165,7 @@ class Linear(nn.Module):
     """
 
     lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    method: LinearMethod = UNQUANTIZED
 
     def __init__(
         self,
@@ -167,22 +173,32 @@ class Linear(nn.Module):
         shard_sizes: tuple[int, ...],
         bias: bool,
         dtype: torch.dtype,
+        quantizable: bool = True,
     ) -> None:
         super().__init__()
+        self.quantizable = quantizable  # False: unquantized whatever the scheme (MoE routers)
         self.shard_sizes = shard_sizes  # rows of each stacked HF weight, in order
-        self.weight = empty_param(sum(shard_sizes), in_features, dtype=dtype)
-        self.bias = empty_param(sum(shard_sizes), dtype=dtype) if bias else None
+        self.in_features = in_features  # this rank's
+        self.out_features = sum(shard_sizes)  # this rank's
+        self.has_bias = bias
+        self.dtype = dtype  # of the activations (and of an unquantized weight)
         self.packed: PackedWeight | None = None
+        self.method.create_weights(self)
+
+    def use_method(self, method: LinearMethod) -> None:
+        """Holds the weight as ``method`` says (replacing the unquantized parameters)."""
+        for leaf in list(self._parameters):
+            delattr(self, leaf)
+        self.__dict__.pop("bias", None)  # a layer without one holds a plain None
+        self.method = method
+        method.create_weights(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = packed_linear(x, self.packed) if self.packed is not None else F.linear(
-            x, self.weight, self.bias)
+        y = self.method.apply(self, x, self.bias)
         return y if self.lora is None else self.lora(x, y)
 
     def pack(self) -> None:
-        if self.packed is None and can_pack(self.weight):
-            self.packed = pack(self.weight, self.bias)
-            self.weight = self.bias = None  # the packed copy is the only one needed
+        self.method.pack(self)
 
 
 class Embedding(nn.Module):

@@ -23,9 +23,11 @@ from torch import nn
 from services.engine.attention.base import AttentionBackend
 from services.engine.models.config import ModelConfig
 from services.engine.models.layer_kernels import select_kernels
-from services.engine.models.layers import CausalLM
+from services.engine.models.layers import CausalLM, Linear
 from services.engine.models.parallel_layers import ShardRange
 from services.engine.models.registry import get_model_class
+from services.engine.quantization import quant_config_for
+from services.engine.quantization.base import ParamLayout, QuantConfig
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,8 @@ class _Slot:
     offset: int
     rows: int
     shard: ShardRange | None = None  # this rank's slice of the checkpoint tensor; None: all
+    dim: int = 0  # the parameter's output dim, along which stacked sources follow each other
+    shared: bool = False  # every stacked source holds all of it (GPTQ's g_idx): they must agree
 
 
 def load_model(
@@ -49,24 +53,33 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     attn_backend: AttentionBackend | None = None,
+    quantization: str | None = None,
 ) -> CausalLM:
     """Builds the model for the HF directory ``path`` and loads its safetensors weights.
 
-    ``attn_backend`` defaults to the torch (CPU reference) backend.
+    ``attn_backend`` defaults to the torch (CPU reference) backend. The checkpoint's
+    ``quantization_config`` decides how each linear layer holds its weight; ``quantization``
+    (the engine's flag) must agree with it (``quantization.quant_config_for``).
     """
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"unsupported dtype {dtype}; supported: {SUPPORTED_DTYPES}")
     path = Path(path)
     config = ModelConfig.from_hf_dir(path)
+    quant = quant_config_for(config.quantization, quantization, torch.device(device))
     if attn_backend is None:
         attn_backend = _default_backend()
     start = time.perf_counter()
     with torch.device("meta"):
         model = get_model_class(config.architecture)(config, attn_backend, dtype)
+        if quant is not None:
+            _assign_methods(model, quant)
     model = model.to_empty(device=torch.device(device))
     model.reset_buffers()
     model.use_kernels(select_kernels(device, dtype))  # once: layers never check the device
     num_tensors = load_weights(model, path)
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.method.process_weights_after_loading(module)
     model.after_load()
     model.eval()
     logger.info(
@@ -80,6 +93,20 @@ def load_model(
         time.perf_counter() - start,
     )
     return model
+
+
+def _assign_methods(model: CausalLM, quant: QuantConfig) -> None:
+    """Hands every linear layer its method from ``quant``, by the checkpoint names of the
+    weights it holds (a fused projection's stacked sources)."""
+    stacked = model.stacked_params()
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear) or not module.quantizable:
+            continue
+        parent, _, short = name.rpartition(".")
+        sources = tuple(f"{parent}.{s}" if parent else s for s in stacked.get(short, (short,)))
+        method = quant.linear_method(sources)
+        if method is not None:
+            module.use_method(method)
 
 
 def _default_backend() -> AttentionBackend:
@@ -99,6 +126,7 @@ def load_weights(model: CausalLM, path: Path) -> int:
     slots = _slot_table(model)
     tied = model.config.tie_word_embeddings
     filled: set[str] = set()
+    filled_params: set[str] = set()
     count = 0
     for stored, file in _iter_checkpoint(path):
         name = model.checkpoint_name(stored)  # a family's checkpoint layout -> the model's
@@ -107,16 +135,23 @@ def load_weights(model: CausalLM, path: Path) -> int:
         slot = slots.get(name)
         if slot is None:
             raise ValueError(f"checkpoint tensor {name!r} has no matching model parameter")
-        target = params[slot.param].narrow(0, slot.offset, slot.rows)
+        target = params[slot.param].narrow(slot.dim, slot.offset, slot.rows)
         if slot.shard is None:
             tensor = file.get_tensor(stored)
         else:
             tensor, target = _read_shard(file, stored, slot.shard, target)
+        if target.dtype not in SUPPORTED_DTYPES and tensor.dtype != target.dtype:
+            raise ValueError(f"checkpoint tensor {name!r} is {tensor.dtype}; its quantized "
+                             f"layer expects {target.dtype}")
         if not _fits(tensor.shape, target.shape):
             raise ValueError(
                 f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
                 f"model expects {tuple(target.shape)}"
             )
+        if slot.shared and slot.param in filled_params and not torch.equal(target, tensor):
+            raise ValueError(f"checkpoint tensor {name!r} differs from the one stacked with it "
+                             f"into {slot.param!r}; a fused projection holds one")
+        filled_params.add(slot.param)
         target.copy_(tensor)  # converts dtype and device in one go; broadcasts per-head norms
         filled.add(name)
         count += 1
@@ -172,11 +207,14 @@ def _slot_table(model: CausalLM) -> dict[str, _Slot]:
         if sources is None:
             table[param_name] = _Slot(param_name, 0, param.shape[0], _shard(module, leaf, 0))
             continue
+        layout = module.method.layout(leaf) if isinstance(module, Linear) else ParamLayout()
+        dim, pack = layout.output_dim, layout.output_pack
         offset = 0
         for i, (source, rows) in enumerate(zip(sources, module.shard_sizes, strict=True)):
-            table[f"{parent}.{source}.{leaf}"] = _Slot(
-                param_name, offset, rows, _shard(module, leaf, i)
-            )
+            shard = _shard(module, leaf, i)
+            table[f"{parent}.{source}.{leaf}"] = (
+                _Slot(param_name, 0, param.shape[0], shard, shared=True) if dim is None
+                else _Slot(param_name, offset // pack, rows // pack, shard, dim))
             offset += rows
     return table
 

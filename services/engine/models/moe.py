@@ -76,14 +76,17 @@ class SparseMoeBlock(nn.Module):
         moe = config.moe
         assert moe is not None
         self.moe = moe
-        self.gate = Linear(config.hidden_size, (moe.num_experts,), bias=False, dtype=dtype)
+        # Routers stay in full precision whatever the checkpoint's scheme (as vLLM's).
+        self.gate = Linear(config.hidden_size, (moe.num_experts,), bias=False, dtype=dtype,
+                           quantizable=False)
         self.experts = FusedExperts(moe, config.hidden_size, dtype)
         self.shared_expert: LlamaMLP | None = None
         self.shared_expert_gate: Linear | None = None
         if moe.shared_intermediate_size:
             shared = replace(config, intermediate_size=moe.shared_intermediate_size)
             self.shared_expert = LlamaMLP(shared, dtype)
-            self.shared_expert_gate = Linear(config.hidden_size, (1,), bias=False, dtype=dtype)
+            self.shared_expert_gate = Linear(config.hidden_size, (1,), bias=False, dtype=dtype,
+                                             quantizable=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = route(self.gate(x), self.moe, x.dtype)

@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 
 from services.engine.models.layers import Embedding, Linear
-from services.engine.models.onednn import packed_linear
 from services.engine.models.partition import head_shard, vocab_shard
 from services.engine.parallel.group import TPGroup, current
 
@@ -61,9 +60,12 @@ class ColumnParallelLinear(Linear):
         self._full = full_sizes
 
     def checkpoint_range(self, leaf: str, index: int) -> ShardRange | None:
-        if self.tp.size == 1:
+        layout = self.method.layout(leaf)
+        dim, p = layout.output_dim, layout.output_pack
+        if self.tp.size == 1 or dim is None:
             return None
-        return ShardRange(0, self._starts[index], self.shard_sizes[index], self._full[index])
+        return ShardRange(dim, self._starts[index] // p, self.shard_sizes[index] // p,
+                          self._full[index] // p)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -107,16 +109,15 @@ class RowParallelLinear(Linear):
         self._full_in = in_features
 
     def checkpoint_range(self, leaf: str, index: int) -> ShardRange | None:
-        if self.tp.size == 1 or leaf == "bias":
+        layout = self.method.layout(leaf)  # a bias or per-channel scale: all of it
+        dim, p = layout.input_dim, layout.input_pack
+        if self.tp.size == 1 or dim is None:
             return None
-        local = self._full_in // self.tp.size
-        return ShardRange(1, self.tp.rank * local, local, self._full_in)
+        local = self._full_in // self.tp.size // p
+        return ShardRange(dim, self.tp.rank * local, local, self._full_in // p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            y = packed_linear(x, self.packed)
-        else:
-            y = F.linear(x, self.weight, self.bias if self.tp.is_first else None)
+        y = self.method.apply(self, x, self.bias if self.tp.is_first else None)
         if self.lora is not None:  # this rank's partial product too: one all-reduce for both
             y = self.lora(x, y)
         return self.tp.all_reduce(y)

@@ -7,6 +7,11 @@ watches them; ``worker_main`` is their life around the model) that receive each 
 parallel layers (``models.parallel_layers``, ``models.partition``); ``group`` is the process
 group those layers talk through.
 
+When the ranks span pods (a LeaderWorkerSet), rank 0 does not start them: ``node_group`` says
+where each pod stands, ``node_join`` is the leader's door (the join handshake) and
+``node_links`` the heartbeats that turn a lost or hung pod into the group's end, as the pidfd
+watch does for local workers.
+
 This package imports nothing else of the engine: the models and the core build on it, and the
 core names its workers' entry module (``services.engine.tp_worker``) when it starts them.
 """

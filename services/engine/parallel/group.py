@@ -23,7 +23,7 @@ import torch.distributed as dist
 # Model collectives: long enough for the slowest rank to load a large checkpoint.
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 _IDLE_TIMEOUT = timedelta(days=3650)
-_HOST = "127.0.0.1"  # all ranks live in one pod
+_HOST = "127.0.0.1"  # all ranks live in one pod (else: ``node_group``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,11 +96,15 @@ def check_free() -> None:
         )
 
 
-def join(rank: int, size: int, store: dist.Store, device: torch.device) -> TPGroup:
-    """Joins the group as ``rank`` (every rank calls this; it returns once all have)."""
+def join(rank: int, size: int, store: dist.Store, device: torch.device,
+         loopback: bool = True) -> TPGroup:
+    """Joins the group as ``rank`` (every rank calls this; it returns once all have).
+    ``loopback``: every rank is on this host (one pod, or a node group on one machine)."""
     check_free()
-    # One pod, one host: gloo talks over loopback unless the operator said otherwise.
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # One host: gloo talks over loopback unless the operator said otherwise. Across pods gloo
+    # takes the interface of this host's name (the pod's IP), or $GLOO_SOCKET_IFNAME.
+    if loopback:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT
@@ -109,8 +113,8 @@ def join(rank: int, size: int, store: dist.Store, device: torch.device) -> TPGro
     return TPGroup(rank, size, dist.group.WORLD, step_group)
 
 
-def connect_store(port: int, size: int) -> dist.TCPStore:
-    return dist.TCPStore(_HOST, port, size, False, timeout=COLLECTIVE_TIMEOUT)
+def connect_store(port: int, size: int, host: str = _HOST) -> dist.TCPStore:
+    return dist.TCPStore(host, port, size, False, timeout=COLLECTIVE_TIMEOUT)
 
 
 def leave() -> None:

@@ -21,14 +21,18 @@ import pickle
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
+import torch.distributed as dist
 
 from services.common.child_process import die_with_parent
 from services.common.logs import setup_logging
 from services.engine.parallel import group as tp_group
+from services.engine.parallel import node_join
 from services.engine.parallel.group import TPGroup
+from services.engine.parallel.node_group import NodeGroup
+from services.engine.parallel.node_links import NodeLinks
 from services.engine.parallel.step_broadcast import StepBatch, receive_step
 
 logger = logging.getLogger(__name__)
@@ -60,19 +64,60 @@ def run_worker(build: Callable[[WorkerArgs, TPGroup], StepFn]) -> None:
     if os.getppid() != args.parent_pid:  # the engine died before the death signal was armed
         os._exit(EXIT_CODE)
     try:
-        store = tp_group.connect_store(args.port, args.size)
-        device = torch.device(args.device)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        tp = tp_group.join(args.rank, args.size, store, device)
-        step = build(args, tp)
-        while (batch := receive_step(tp)) is not None:
-            step(batch)
-        tp_group.leave()
-    except BaseException:
-        logger.exception("tensor-parallel worker rank %d failed", args.rank)
-        logging.shutdown()
-        os._exit(EXIT_CODE)
+        _serve(args, tp_group.connect_store(args.port, args.size), build)
+    except BaseException:  # noqa: BLE001 -- _fail logs it, then exits
+        _fail(f"tensor-parallel worker rank {args.rank} failed")
+
+
+def run_node_worker(args: WorkerArgs, nodes: NodeGroup, identity: node_join.Identity,
+                    build: Callable[[WorkerArgs, TPGroup], StepFn],
+                    on_ready: Callable[[], None]) -> None:
+    """A worker node's rank (a pod of its own, ``node_group``): admitted by the leader
+    (``node_join``), watched over its heartbeat link (``node_links``) and then as a local
+    worker; returns only after a clean stop. A refusal, a lost leader or any failure exits
+    the process with ``EXIT_CODE``, the reason logged."""
+    try:
+        admission = node_join.request_admission(nodes, identity,
+                                                tp_group.COLLECTIVE_TIMEOUT.total_seconds())
+    except node_join.JoinRefused as exc:
+        _fail(str(exc), trace=False)
+    except BaseException:  # noqa: BLE001 -- _fail logs it, then exits
+        _fail(f"worker node rank {nodes.node_rank} could not join its leader")
+    links = NodeLinks({"the leader": admission.link},
+                      lambda why: _fail(f"worker node rank {nodes.node_rank}: {why}",
+                                        trace=False)).start()
+    try:
+        store = tp_group.connect_store(admission.store_port, args.size, nodes.master_addr)
+        _serve(args, dist.PrefixStore(admission.prefix, store), build,
+               loopback=nodes.is_loopback(), on_ready=on_ready)
+    except BaseException:  # noqa: BLE001 -- _fail logs it, then exits
+        _fail(f"worker node rank {nodes.node_rank} failed")
+    links.close()
+
+
+def _serve(args: WorkerArgs, store: dist.Store, build: Callable[[WorkerArgs, TPGroup], StepFn],
+           loopback: bool = True, on_ready: Callable[[], None] | None = None) -> None:
+    """Joins the group, builds the rank's step and runs every step until told to stop."""
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    tp = tp_group.join(args.rank, args.size, store, device, loopback)
+    step = build(args, tp)
+    if on_ready is not None:
+        on_ready()
+    while (batch := receive_step(tp)) is not None:
+        step(batch)
+    tp_group.leave()
+
+
+def _fail(message: str, trace: bool = True) -> NoReturn:
+    """Logs ``message`` (with the exception being handled, if ``trace``) and exits at once."""
+    if trace:
+        logger.exception("%s", message)
+    else:
+        logger.error("%s", message)
+    logging.shutdown()
+    os._exit(EXIT_CODE)
 
 
 def _read_args() -> WorkerArgs:

@@ -16,6 +16,9 @@ Failure is never a hang:
   thread that started them: the engine's own thread), and any collective in progress on gloo
   fails at once.
 * an error on rank 0 in the middle of a step (the ranks are then out of step): ``abort``.
+* with ranks in other pods (a node group, ``node_group``): rank 0 admits them at its door
+  (``node_join``) instead of starting them, and a worker node that dies or hangs is seen on
+  its heartbeat link (``node_links``) within seconds, which ``abort`` too.
 
 Lifecycle: ``close`` (a stop message, a grace period, then a kill) ends the workers and leaves
 the process group, so that the process can start another tensor-parallel engine after it; it
@@ -38,8 +41,12 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from services.engine.parallel import group as tp_group
+from services.engine.parallel import node_join
+from services.engine.parallel.node_group import NodeGroup
+from services.engine.parallel.node_links import NodeLinks
 from services.engine.parallel.step_broadcast import send_stop
 from services.engine.parallel.worker_main import EXIT_CODE, WorkerArgs
 
@@ -77,34 +84,63 @@ class WorkerGroup:
 
     ``module``: the workers' entry (run as ``python -m module``; it calls
     ``worker_main.run_worker``); ``payload``: what that entry needs to build a rank's shard,
-    the same for every rank (each learns its own rank and device from its ``WorkerArgs``)."""
+    the same for every rank (each learns its own rank and device from its ``WorkerArgs``).
 
-    def __init__(self, module: str, size: int, device: torch.device, payload: object) -> None:
-        check_devices(size, device)
+    ``nodes``: the node group when the ranks span pods (one rank per pod for now: no local
+    worker starts); ``identity``: what every worker node must match to be admitted."""
+
+    def __init__(self, module: str, size: int, device: torch.device, payload: object,
+                 nodes: NodeGroup | None = None,
+                 identity: node_join.Identity | None = None) -> None:
+        remote = nodes is not None and nodes.nnodes > 1
+        assert not remote or size == nodes.nnodes, "one rank per pod (EngineConfig checks)"
+        check_devices(1 if remote else size, device)
         tp_group.check_free()  # before any worker starts
         self.device = rank_device(device, 0)
         self.procs: list[subprocess.Popen[bytes]] = []
+        self._pidfds: dict[int, subprocess.Popen[bytes]] = {}
         self._closing = threading.Event()
         self._watchdog: threading.Thread | None = None
+        self._links: NodeLinks | None = None
         self._store = tp_group.create_store(size)  # the rendezvous: kept for the group's life
-        level = logging.getLogger().getEffectiveLevel()
         try:
-            for rank in range(1, size):
-                args = WorkerArgs(rank, size, self._store.port, os.getpid(),
-                                  str(rank_device(device, rank)), level, payload)
-                self.procs.append(_start(module, args))
-            # pidfds: readable once a worker exits (no polling, no race with close's wait)
-            self._pidfds = {os.pidfd_open(p.pid): p for p in self.procs}
-            self._watchdog = threading.Thread(target=self._watch, name="tp-watchdog",
-                                              daemon=True)
-            self._watchdog.start()
+            if remote:
+                store = self._admit(nodes, identity or {})
+            else:
+                store = self._store
+                self._start_local(module, size, device, payload)
             atexit.register(self.close)
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
-            self.tp = tp_group.join(0, size, self._store, self.device)
+            loopback = not remote or nodes.is_loopback()
+            self.tp = tp_group.join(0, size, store, self.device, loopback)
         except BaseException:
             self.kill()
             raise
+
+    def _start_local(self, module: str, size: int, device: torch.device,
+                     payload: object) -> None:
+        level = logging.getLogger().getEffectiveLevel()
+        for rank in range(1, size):
+            args = WorkerArgs(rank, size, self._store.port, os.getpid(),
+                              str(rank_device(device, rank)), level, payload)
+            self.procs.append(_start(module, args))
+        # pidfds: readable once a worker exits (no polling, no race with close's wait)
+        self._pidfds = {os.pidfd_open(p.pid): p for p in self.procs}
+        self._watchdog = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def _admit(self, nodes: NodeGroup, identity: node_join.Identity) -> dist.Store:
+        """Rank 0 of a node group: admits every worker node, watches them from then on;
+        returns the store they were told of (under its secret prefix)."""
+        prefix = node_join.new_prefix()
+        logger.info("waiting for %d worker node(s) at %s:%d", nodes.nnodes - 1,
+                    nodes.master_addr, nodes.master_port)
+        links = node_join.Door(nodes).admit(identity, self._store.port, prefix,
+                                            tp_group.COLLECTIVE_TIMEOUT.total_seconds())
+        self._links = NodeLinks({f"worker node rank {r}": c for r, c in links.items()},
+                                self.abort).start()
+        return dist.PrefixStore(prefix, self._store)
 
     @property
     def pids(self) -> list[int]:
@@ -141,6 +177,8 @@ class WorkerGroup:
                 send_stop(self.tp)
         except RuntimeError:  # a worker died meanwhile: nothing left to tell
             logger.warning("could not tell the tensor-parallel workers to stop")
+        if self._links is not None:
+            self._links.close()
         deadline = time.monotonic() + _STOP_GRACE_S
         for p in self.procs:
             try:
@@ -154,6 +192,8 @@ class WorkerGroup:
     def kill(self) -> None:
         """Ends the workers at once (rank 0 failed to start: no stop message can reach them)."""
         self._closing.set()
+        if self._links is not None:
+            self._links.close()
         for p in self.procs:
             p.kill()
             p.wait()

@@ -19,6 +19,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from services.engine.engine import EngineStats, RequestUpdate
 from services.engine.lora.commands import AdapterCommand, AdapterReply
@@ -34,6 +35,7 @@ from services.engine.serving.core_loop import (
 )
 from services.engine.serving.engine_info import EngineInfo, RequestChecks
 from services.engine.serving.kv_event_queue import MAX_QUEUED_KV_EVENTS, KVEventQueue
+from services.protocol.kv_events import KVEvent
 from services.protocol.sampling_params import SamplingParams
 from services.protocol.wire import BadRequest
 
@@ -71,6 +73,9 @@ class CoreClient:
         self.stats: EngineStats | None = None
         self.publish_kv_events = publish_kv_events
         self.kv_events = KVEventQueue(self.request_kv_resync, max_kv_events)
+        # Where each step's KV events go: the Redis publisher's queue, and any other consumer
+        # (the ZeroMQ publisher); the server removes the queue when no Redis drains it.
+        self.kv_event_sinks: list[Callable[[list[KVEvent]], None]] = [self.kv_events.extend]
         # Median wall time (ms) of the recent steps, published in heartbeats: how slow this
         # engine is compared with its peers, whatever its load.
         self.step_ms = 0.0
@@ -112,12 +117,14 @@ class CoreClient:
         cache_salt: str | None,
         sink: Sink,
         lora_name: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         assert request_id not in self._sinks, request_id  # the server makes ids unique
         if not self._sinks:  # an idle core owes no progress: the clock starts now
             self._progress_at = time.monotonic()
         self._sinks[request_id] = sink
-        self._send(Add(request_id, prompt_token_ids, params, cache_salt, lora_name))
+        self._send(Add(request_id, prompt_token_ids, params, cache_salt, lora_name,
+                       kv_transfer_params))
         self.load_changed.set()
 
     async def adapter(self, cmd: AdapterCommand) -> AdapterReply:
@@ -189,7 +196,9 @@ class CoreClient:
             future = self._replies.get(reply.reply_to)
             if future is not None and not future.done():
                 future.set_result(reply)
-        self.kv_events.extend(out.kv_events)
+        if out.kv_events:
+            for sink in self.kv_event_sinks:
+                sink(out.kv_events)
         self.step_ms = out.step_ms
         if out.step_tokens is not None and self.on_step is not None:
             self.on_step(out.step_tokens)

@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.engine.config import EngineConfig
 from services.engine.engine import EngineStats, LLMEngine, RequestUpdate
@@ -48,6 +49,7 @@ class Add:
     params: SamplingParams
     cache_salt: str | None
     lora_name: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -207,7 +209,7 @@ class CoreLoop:
             return
         try:
             self.engine.add_request(rid, cmd.prompt_token_ids, cmd.params, cmd.cache_salt,
-                                    cmd.lora_name)
+                                    cmd.lora_name, cmd.kv_transfer_params)
         except BadRequest as exc:  # the client's input: a 400 naming the field
             self._out.errors.append(CoreError(rid, BAD_REQUEST, str(exc), exc.param))
         except Exception as exc:  # a bug must fail this request, never the engine loop

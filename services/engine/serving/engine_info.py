@@ -11,9 +11,10 @@ thread, so neither loop waits for it).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from services.engine.engine import check_request
+from services.engine.kv_connector.registry import PD as PD_CONNECTOR
 from services.engine.structured.compiler import GrammarCompiler
 from services.protocol.sampling_params import SamplingParams
 
@@ -35,6 +36,7 @@ class EngineInfo:
     kv_cache_dtype: str  # "float32", "bfloat16", ...
     enable_prefix_caching: bool
     hash_algorithm: str  # a HashAlgorithm value
+    kv_role: str = "both"  # disaggregated serving (the heartbeat's): prefill, decode or both
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineInfo:
@@ -51,8 +53,20 @@ class EngineInfo:
             kv_cache_dtype=str(runner.dtype).removeprefix("torch."),
             enable_prefix_caching=config.enable_prefix_caching,
             hash_algorithm=config.hash_algorithm.value,
+            kv_role=_pd_role(config),
         )
 
+
+
+def _pd_role(config: Any) -> str:
+    """The engine's role in disaggregated serving, from its P/D connector's ``kv_role``."""
+    roles = {s.kv_role.value for s in config.kv_connector_specs()
+             if s.kv_connector == PD_CONNECTOR}
+    if roles == {"kv_producer"}:
+        return "prefill"
+    if roles == {"kv_consumer"}:
+        return "decode"
+    return "both"
 
 class RequestChecks:
     """The server's checks of a request against the loaded model, before it is submitted."""

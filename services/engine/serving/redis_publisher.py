@@ -76,6 +76,7 @@ class EnginePublisher:
             max_model_len=info.max_model_len,
             step_ms=round(core.step_ms, 3),
             adapters=_adapters(s.lora),
+            kv_role=info.kv_role,
         )
         try:
             if self._pending:

@@ -26,7 +26,7 @@ from services.common.http_errors import error_middleware, json_error
 from services.common.logs import setup_logging
 from services.engine.config import EngineConfig
 from services.engine.engine import RequestUpdate
-from services.engine.serving import lora_api, step_watchdog
+from services.engine.serving import lora_api, step_watchdog, zmq_kv_events
 from services.engine.serving.core_client import CoreClient, InternalEngineError
 from services.engine.serving.core_process import EngineCoreProcess
 from services.engine.serving.engine_thread import EngineThread
@@ -105,6 +105,9 @@ def _engine_ctx(engine_config: EngineConfig):
         core.on_step = lambda tokens: metrics.requests(core.info.max_model_len).observe_step(
             tokens)
         core.on_death = lambda: _on_core_death(app)
+        cfg = app[SERVER_CONFIG]
+        kv_zmq = zmq_kv_events.attach(cfg.kv_events_config, core,
+                                      redis_drains=bool(cfg.redis_url))
         core.start(asyncio.get_running_loop())
         lifecycle = app[LIFECYCLE]
         lifecycle.publisher = asyncio.create_task(_publish_loop(app))
@@ -119,16 +122,19 @@ def _engine_ctx(engine_config: EngineConfig):
                 lifecycle.watchdog.cancel()  # the core stops now: stopping is no stall
             await _stop_publishing(app)
             await asyncio.to_thread(core.stop)
+            if kv_zmq is not None:
+                await asyncio.to_thread(kv_zmq.close)
             logger.info("engine stopped")
 
     return ctx
 
 
 def _make_core(engine_config: EngineConfig, server_config: ServerConfig) -> CoreClient:
-    # KV events only for the Redis publisher: without it nobody would drain them.
+    # KV events only for a consumer (Redis, ZeroMQ): without one nobody would drain them.
     core_cls = EngineCoreProcess if server_config.engine_core == "process" else EngineThread
     return core_cls(engine_config, server_config.debug_step_delay_s,
-                    publish_kv_events=bool(server_config.redis_url),
+                    publish_kv_events=bool(server_config.redis_url)
+                    or zmq_kv_events.records_events(server_config.kv_events_config),
                     crash_after_steps=server_config.debug_crash_after_steps)
 
 
@@ -279,7 +285,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     finished = False
     try:
         core.submit(rid, req.prompt_token_ids, req.params, req.cache_salt, updates.put_nowait,
-                    req.lora_name)
+                    req.lora_name, req.kv_transfer_params)
         first = await updates.get()
         if isinstance(first, BadRequest):
             finished = True
@@ -450,7 +456,8 @@ def _epoch_ns(monotonic_s: float) -> int:
 
 def _finished(u: RequestUpdate) -> bytes:
     return engine_api.FinishedFrame(u.finish_reason, u.stop_reason, u.num_prompt_tokens,
-                                    u.num_output_tokens, u.num_cached_tokens).to_msgpack()
+                                    u.num_output_tokens, u.num_cached_tokens,
+                                    u.kv_transfer_params).to_msgpack()
 
 
 # -- Redis: heartbeats and KV events ---------------------------------------------------------
@@ -484,6 +491,17 @@ async def _publish_loop(app: web.Application) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     engine_config, server_config = configs_from_args(argv)  # flags: server_config.py
+    try:  # once, for every part of the engine: the routes, the KV transfer port, node joins
+        internal_auth.export(internal_auth.resolve(
+            server_config.internal_token_file, server_config.insecure_no_internal_auth,
+            "engine"), os.environ)
+    except internal_auth.MissingCredential as exc:
+        setup_logging(server_config.log_level, "engine")
+        logger.error("%s", exc)
+        raise SystemExit(2) from None
+    if engine_config.node_rank != 0:  # a worker node: no API, no router (node_worker.py)
+        _run_worker_node(engine_config, server_config)
+        return
     setup_logging(server_config.log_level, "engine")
     global _EXIT_ON_CORE_DEATH
     _EXIT_ON_CORE_DEATH = True
@@ -503,6 +521,15 @@ def main(argv: list[str] | None = None) -> None:
     if app[LIFECYCLE].core_died:
         logger.error("exiting: the engine core died or stalled")
         raise SystemExit(1)
+
+
+def _run_worker_node(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    from services.engine.models.default import default_model_path
+    from services.engine.serving import node_worker
+
+    setup_logging(server_config.log_level, f"engine-node{engine_config.node_rank}")
+    node_worker.run(engine_config, server_config,
+                    engine_config.model or str(default_model_path()))
 
 
 if __name__ == "__main__":

@@ -4,15 +4,17 @@ and of ``ServerConfig`` is one flag (``--num-blocks``, ``--redis-url``)."""
 from __future__ import annotations
 
 import argparse
+import os
 import socket
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from services.common import cli
 from services.common.cli import flag
 from services.common.internal_auth import insecure_flag, token_file_flag
 from services.common.logs import check_log_level
 from services.engine.config import EngineConfig
+from services.engine.parallel.node_group import from_lws_env
 
 PROG = "python -m services.engine.serving.server"
 DESCRIPTION = "Pagoda engine server: the model, its KV cache and the internal streaming API."
@@ -29,6 +31,10 @@ class ServerConfig:
     )
     redis_url: str | None = flag(
         None, help="Redis for heartbeats and KV events (default: none, no routing index)"
+    )
+    kv_events_config: str | None = flag(
+        None, help="vLLM's KV-event publisher, as JSON: '{\"enable_kv_cache_events\": true, "
+        "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"topic\": \"\"}' (beside Redis)",
     )
     heartbeat_interval_s: float = flag(
         1.0, help="seconds between heartbeats (sooner when requests arrive or finish)")
@@ -89,6 +95,9 @@ class ServerConfig:
             raise ValueError(f"engine_core must be one of {', '.join(ENGINE_CORES)}, "
                              f"got {self.engine_core!r}")
         check_log_level(self.log_level)
+        from services.engine.serving.zmq_kv_events import KVEventsConfig
+
+        KVEventsConfig.parse(self.kv_events_config)  # validates
 
     def resolved_engine_id(self) -> str:
         return self.engine_id or f"{socket.gethostname()}-{self.port}"
@@ -101,9 +110,18 @@ def build_parser() -> argparse.ArgumentParser:
     return cli.build_parser(EngineConfig, ServerConfig, prog=PROG, description=DESCRIPTION)
 
 
-def configs_from_args(argv: Sequence[str] | None = None) -> tuple[EngineConfig, ServerConfig]:
-    """Both configs from one command line; a bad flag or value exits 2 with its message."""
+def configs_from_args(
+    argv: Sequence[str] | None = None, env: Mapping[str, str] = os.environ,
+) -> tuple[EngineConfig, ServerConfig]:
+    """Both configs from one command line, and in a LeaderWorkerSet the node group from its
+    environment where ``--nnodes`` is not given; a bad flag, value or LWS variable exits 2
+    with its message."""
     parser = build_parser()
     ns = parser.parse_args(argv)
     engine = cli.from_namespace(EngineConfig, ns, parser)
+    if engine.nnodes == 1:
+        try:
+            engine = replace(engine, **from_lws_env(env))
+        except ValueError as exc:
+            parser.error(str(exc))
     return engine, cli.from_namespace(ServerConfig, ns, parser)

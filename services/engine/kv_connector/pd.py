@@ -1,0 +1,247 @@
+"""``PagodaPDConnector``: disaggregated prefill/decode (vLLM's request flow).
+
+Prefill engine (``kv_producer`` or ``kv_both``): a request sent with ``kv_transfer_params``
+``{"do_remote_decode": true}`` (and max_tokens 1) holds its prompt's full blocks when it
+finishes, under a transfer id, and returns the params that say where to fetch them::
+
+    {"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id", "remote_host",
+     "remote_port", "remote_transfer_id", "remote_request_id", "remote_num_blocks",
+     "kv_layout"}
+
+Decode engine (``kv_consumer`` or ``kv_both``): a request with those params (and the same
+prompt) loads the prompt's full blocks past its own pool hit, never the last token, pulled on a
+loader thread (``pd_server`` is the other end, ``pd_wire`` the protocol), then runs the tail.
+A pull that fails (engine gone, slow, checksum, unknown id) or a layout that differs costs a
+recompute, never an error.
+
+``kv_connector_extra_config``: ``host`` (bind, default 127.0.0.1), ``advertise_host`` (what
+the params name, default ``host``), ``port`` (0: any), ``engine_id``, ``read_timeout_s`` (5),
+``max_connections`` (16), ``max_held_transfers`` (1024), ``pull_threads`` (4). The credential is
+the internal one (``$PAGODA_INTERNAL_TOKENS``); the connector does not start without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from services.common.internal_auth import InternalCredential, resolve
+from services.engine.kv_connector import pd_wire
+from services.engine.kv_connector.base import ConnectorContext, ConnectorRequest, FinishedTransfers
+from services.engine.kv_connector.config import KVTransferConfig
+from services.engine.kv_connector.pd_server import HeldTransfers, TransferServer
+from services.engine.kv_connector.pd_wire import WireError
+
+logger = logging.getLogger(__name__)
+
+_EXTRA = {"host": str, "advertise_host": str, "port": int, "engine_id": str,
+          "read_timeout_s": (int, float), "max_connections": int, "max_held_transfers": int,
+          "pull_threads": int}
+
+
+@dataclass(frozen=True, slots=True)
+class Pull:
+    """One planned load: blocks ``first .. first+len(block_ids)`` of a remote transfer into
+    this pool's ``block_ids``."""
+
+    request_id: str
+    host: str
+    port: int
+    transfer_id: str
+    first: int
+    block_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Remote:
+    host: str
+    port: int
+    transfer_id: str
+    num_blocks: int
+
+    @classmethod
+    def parse(cls, params: Any, layout: str) -> Remote | None:
+        """The remote prefill in a request's params, or None (nothing to pull, or from an
+        engine whose KV layout is not this one's)."""
+        if not isinstance(params, dict) or params.get("do_remote_prefill") is not True:
+            return None
+        host, port = params.get("remote_host"), params.get("remote_port")
+        tid, n = params.get("remote_transfer_id"), params.get("remote_num_blocks")
+        if not (isinstance(host, str) and isinstance(tid, str) and _int(port) and _int(n)):
+            return None
+        if params.get("kv_layout") != layout:
+            logger.warning("kv transfer: a remote prefill with another KV layout: recomputed")
+            return None
+        return cls(host, port, tid, n)
+
+
+class PagodaPDConnector:
+    def __init__(self, spec: KVTransferConfig, ctx: ConnectorContext) -> None:
+        extra = _checked_extra(spec.kv_connector_extra_config)
+        self.role, self.caches = spec.kv_role, ctx.kv_caches
+        self.block_size = ctx.engine_config.block_size
+        self.layout = pd_wire.layout_digest(ctx.model_name, self.block_size, ctx.kv_caches)
+        self.credential: InternalCredential = resolve(None, False, "kv transfer")
+        self.read_timeout_s = float(extra.get("read_timeout_s", 5.0))
+        self.engine_id = extra.get("engine_id") or secrets.token_hex(8)
+        host = extra.get("host", "127.0.0.1")
+        self.advertise_host = extra.get("advertise_host", host)
+        self.held: HeldTransfers | None = None
+        self.server: TransferServer | None = None
+        if self.role.saves:
+            # Given up at half the engine's hold: its blocks are never read once it frees them.
+            self.held = HeldTransfers(extra.get("max_held_transfers", 1024),
+                                      spec.kv_transfer_timeout / 2)
+            self.server = TransferServer(host, extra.get("port", 0), self.credential, self.held,
+                                         ctx.kv_caches, self.layout, self.read_timeout_s,
+                                         extra.get("max_connections", 16))
+        self._pool = ThreadPoolExecutor(extra.get("pull_threads", 4), "kv-pd-pull")
+        self._arrived: queue.SimpleQueue[tuple[str, int]] = queue.SimpleQueue()
+        self._asked: tuple[str, Remote, int, int] | None = None  # id, remote, first, count
+        self._tried: set[str] = set()  # pulled once (a preempted request recomputes)
+        self._planned: list[Pull] = []
+
+    # -- scheduler side --------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: ConnectorRequest,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        self._asked = None
+        if not self.role.loads or request.request_id in self._tried:
+            return 0, False
+        remote = Remote.parse(request.kv_transfer_params, self.layout)
+        if remote is None:
+            return 0, False
+        first = num_computed_tokens // self.block_size
+        stop = min(remote.num_blocks, (request.num_tokens - 1) // self.block_size)
+        if stop <= first:
+            return 0, False
+        self._asked = (request.request_id, remote, first, stop - first)
+        return (stop - first) * self.block_size, True
+
+    def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int],
+                                 num_external_tokens: int) -> None:
+        if not num_external_tokens:
+            return
+        assert self._asked is not None and self._asked[0] == request.request_id
+        rid, remote, first, count = self._asked
+        assert count * self.block_size == num_external_tokens
+        self._tried.add(rid)
+        self._planned.append(Pull(rid, remote.host, remote.port, remote.transfer_id, first,
+                                  block_ids[first:first + count]))
+
+    def build_connector_meta(self) -> list[Pull]:
+        planned, self._planned = self._planned, []
+        return planned
+
+    def request_finished(self, request: ConnectorRequest,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._tried.discard(request.request_id)
+        params = request.kv_transfer_params
+        if self.held is None or not isinstance(params, dict) or \
+                params.get("do_remote_decode") is not True:
+            return False, None
+        # Only blocks whose KV was computed (an abort mid-prompt leaves some unwritten).
+        computed = min(request.num_computed_tokens, len(request.prompt_token_ids))
+        full = block_ids[:computed // self.block_size]
+        transfer_id = self.held.add(request.request_id, full) if full else None
+        if transfer_id is None:  # nothing full, or too many held: the decode recomputes
+            return False, {"do_remote_prefill": False, "do_remote_decode": False}
+        assert self.server is not None
+        return True, {"do_remote_prefill": True, "do_remote_decode": False,
+                      "remote_engine_id": self.engine_id, "remote_host": self.advertise_host,
+                      "remote_port": self.server.port, "remote_transfer_id": transfer_id,
+                      "remote_request_id": request.request_id, "remote_num_blocks": len(full),
+                      "kv_layout": self.layout}
+
+    # -- worker side -----------------------------------------------------------------------
+
+    def start_load_kv(self, metadata: list[Pull]) -> None:
+        for pull in metadata:
+            self._pool.submit(self._pull, pull)
+
+    def save_kv(self) -> None:
+        pass  # the prompt's blocks are read from the pool when pulled
+
+    def get_finished(self, timeout: float = 0.0) -> FinishedTransfers:
+        out = FinishedTransfers()
+        if self.held is not None:
+            out.sending = self.held.take_done()
+        try:
+            if timeout and not out:
+                rid, n = self._arrived.get(timeout=timeout)
+                out.recving[rid] = n
+            while True:
+                rid, n = self._arrived.get_nowait()
+                out.recving[rid] = n
+        except queue.Empty:
+            pass
+        return out
+
+    def _pull(self, pull: Pull) -> None:
+        started = time.monotonic()
+        try:
+            self._fetch(pull)
+        except Exception as exc:  # noqa: BLE001 - any failure is a recompute, never a hang
+            logger.warning("request_id=%s: pulling its KV from %s:%s failed (%s): recomputed",
+                           pull.request_id, pull.host, pull.port, exc)
+            self._arrived.put((pull.request_id, 0))
+            return
+        logger.debug("request_id=%s: %d blocks pulled in %.3f s", pull.request_id,
+                     len(pull.block_ids), time.monotonic() - started)
+        self._arrived.put((pull.request_id, len(pull.block_ids) * self.block_size))
+
+    def _fetch(self, pull: Pull) -> None:
+        deadline = time.monotonic() + self.read_timeout_s
+        with socket.create_connection((pull.host, pull.port), timeout=self.read_timeout_s) as s:
+            pd_wire.send_frame(s, self.credential.headers()["Authorization"].encode())
+            pd_wire.send_json(s, {"transfer_id": pull.transfer_id, "first": pull.first,
+                                  "count": len(pull.block_ids), "layout": self.layout})
+            answer = pd_wire.recv_json(s, deadline)
+            if answer.get("ok") is not True or answer.get("count") != len(pull.block_ids):
+                raise WireError(f"refused: {str(answer.get('error'))[:200]}")
+            size = pd_wire.block_bytes(self.caches)
+            for block_id in pull.block_ids:
+                data = pd_wire.verified(pd_wire.recv_frame(s, size + 8, deadline))
+                if len(data) != size:
+                    raise WireError(f"a block of {len(data)} bytes (expected {size})")
+                pd_wire.write_block(self.caches, block_id, data)
+
+    # -- observability and lifetime ----------------------------------------------------------
+
+    def take_events(self) -> list:
+        return []
+
+    def snapshot_events(self) -> list:
+        return []
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _checked_extra(extra: Any) -> dict[str, Any]:
+    where = "kv_transfer_config.kv_connector_extra_config"
+    for key, value in extra.items():
+        kind = _EXTRA.get(key)
+        if kind is None:
+            raise ValueError(f"{where}.{key} is not a key of PagodaPDConnector "
+                             f"(known: {', '.join(_EXTRA)})")
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise ValueError(  # noqa: TRY004 - bad configuration is a ValueError here
+                f"{where}.{key} has the wrong type: {value!r}")
+        if kind is not str and not value > 0 and not (key == "port" and value == 0):
+            raise ValueError(f"{where}.{key} must be positive, got {value!r}")
+        if key == "port" and value > 65535:
+            raise ValueError(f"{where}.port must be at most 65535, got {value!r}")
+    return dict(extra)

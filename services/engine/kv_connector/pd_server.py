@@ -1,0 +1,157 @@
+"""The prefill engine's side of a P/D transfer: the blocks it holds for transfer ids it issued
+(``HeldTransfers``), and the TCP server that lets a decode engine pull them (``TransferServer``).
+
+The port is reachable by any pod in the cluster, so: the internal credential is the first frame
+of every connection (nothing else is read before it), frames are bounded and read against a
+deadline, a peer names a transfer id (unguessable, issued here) and a range inside it, never a
+block id, and connections and held transfers are bounded in number. A transfer is served once:
+its blocks are copied out of the pool under the table's lock, then it is done.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from services.common.internal_auth import InternalCredential
+from services.engine.kv_connector import pd_wire
+from services.engine.kv_connector.pd_wire import WireError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Held:
+    request_id: str
+    block_ids: list[int]  # the pool's, in token order; never sent to a peer
+    expires: float  # monotonic: unpulled by then, it is given up
+
+
+class HeldTransfers:
+    """Transfer id -> held blocks; shared by the engine thread and the server's threads."""
+
+    def __init__(self, max_held: int, expiry_s: float) -> None:
+        self.max_held, self.expiry_s = max_held, expiry_s
+        self._lock = threading.Lock()
+        self._held: dict[str, Held] = {}
+        self._done: set[str] = set()  # request ids whose blocks may be freed now
+
+    def add(self, request_id: str, block_ids: list[int]) -> str | None:
+        """A new transfer id for these blocks, or None when the table is full."""
+        with self._lock:
+            if len(self._held) >= self.max_held:
+                return None
+            transfer_id = secrets.token_urlsafe(24)
+            self._held[transfer_id] = Held(request_id, list(block_ids),
+                                           time.monotonic() + self.expiry_s)
+            return transfer_id
+
+    def copy_out(self, transfer_id: str, first: int, count: int,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[bytes] | str:
+        """The blocks ``first .. first+count`` of a live transfer, copied out of the pool (then
+        the transfer is over), or why not."""
+        with self._lock:
+            held = self._held.get(transfer_id)
+            if held is None or held.expires <= time.monotonic():
+                return "unknown transfer id"
+            if not (0 <= first and 0 < count and first + count <= len(held.block_ids)):
+                return "blocks out of the transfer's range"
+            del self._held[transfer_id]
+            self._done.add(held.request_id)
+            # Copied while the lock keeps get_finished from reporting the blocks free.
+            return [pd_wire.read_block(kv_caches, b) for b in held.block_ids[first:first + count]]
+
+    def take_done(self) -> set[str]:
+        """Request ids whose blocks were pulled or expired since the last call."""
+        now = time.monotonic()
+        with self._lock:
+            for tid in [t for t, h in self._held.items() if h.expires <= now]:
+                self._done.add(self._held.pop(tid).request_id)
+            done, self._done = self._done, set()
+            return done
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+
+class TransferServer:
+    """Serves pulls on ``host:port`` (port 0: any free one, see ``port``), one thread per
+    connection, at most ``max_connections`` at once (more are closed unanswered)."""
+
+    def __init__(self, host: str, port: int, credential: InternalCredential,
+                 held: HeldTransfers, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 layout: str, read_timeout_s: float, max_connections: int) -> None:
+        self.credential, self.held, self.kv_caches = credential, held, kv_caches
+        self.layout, self.read_timeout_s = layout, read_timeout_s
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._sock = socket.create_server((host, port), backlog=max_connections)
+        self.port: int = self._sock.getsockname()[1]
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept, name="kv-pd-server", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        self._thread.join(timeout=5)
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            if not self._slots.acquire(blocking=False):
+                conn.close()  # too many at once: refused before reading anything
+                continue
+            threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                             name="kv-pd-conn").start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            with conn:
+                self._answer(conn)
+        except (WireError, OSError) as exc:
+            logger.info("kv transfer: a pull ended: %s", exc)
+        finally:
+            self._slots.release()
+
+    def _answer(self, conn: socket.socket) -> None:
+        deadline = time.monotonic() + self.read_timeout_s  # for the whole request
+        auth = pd_wire.recv_frame(conn, pd_wire.MAX_CONTROL_BYTES, deadline)
+        if not self.credential.accepts(auth.decode("utf-8", "replace")):
+            pd_wire.send_json(conn, {"ok": False, "error": "unauthorized"})
+            return
+        ask = pd_wire.recv_json(conn, deadline)
+        blocks = self._blocks_for(ask)
+        if isinstance(blocks, str):
+            pd_wire.send_json(conn, {"ok": False, "error": blocks})
+            return
+        pd_wire.send_json(conn, {"ok": True, "count": len(blocks)})
+        conn.settimeout(self.read_timeout_s)  # sends: a peer that stops reading is dropped
+        for data in blocks:
+            pd_wire.send_frame(conn, pd_wire.checksummed(data))
+
+    def _blocks_for(self, ask: dict[str, Any]) -> list[bytes] | str:
+        tid, first, count = ask.get("transfer_id"), ask.get("first"), ask.get("count")
+        if not isinstance(tid, str) or not _is_int(first) or not _is_int(count):
+            return "transfer_id (string), first and count (integers) are required"
+        if ask.get("layout") != self.layout:
+            return "KV layout mismatch"
+        return self.held.copy_out(tid, first, count, self.kv_caches)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,57 @@
+"""4-bit weights packed eight to an int32 (GPTQ, AWQ): unpacking and dequantizing, once at load.
+
+Both formats keep, per group of ``group_size`` input columns, a scale and a zero point per
+output: ``W[o, i] = (q[i, o] - zero[g(i), o]) * scale[g(i), o]``. They differ in how nibbles are
+packed (``unpack``'s ``order``) and where (GPTQ packs ``qweight`` along the input, AWQ along the
+output). The dequantized weight is held in the model's dtype and the layer then runs the
+unquantized method: correct first, as fast as the unquantized model, not faster; a kernel that
+reads the nibbles in its loop (4x fewer bytes than bf16 per decode step) is the next step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SEQUENTIAL = (0, 1, 2, 3, 4, 5, 6, 7)  # nibble k holds element k (GPTQ)
+
+
+def unpack(packed: torch.Tensor, dim: int, order: tuple[int, ...] = SEQUENTIAL) -> torch.Tensor:
+    """int32 ``packed`` -> its 4-bit values (int32, 0..15), eight per element along ``dim``:
+    element ``8 * j + order[k]`` is nibble ``k`` (bits ``4k .. 4k + 3``) of ``packed[j]``."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF  # [..., 8]: nibble k last
+    position = torch.tensor(order, device=packed.device).argsort()  # element r is nibble pos[r]
+    nibbles = nibbles.index_select(-1, position)
+    nibbles = nibbles.movedim(-1, dim + 1)
+    shape = list(packed.shape)
+    shape[dim] *= 8
+    return nibbles.reshape(shape)
+
+
+def dequantize(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+               groups: torch.Tensor) -> torch.Tensor:
+    """``q`` ``[in, out]``, ``zeros``/``scales`` ``[groups, out]``, ``groups`` ``[in]`` (each input
+    column's group) -> the float32 weight ``[out, in]``."""
+    z = zeros.index_select(0, groups).float()
+    s = scales.index_select(0, groups).float()
+    return ((q.float() - z) * s).t().contiguous()
+
+
+def refuse_tensor_parallel(layer: torch.nn.Module, scheme: str) -> None:
+    """4-bit shards (packed rows, group scales, act-order's scattered groups) have not been
+    tested over several ranks: refused at start rather than served wrong."""
+    tp = getattr(layer, "tp", None)
+    if tp is not None and tp.size > 1:
+        raise ValueError(f"{scheme} checkpoints run on one rank only for now "
+                         f"(tensor_parallel_size={tp.size})")
+
+
+def replace_with_dense(
+    layer: torch.nn.Module, weight: torch.Tensor, packed: tuple[str, ...]
+) -> None:
+    """Drops the packed parameters and holds ``weight`` in the model's dtype; the layer's class
+    default (the unquantized method) runs it from here on."""
+    for name in packed:
+        delattr(layer, name)
+    layer.weight = torch.nn.Parameter(weight.to(layer.dtype), requires_grad=False)
+    del layer.method

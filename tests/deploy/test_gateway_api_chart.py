@@ -1,0 +1,108 @@
+"""The chart's Gateway API objects (gatewayAPI.enabled): InferencePools with the router as their
+endpoint picker and HTTPRoutes from a named Gateway, validated against the published CRDs
+(vendored under tests/deploy/crds/, versions in its README) and checked to fit the rest of the
+release. The generic checks of test_chart.py run on this value set too ("gateway-api")."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from tests.deploy.conftest import GATEWAY_API
+from tests.deploy.helpers import Render, render, selects
+
+helm = pytest.importorskip("helm_python", reason="pip install helm-python-sdk")
+
+CRDS = Path(__file__).parent / "crds"
+ROUTER = "demo-pagoda-router"
+MODELS = {"llama-8b": "meta-llama/Llama-3.1-8B-Instruct", "qwen-72b": "Qwen/Qwen2.5-72B-Instruct"}
+
+
+@cache
+def crd_schema(file: str, version: str) -> dict[str, Any]:
+    crd = yaml.safe_load((CRDS / file).read_text())
+    found = [v for v in crd["spec"]["versions"] if v["name"] == version]
+    assert found and found[0]["served"], (file, version)
+    return found[0]["schema"]["openAPIV3Schema"]
+
+
+@pytest.fixture(scope="module")
+def on(chart: Any) -> Render:
+    return render(chart, GATEWAY_API)
+
+
+def test_objects_validate_against_the_published_crds(on: Render) -> None:
+    pools, routes = on.of_kind("InferencePool"), on.of_kind("HTTPRoute")
+    assert len(pools) == len(routes) == 2
+    for doc, file in [(p, "inference.networking.k8s.io_inferencepools.yaml") for p in pools] + \
+            [(r, "gateway.networking.k8s.io_httproutes.yaml") for r in routes]:
+        schema = crd_schema(file, doc["apiVersion"].rsplit("/", 1)[1])
+        jsonschema.validate(doc, schema)  # raises with the failing path
+    # The schemas are strict enough to catch a mistake: a wrong failure mode fails.
+    bad = {**pools[0], "spec": {**pools[0]["spec"], "endpointPickerRef": {
+        **pools[0]["spec"]["endpointPickerRef"], "failureMode": "Sometimes"}}}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, crd_schema("inference.networking.k8s.io_inferencepools.yaml",
+                                            "v1"))
+
+
+def test_a_pool_per_model_selects_its_engines_with_the_router_as_picker(on: Render) -> None:
+    router_svc = on.get("Service", ROUTER)
+    svc_ports = {p["port"]: p for p in router_svc["spec"]["ports"]}
+    router = on.container(ROUTER)
+    container_ports = {p["name"]: p["containerPort"] for p in router["ports"]}
+    for model in MODELS:
+        pool = on.get("InferencePool", f"demo-pagoda-engine-{model}")["spec"]
+        engines = on.get("Deployment", f"demo-pagoda-engine-{model}")["spec"]["template"]
+        others = [t for w, t in on.pod_templates()
+                  if w["metadata"]["name"] != f"demo-pagoda-engine-{model}"]
+        assert selects(pool["selector"]["matchLabels"], engines["metadata"]["labels"])
+        assert not any(selects(pool["selector"]["matchLabels"], t["metadata"]["labels"])
+                       for t in others), "a pool selects only its own model's engines"
+        engine_port = engines["spec"]["containers"][0]["ports"][0]["containerPort"]
+        assert pool["targetPorts"] == [{"number": engine_port}]
+        ref = pool["endpointPickerRef"]
+        assert (ref["kind"], ref["name"], ref["failureMode"]) == ("Service", ROUTER, "FailOpen")
+        port = svc_ports[ref["port"]["number"]]
+        assert container_ports[port["targetPort"]] == ref["port"]["number"]
+        assert port["appProtocol"] == "kubernetes.io/h2c"  # gRPC without TLS
+
+
+def test_routes_attach_to_the_named_gateway(on: Render) -> None:
+    for model, served in MODELS.items():
+        route = on.get("HTTPRoute", f"demo-pagoda-engine-{model}")["spec"]
+        assert route["parentRefs"] == [{"group": "gateway.networking.k8s.io", "kind": "Gateway",
+                                        "name": "inference-gateway", "namespace": "gateways"}]
+        rule = route["rules"][0]
+        assert rule["backendRefs"] == [{"group": "inference.networking.k8s.io",
+                                        "kind": "InferencePool",
+                                        "name": f"demo-pagoda-engine-{model}"}]
+        assert rule["matches"][0]["headers"][0]["value"] == served
+
+
+def test_router_serves_the_picker_with_every_models_tokenizer(on: Render) -> None:
+    from services.router.config import RouterConfig, tokenizer_dirs
+
+    router = on.container(ROUTER)
+    config = RouterConfig.from_args(router["args"])
+    assert config.ext_proc_port == 9002
+    dirs = tokenizer_dirs(config.tokenizer)
+    assert sorted(dirs) == sorted(MODELS.values())
+    mounts = [m["mountPath"] for m in router["volumeMounts"]]
+    for path in dirs.values():  # each tokenizer directory lies under a mounted volume
+        assert any(path.startswith(m.rstrip("/") + "/") or path == m for m in mounts), path
+
+
+def test_off_by_default_and_a_gateway_name_is_required(chart: Any) -> None:
+    off = render(chart, {})
+    assert not off.of_kind("InferencePool") and not off.of_kind("HTTPRoute")
+    router = off.container(ROUTER)
+    assert not any(a.startswith("--ext-proc-port") for a in router["args"])
+    assert [p["name"] for p in off.get("Service", ROUTER)["spec"]["ports"]] == ["http"]
+    with pytest.raises(Exception, match="gateway"):
+        render(chart, {"gatewayAPI": {"enabled": True}})

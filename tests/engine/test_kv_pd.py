@@ -1,0 +1,256 @@
+"""Disaggregated prefill/decode with PagodaPDConnector: two in-process engines, the prefill one
+serving its held blocks on a loopback transfer port. The decode engine's greedy output equals
+one aggregated engine's while it computes only the prompt's tail; a pull that fails costs a
+recompute; held blocks are freed once pulled or expired; the transfer port answers attackers
+(no or a wrong credential, an oversized frame, an unknown transfer id, a slow peer) by
+refusing."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.engine import LLM, SamplingParams
+from services.engine.engine import LLMEngine
+
+BS = 16
+TOKEN = "pd-test-token-0123456789abcdef"
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+PREFILL = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+
+
+def _llm(model: Path, role: str, **extra: Any) -> LLM:
+    return LLM(str(model), num_blocks=64, block_size=BS, max_num_seqs=4, kv_transfer_config={
+        "kv_connector": "PagodaPDConnector", "kv_role": role, "kv_transfer_timeout": 2.0,
+        "kv_connector_extra_config": {"read_timeout_s": 0.5, "max_connections": 3, **extra}})
+
+
+@pytest.fixture(scope="module")
+def engines(fast_model_dir: Path) -> Iterator[tuple[LLMEngine, LLMEngine]]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGODA_INTERNAL_TOKENS", TOKEN)
+        prefill, decode = _llm(fast_model_dir, "kv_producer"), _llm(fast_model_dir, "kv_both")
+        yield prefill.engine, decode.engine
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def _run(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams,
+         kv: dict | None = None, salt: str | None = None) -> tuple[list[int], Any, list[int]]:
+    """(output tokens, the finished request, tokens computed per step)."""
+    req = engine.add_request(rid, prompt, params, salt, kv_transfer_params=kv)
+    tokens, steps = [], []
+    deadline = time.monotonic() + 30
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline
+        tokens += [t for u in engine.step() for t in u.new_token_ids]
+        steps.append(engine.last_step_tokens)
+    return tokens, req, [n for n in steps if n]
+
+
+def _prompt(base: int, n: int) -> list[int]:
+    return [base + (i * 13) % 900 for i in range(n)]
+
+
+def _pd(prefill: LLMEngine, decode: LLMEngine, rid: str, prompt: list[int],
+        salt: str | None = None, edit: dict | None = None) -> tuple[list[int], Any, list[int]]:
+    _, p_req, _ = _run(prefill, rid, prompt, PREFILL, {"do_remote_decode": True}, salt)
+    params = dict(p_req.kv_transfer_params)
+    assert params["do_remote_prefill"] is True and "remote_block_ids" not in params
+    return _run(decode, rid, prompt, GREEDY, {**params, **(edit or {})}, salt)
+
+
+def _all_free(engine: LLMEngine, timeout: float = 5.0) -> bool:
+    bm, deadline = engine.block_manager, time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        engine.step()
+        if bm.num_free_blocks == bm.num_total_blocks:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.mark.parametrize("n", [3 * BS + 5, 4 * BS, 2 * BS + 1])
+def test_decode_engine_matches_one_engine_and_computes_only_the_tail(
+        engines: tuple[LLMEngine, LLMEngine], n: int) -> None:
+    prefill, decode = engines
+    prompt = _prompt(n, n)
+    alone, _, _ = _run(decode, f"alone{n}", prompt, GREEDY)
+    assert decode.block_manager.reset_prefix_cache()
+    tokens, req, steps = _pd(prefill, decode, f"pd{n}", prompt)
+    assert tokens == alone
+    loaded = (n - 1) // BS * BS  # never the last token
+    assert req.num_cached_tokens == loaded and steps[0] == n - loaded
+    assert _all_free(prefill) and decode.block_manager.reset_prefix_cache()
+
+
+def test_two_tenants_salts_never_share(engines: tuple[LLMEngine, LLMEngine]) -> None:
+    prefill, decode = engines
+    prompt = _prompt(7, 3 * BS + 2)
+    a, _, _ = _pd(prefill, decode, "ta", prompt, salt="tenant-a")
+    _, p_req, _ = _run(prefill, "tb", prompt, PREFILL, {"do_remote_decode": True}, "tenant-b")
+    assert p_req.num_cached_tokens == 0  # the prefill engine did not reuse tenant a's blocks
+    b, d_req, _ = _run(decode, "tb", prompt, GREEDY, dict(p_req.kv_transfer_params), "tenant-b")
+    assert a == b and d_req.num_cached_tokens == 3 * BS  # pulled again, not tenant a's pool
+    _, c_req, _ = _run(decode, "tc", prompt, GREEDY, None, "tenant-c")
+    assert c_req.num_cached_tokens == 0
+    assert _all_free(prefill)
+    decode.block_manager.reset_prefix_cache()
+
+
+def test_a_failed_pull_recomputes(engines: tuple[LLMEngine, LLMEngine]) -> None:
+    prefill, decode = engines
+    prompt = _prompt(11, 3 * BS + 4)
+    alone, _, _ = _run(decode, "ref", prompt, GREEDY)
+    decode.block_manager.reset_prefix_cache()
+    with socket.socket() as dead:  # a port nobody listens on: the prefill engine is gone
+        dead.bind(("127.0.0.1", 0))
+        port = dead.getsockname()[1]
+    for rid, edit in (("gone", {"remote_port": port}),
+                      ("unknown", {"remote_transfer_id": "x" * 32}),
+                      ("layout", {"kv_layout": "another model"})):
+        tokens, req, _ = _pd(prefill, decode, rid, prompt, edit=edit)
+        assert tokens == alone and req.num_cached_tokens == 0, rid
+        decode.block_manager.reset_prefix_cache()
+    assert _all_free(prefill, timeout=3.0)  # the unpulled ones too, once expired
+
+
+def test_held_blocks_are_freed_after_pulls_and_after_the_timeout(
+        engines: tuple[LLMEngine, LLMEngine]) -> None:
+    prefill, decode = engines
+    for i in range(12):
+        _pd(prefill, decode, f"many{i}", _prompt(100 + i, 2 * BS + 3))
+        decode.block_manager.reset_prefix_cache()
+    assert _all_free(prefill, timeout=0.5)  # pulled: freed at once, before any expiry
+    _run(prefill, "never", _prompt(5, 2 * BS + 3), PREFILL, {"do_remote_decode": True})
+    prefill.step()
+    assert prefill.block_manager.num_free_blocks < prefill.block_manager.num_total_blocks
+    assert _all_free(prefill, timeout=3.0)  # never pulled: given up after the timeout
+    assert len(prefill.kv_connector.held) == 0
+
+
+def _connect(engine: LLMEngine) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", engine.kv_connector.server.port), timeout=3)
+    return s
+
+
+def _frame(payload: bytes) -> bytes:
+    return struct.pack(">I", len(payload)) + payload
+
+
+def _answer(s: socket.socket) -> dict | None:
+    try:
+        head = s.recv(4)
+    except ConnectionResetError:
+        return None
+    if len(head) < 4:
+        return None  # closed without an answer
+    (n,) = struct.unpack(">I", head)
+    return json.loads(s.recv(n))
+
+
+def test_the_transfer_port_refuses_attackers(engines: tuple[LLMEngine, LLMEngine]) -> None:
+    prefill, _ = engines
+    _, p_req, _ = _run(prefill, "target", _prompt(9, 3 * BS), PREFILL,
+                       {"do_remote_decode": True})
+    tid = p_req.kv_transfer_params["remote_transfer_id"]
+    layout = p_req.kv_transfer_params["kv_layout"]
+    ask = _frame(json.dumps({"transfer_id": tid, "first": 0, "count": 1,
+                             "layout": layout}).encode())
+    for auth in (b"", b"Bearer wrong-token-0123456789", TOKEN.encode()):  # token without scheme
+        with _connect(prefill) as s:
+            s.sendall(_frame(auth) + ask)
+            assert _answer(s) == {"ok": False, "error": "unauthorized"}
+    good = _frame(f"Bearer {TOKEN}".encode())
+    with _connect(prefill) as s:  # oversized: cut off unanswered
+        s.sendall(good + struct.pack(">I", 1 << 30))
+        assert _answer(s) is None
+    for body, error in (({"transfer_id": "guess", "first": 0, "count": 1, "layout": layout},
+                         "unknown transfer id"),
+                        ({"transfer_id": tid, "first": 0, "count": 99, "layout": layout},
+                         "blocks out of the transfer's range"),
+                        ({"transfer_id": tid, "first": 0, "count": 1, "layout": "x"},
+                         "KV layout mismatch"),
+                        ({"block_ids": [0, 1, 2]}, "transfer_id (string), first and count")):
+        with _connect(prefill) as s:
+            s.sendall(good + _frame(json.dumps(body).encode()))
+            answer = _answer(s)
+            assert answer is not None and answer["ok"] is False
+            assert answer["error"].startswith(error)
+    started = time.monotonic()
+    with _connect(prefill) as s:  # slow: half a credential, then nothing
+        s.sendall(good[:6])
+        assert _answer(s) is None
+    assert time.monotonic() - started < 2.0  # read_timeout_s 0.5
+    idle = [_connect(prefill) for _ in range(3)]  # max_connections 3: the fourth is refused
+    try:
+        time.sleep(0.1)
+        with _connect(prefill) as s:
+            s.sendall(good + ask)
+            assert _answer(s) is None
+    finally:
+        for s in idle:
+            s.close()
+    time.sleep(0.7)  # the idle ones timed out: slots free again, a real pull still works
+    _, p_req, _ = _run(prefill, "target2", _prompt(9, 3 * BS), PREFILL,
+                       {"do_remote_decode": True})
+    ask = _frame(json.dumps({"transfer_id": p_req.kv_transfer_params["remote_transfer_id"],
+                             "first": 0, "count": 1, "layout": layout}).encode())
+    with _connect(prefill) as s:
+        s.sendall(good + ask)
+        assert _answer(s) == {"ok": True, "count": 1}
+    assert _all_free(prefill)
+
+
+def test_the_connector_starts_only_with_a_credential(fast_model_dir: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.common.internal_auth import MissingCredential
+
+    monkeypatch.delenv("PAGODA_INTERNAL_TOKENS", raising=False)
+    with pytest.raises(MissingCredential):
+        _llm(fast_model_dir, "kv_producer")
+    with pytest.raises(ValueError, match="extra_config.portt is not a key"):
+        _llm(fast_model_dir, "kv_producer", portt=1)
+
+
+def test_kv_transfer_params_on_the_engine_api_are_checked_where_they_enter(
+        engines: tuple[LLMEngine, LLMEngine]) -> None:
+    from services.protocol.engine_api import FinishedFrame, FrameDecoder, GenerateRequest
+    from services.protocol.wire import BadRequest
+
+    params = {"do_remote_prefill": True, "remote_port": 5, "remote_host": "10.0.0.1"}
+    req = GenerateRequest("r", [1, 2], kv_transfer_params=params)
+    assert GenerateRequest.from_msgpack(req.to_msgpack()).kv_transfer_params == params
+    for bad in ([1], {"a": {"nested": 1}}, {"a": "x" * 600}, {str(i): i for i in range(40)},
+                {"a": float("nan")}):
+        with pytest.raises(BadRequest) as refused:
+            GenerateRequest.from_dict({"request_id": "r", "prompt_token_ids": [1],
+                                       "kv_transfer_params": bad})
+        assert refused.value.param == "kv_transfer_params"
+    frame = FinishedFrame("length", None, 2, 1, 0, params)
+    assert FrameDecoder().feed(frame.to_msgpack()) == [frame]
+    assert FrameDecoder().feed(FinishedFrame("stop", None, 2, 1, 0).to_msgpack())[0] \
+        .kv_transfer_params is None
+    prefill, decode = engines
+    with pytest.raises(BadRequest, match="kv_transfer_params must be an object"):
+        prefill.add_request("bad", [1, 2, 3], PREFILL, kv_transfer_params=[1])  # type: ignore
+    # The last update carries the connector's params, never the client's echoed back.
+    prefill.add_request("last", _prompt(3, 2 * BS + 1), PREFILL, kv_transfer_params={
+        "do_remote_decode": True})
+    updates = []
+    while prefill.has_unfinished_requests():
+        updates += prefill.step()
+    assert all(u.kv_transfer_params is None for u in updates if not u.finished)
+    assert updates[-1].kv_transfer_params["remote_num_blocks"] == 2
+    decode.add_request("plain", [1, 2, 3], PREFILL, kv_transfer_params={"x": 1})
+    while decode.has_unfinished_requests():
+        updates = decode.step()
+    assert updates[-1].finished and updates[-1].kv_transfer_params is None
+    assert _all_free(prefill)

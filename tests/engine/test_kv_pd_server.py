@@ -1,0 +1,89 @@
+"""P/D between two real engine server processes: the prefill leg's finished frame carries the
+kv_transfer_params, the decode leg with them answers as one engine would while its prompt was
+served from the pull (cached_tokens); with the prefill engine killed, the decode engine
+recomputes and still answers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from services.protocol import engine_api
+from services.protocol.sampling_params import SamplingParams
+from tests.support.redis_server import RedisServer
+from tests.support.services import ServiceProcess
+
+BS = 16
+ENV = {"PAGODA_INTERNAL_TOKENS": "pd-server-test-token-0123456789", "OMP_NUM_THREADS": "1"}
+
+
+def _engine(model: Path, redis: RedisServer, name: str, role: str) -> ServiceProcess:
+    config = {"kv_connector": "PagodaPDConnector", "kv_role": role,
+              "kv_connector_extra_config": {"host": "127.0.0.1"}}
+    return ServiceProcess(
+        "services.engine.serving.server",
+        ["--model", str(model), "--engine-id", name, "--redis-url", redis.url,
+         "--num-blocks", "128", "--block-size", str(BS),
+         "--kv-transfer-config", json.dumps(config)], env=ENV)
+
+
+@pytest.fixture(scope="module")
+def pair(fast_model_dir: Path) -> Iterator[tuple[ServiceProcess, ServiceProcess]]:
+    with RedisServer() as redis:
+        prefill = _engine(fast_model_dir, redis, "prefill", "kv_producer").launch()
+        decode = _engine(fast_model_dir, redis, "decode", "kv_consumer").launch()
+        try:
+            prefill.wait_healthy()
+            decode.wait_healthy()
+            yield prefill, decode
+        finally:
+            prefill.stop()
+            decode.stop()
+
+
+async def _generate(url: str, rid: str, prompt: list[int], max_tokens: int,
+                    kv: dict[str, Any] | None) -> tuple[list[int], engine_api.FinishedFrame]:
+    body = engine_api.GenerateRequest(rid, prompt, SamplingParams(
+        max_tokens=max_tokens, temperature=0, ignore_eos=True), kv_transfer_params=kv)
+    tokens, dec = [], engine_api.FrameDecoder()
+    async with aiohttp.ClientSession() as s, s.post(url + engine_api.GENERATE_PATH,
+                                                    data=body.to_msgpack()) as r:
+        assert r.status == 200, await r.text()
+        async for chunk in r.content.iter_any():
+            for frame in dec.feed(chunk):
+                if isinstance(frame, engine_api.TokensFrame):
+                    tokens += frame.token_ids
+                else:
+                    assert isinstance(frame, engine_api.FinishedFrame), frame
+                    return tokens, frame
+    raise AssertionError("no finished frame")
+
+
+def test_two_engine_processes_serve_prefill_then_decode(
+        pair: tuple[ServiceProcess, ServiceProcess]) -> None:
+    prefill, decode = pair
+
+    async def main() -> None:
+        prompt = [5 + (i * 17) % 800 for i in range(3 * BS + 7)]
+        alone, _ = await _generate(prefill.url, "alone", prompt, 8, None)
+        _, first = await _generate(prefill.url, "p1", prompt, 1, {"do_remote_decode": True})
+        params = first.kv_transfer_params
+        assert params is not None and params["do_remote_prefill"] is True
+        tokens, done = await _generate(decode.url, "d1", prompt, 8, params)
+        assert tokens == alone and done.cached_tokens == 3 * BS
+        assert done.kv_transfer_params is None
+        # Prefill done, then its engine is gone before the pull: the decode recomputes.
+        other = [9 + (i * 7) % 800 for i in range(2 * BS + 3)]
+        alone2, _ = await _generate(prefill.url, "alone2", other, 8, None)
+        _, first2 = await _generate(prefill.url, "p2", other, 1, {"do_remote_decode": True})
+        prefill.stop()
+        tokens2, done2 = await _generate(decode.url, "d2", other, 8, first2.kv_transfer_params)
+        assert tokens2 == alone2 and done2.cached_tokens == 0
+
+    asyncio.run(main())

@@ -1,0 +1,192 @@
+"""Ranks in separate pods (a node group, as a LeaderWorkerSet starts them): a leader and a worker
+node started as separate processes on loopback from the LWS environment alone.
+
+The group serves through the router and the gateway the tokens a single-process engine
+gives; a worker with another dtype is refused with the difference named; a worker SIGKILLed or
+SIGSTOPped takes the leader out of routing within 5 s (its stream in flight ends with an error
+frame, the leader exits non-zero), and a restarted group serves again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from services.engine import LLM, SamplingParams
+from services.engine.parallel.node_group import from_lws_env
+from services.engine.serving.server_config import configs_from_args
+from services.protocol import engine_api
+from tests.faults.helpers import router_engines, wait_for
+from tests.support.redis_server import free_port
+from tests.support.services import ServiceProcess
+from tests.support.stack import PagodaStack
+
+PROMPT = "The capital of France is"
+MAX_TOKENS = 8
+
+
+def _lws(index: int) -> dict[str, str]:
+    return {"LWS_LEADER_ADDRESS": "127.0.0.1", "LWS_GROUP_SIZE": "2",
+            "LWS_WORKER_INDEX": str(index), "OMP_NUM_THREADS": "1"}
+
+
+def _group_args(port: int) -> list[str]:
+    return ["--tensor-parallel-size", "2", "--master-port", str(port), "--dtype", "float32"]
+
+
+def _worker(model: Path, port: int, *extra: str, token: str = "") -> ServiceProcess:
+    env = {**_lws(1), "PAGODA_INTERNAL_TOKENS": token}
+    return ServiceProcess("services.engine.serving.server",
+                          ["--model", str(model), "--num-blocks", "64", *_group_args(port),
+                           *extra], env=env)
+
+
+@contextlib.contextmanager
+def _launched(proc: ServiceProcess):
+    """``proc`` started without waiting for its health (a worker joins a leader that starts
+    after it), stopped at the end."""
+    proc.launch()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def _stack(model: Path, port: int) -> PagodaStack:
+    return PagodaStack(model, engines=1, num_blocks=64, engine_args=[_group_args(port)],
+                       env=_lws(0))
+
+
+def _complete(base_url: str, model: str) -> str:
+    body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    req = urllib.request.Request(base_url + "/completions", body,
+                                 {"Content-Type": "application/json",
+                                  "Authorization": "Bearer x"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())["choices"][0]["text"]
+
+
+def _reference(model: Path) -> str:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    with LLM(str(model), num_blocks=64, dtype="float32") as llm:
+        return llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].text
+
+
+def test_lws_environment_sets_the_node_group() -> None:
+    engine, _ = configs_from_args(_group_args(4000), env=_lws(1))
+    assert (engine.nnodes, engine.node_rank, engine.master_addr) == (2, 1, "127.0.0.1")
+    engine, _ = configs_from_args([], env={})
+    assert (engine.nnodes, engine.node_rank) == (1, 0)
+    with pytest.raises(ValueError, match="LWS_WORKER_INDEX must be a non-negative integer"):
+        from_lws_env({**_lws(0), "LWS_WORKER_INDEX": "x"})
+    with pytest.raises(SystemExit) as exit_info:  # LWS_GROUP_SIZE=2 without TP=2
+        configs_from_args([], env=_lws(0))
+    assert exit_info.value.code == 2
+    with pytest.raises(SystemExit):
+        configs_from_args(["--pipeline-parallel-size", "2"], env={})
+
+
+def test_a_worker_with_another_dtype_is_refused(fast_model_dir) -> None:
+    port = free_port()
+    leader = ServiceProcess("services.engine.serving.server",
+                            ["--model", str(fast_model_dir), "--num-blocks", "64",
+                             *_group_args(port)], env={**_lws(0), "PAGODA_INTERNAL_TOKENS": "t1"})
+    with _launched(leader):
+        wrong = _worker(fast_model_dir, port, "--dtype", "bfloat16", token="t1").launch()
+        code = wrong.proc.wait(120)
+        why = "dtype (leader 'float32', worker 'bfloat16')"
+        assert code != 0 and why in wrong.log_text(), wrong.log_tail()
+        stranger = _worker(fast_model_dir, port, token="t2").launch()
+        assert stranger.proc.wait(60) != 0
+        assert "internal credential was missing or not accepted" in stranger.log_text()
+        assert why in leader.log_text() and "credential" in leader.log_text()
+        # the leader still waits for a right worker, which then joins
+        with _launched(_worker(fast_model_dir, port, token="t1")) as right:
+            right.wait_healthy()
+            leader.wait_healthy()
+        wrong.stop()
+        stranger.stop()
+
+
+def _stream_until_error(url: str) -> list[object]:
+    params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    body = engine_api.GenerateRequest("long-1", [5, 6, 7, 8], params, None).to_msgpack()
+    frames: list[object] = []
+    try:
+        with urllib.request.urlopen(url + engine_api.GENERATE_PATH, body, timeout=30) as r:
+            decoder = engine_api.FrameDecoder()
+            while chunk := r.read1(65536):
+                frames += decoder.feed(chunk)
+    except (urllib.error.URLError, ConnectionError, OSError):
+        pass
+    return frames
+
+
+def _lose_worker(stack: PagodaStack, worker: ServiceProcess, sig: signal.Signals) -> None:
+    """Sends ``sig`` to the worker node while a stream decodes on the leader: the leader must
+    leave routing within 5 s, end the stream with an error frame and exit non-zero; the
+    worker must not outlive its group."""
+    leader, router = stack.engines[0], stack.routers[0].url
+    wait_for(lambda: router_engines(router) == {stack.engine_id(0)}, 10, "router sees it")
+    frames: list[object] = []
+    streaming = threading.Thread(target=lambda: frames.extend(_stream_until_error(leader.url)))
+    streaming.start()
+    time.sleep(1.0)  # the request is decoding
+    os.kill(worker.proc.pid, sig)
+    lost_at = time.monotonic()
+    wait_for(lambda: stack.engine_id(0) not in router_engines(router), 5.0,
+             "the leader leaves routing")
+    left_after = time.monotonic() - lost_at
+    code = leader.proc.wait(10)
+    streaming.join(10)
+    print(f"\n{sig.name}: the leader left routing after {left_after:.2f}s, exit {code}")
+    assert code != 0, leader.log_tail()
+    assert any(isinstance(f, engine_api.ErrorFrame) for f in frames), frames[-3:]
+    assert "worker node rank 1" in leader.log_text()
+    if sig == signal.SIGSTOP:
+        os.kill(worker.proc.pid, signal.SIGCONT)
+    assert worker.proc.wait(10) != 0
+
+
+def _slow_stack(model: Path, port: int) -> PagodaStack:
+    stack = _stack(model, port)  # slow steps: a stream is still decoding when the worker goes
+    stack.options.engine_args = [[*_group_args(port), "--debug-step-delay-s", "0.05"]]
+    return stack
+
+
+def test_a_group_serves_one_engines_tokens_and_a_killed_worker_ends_it(fast_model_dir) -> None:
+    """From the LWS environment alone: the tokens of a single-process engine through the
+    router and gateway; SIGKILL on the worker takes the leader out of routing; the group,
+    started again (as LWS recreates it), serves the same tokens."""
+    expected = _reference(fast_model_dir)
+    port = free_port()
+    stack = _slow_stack(fast_model_dir, port)
+    with _launched(_worker(fast_model_dir, port)) as worker, stack:
+        worker.wait_healthy()  # joined, its shard loaded
+        assert _complete(stack.base_url, stack.model) == expected
+        with urllib.request.urlopen(worker.url + "/health", timeout=5) as r:
+            assert json.loads(r.read())["role"] == "worker"
+        _lose_worker(stack, worker, signal.SIGKILL)
+        with _launched(_worker(fast_model_dir, port)) as again:
+            stack.restart_engine(0)
+            again.wait_healthy()
+            wait_for(lambda: stack.engine_id(0) in router_engines(stack.routers[0].url), 10,
+                     "the group is back in routing")
+            assert _complete(stack.base_url, stack.model) == expected
+
+
+def test_a_stopped_worker_takes_the_group_out_of_routing(fast_model_dir) -> None:
+    port = free_port()
+    stack = _slow_stack(fast_model_dir, port)
+    with _launched(_worker(fast_model_dir, port)) as worker, stack:
+        _lose_worker(stack, worker, signal.SIGSTOP)
