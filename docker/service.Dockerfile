@@ -16,6 +16,10 @@ RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 COPY docker/service-requirements.txt /tmp/service-requirements.txt
 RUN pip install --only-binary=:all: -r /tmp/service-requirements.txt
+# xds-protos ships an older copy of OpenTelemetry's protos over opentelemetry-proto's files: put
+# the pinned version back (the OTLP exporter imports messages only the newer one has).
+RUN pip install --only-binary=:all: --force-reinstall --no-deps \
+    "$(grep '^opentelemetry-proto==' /tmp/service-requirements.txt)"
 COPY pyproject.toml README.md /src/
 COPY services /src/services
 # --no-deps: pyproject.toml's dependencies include torch, which neither service imports.

@@ -17,10 +17,10 @@ import pytest
 from services.protocol import engine_api
 from services.protocol.sampling_params import SamplingParams
 from tests.support.redis_server import RedisServer
-from tests.support.services import ServiceProcess
+from tests.support.services import ServiceProcess, internal_headers
 
 BS = 16
-ENV = {"PAGODA_INTERNAL_TOKENS": "pd-server-test-token-0123456789", "OMP_NUM_THREADS": "1"}
+ENV = {"OMP_NUM_THREADS": "1"}  # the session's internal token (tests/conftest.py) inherited
 
 
 def _engine(model: Path, redis: RedisServer, name: str, role: str) -> ServiceProcess:
@@ -52,8 +52,8 @@ async def _generate(url: str, rid: str, prompt: list[int], max_tokens: int,
     body = engine_api.GenerateRequest(rid, prompt, SamplingParams(
         max_tokens=max_tokens, temperature=0, ignore_eos=True), kv_transfer_params=kv)
     tokens, dec = [], engine_api.FrameDecoder()
-    async with aiohttp.ClientSession() as s, s.post(url + engine_api.GENERATE_PATH,
-                                                    data=body.to_msgpack()) as r:
+    session = aiohttp.ClientSession(headers=internal_headers())
+    async with session as s, s.post(url + engine_api.GENERATE_PATH, data=body.to_msgpack()) as r:
         assert r.status == 200, await r.text()
         async for chunk in r.content.iter_any():
             for frame in dec.feed(chunk):

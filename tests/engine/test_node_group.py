@@ -27,10 +27,11 @@ from services.engine.serving.server_config import configs_from_args
 from services.protocol import engine_api
 from tests.faults.helpers import router_engines, wait_for
 from tests.support.redis_server import free_port
-from tests.support.services import ServiceProcess
+from tests.support.services import ServiceProcess, internal_headers
 from tests.support.stack import PagodaStack
 
 PROMPT = "The capital of France is"
+T1, T2 = "token-one-0123456789", "token-two-0123456789"  # tokens of 16+ characters
 MAX_TOKENS = 8
 
 
@@ -43,8 +44,12 @@ def _group_args(port: int) -> list[str]:
     return ["--tensor-parallel-size", "2", "--master-port", str(port), "--dtype", "float32"]
 
 
-def _worker(model: Path, port: int, *extra: str, token: str = "") -> ServiceProcess:
-    env = {**_lws(1), "PAGODA_INTERNAL_TOKENS": token}
+def _session_token() -> str:
+    return os.environ["PAGODA_INTERNAL_TOKENS"].split(",")[0]  # tests/conftest.py sets it
+
+
+def _worker(model: Path, port: int, *extra: str, token: str | None = None) -> ServiceProcess:
+    env = {**_lws(1), "PAGODA_INTERNAL_TOKENS": token or _session_token()}
     return ServiceProcess("services.engine.serving.server",
                           ["--model", str(model), "--num-blocks", "64", *_group_args(port),
                            *extra], env=env)
@@ -100,18 +105,18 @@ def test_a_worker_with_another_dtype_is_refused(fast_model_dir) -> None:
     port = free_port()
     leader = ServiceProcess("services.engine.serving.server",
                             ["--model", str(fast_model_dir), "--num-blocks", "64",
-                             *_group_args(port)], env={**_lws(0), "PAGODA_INTERNAL_TOKENS": "t1"})
+                             *_group_args(port)], env={**_lws(0), "PAGODA_INTERNAL_TOKENS": T1})
     with _launched(leader):
-        wrong = _worker(fast_model_dir, port, "--dtype", "bfloat16", token="t1").launch()
+        wrong = _worker(fast_model_dir, port, "--dtype", "bfloat16", token=T1).launch()
         code = wrong.proc.wait(120)
         why = "dtype (leader 'float32', worker 'bfloat16')"
         assert code != 0 and why in wrong.log_text(), wrong.log_tail()
-        stranger = _worker(fast_model_dir, port, token="t2").launch()
+        stranger = _worker(fast_model_dir, port, token=T2).launch()
         assert stranger.proc.wait(60) != 0
         assert "internal credential was missing or not accepted" in stranger.log_text()
         assert why in leader.log_text() and "credential" in leader.log_text()
         # the leader still waits for a right worker, which then joins
-        with _launched(_worker(fast_model_dir, port, token="t1")) as right:
+        with _launched(_worker(fast_model_dir, port, token=T1)) as right:
             right.wait_healthy()
             leader.wait_healthy()
         wrong.stop()
@@ -123,7 +128,8 @@ def _stream_until_error(url: str) -> list[object]:
     body = engine_api.GenerateRequest("long-1", [5, 6, 7, 8], params, None).to_msgpack()
     frames: list[object] = []
     try:
-        with urllib.request.urlopen(url + engine_api.GENERATE_PATH, body, timeout=30) as r:
+        req = urllib.request.Request(url + engine_api.GENERATE_PATH, body, internal_headers())
+        with urllib.request.urlopen(req, timeout=30) as r:
             decoder = engine_api.FrameDecoder()
             while chunk := r.read1(65536):
                 frames += decoder.feed(chunk)

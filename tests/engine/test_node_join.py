@@ -45,7 +45,7 @@ def test_the_leader_admits_the_right_worker_and_refuses_others(monkeypatch, capl
         node_join.request_admission(worker, IDENTITY, 10)
     assert "credential" in str(refused.value) and "float32" not in str(refused.value)
 
-    monkeypatch.setenv(node_join.TOKENS_ENV, "old-token-0123456789")  # any configured token is accepted
+    monkeypatch.setenv(node_join.TOKENS_ENV, "old-token-0123456789")  # any one is accepted
     with pytest.raises(node_join.JoinRefused, match=r"dtype \(leader 'float32', worker 'bf"):
         node_join.request_admission(worker, {**IDENTITY, "dtype": "bfloat16"}, 10)
     with pytest.raises(node_join.JoinRefused, match="node rank 5 is not one still expected"):

@@ -30,6 +30,7 @@ from services.protocol.block_hash import BlockHasher
 from services.protocol.kv_events import KVEvent, KVEventKind
 from tests.engine.test_server import post_generate, small
 from tests.support.redis_server import free_port
+from tests.support.services import internal_headers
 
 H = [bytes([i]) * 16 for i in range(3)]
 
@@ -98,7 +99,7 @@ def test_engine_publishes_its_prefix_cache(tiny_model_dir, tmp_path: Path) -> No
                               max_model_len=64)
         app = create_app(config, ServerConfig(engine_id="e", engine_core="inline",
                                               kv_events_config=kv))
-        async with TestClient(TestServer(app)) as client:
+        async with TestClient(TestServer(app), headers=internal_headers()) as client:
             core = client.server.app[CORE]
             for _ in range(1200):
                 if (await client.get("/health")).status == 200:

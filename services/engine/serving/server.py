@@ -495,7 +495,7 @@ def main(argv: list[str] | None = None) -> None:
         internal_auth.export(internal_auth.resolve(
             server_config.internal_token_file, server_config.insecure_no_internal_auth,
             "engine"), os.environ)
-    except internal_auth.MissingCredential as exc:
+    except ValueError as exc:  # MissingCredential, or a malformed token (its position only)
         setup_logging(server_config.log_level, "engine")
         logger.error("%s", exc)
         raise SystemExit(2) from None
