@@ -9,7 +9,8 @@ and takes an admin key (``--admin-api-key``) whenever the gateway has keys: any 
 
 What a load does: a name already served (or a base model's) is a 400, as vLLM's; a
 ``lora_path`` with ``..`` is a 400 before anything else (each engine confines the path to its
-``--lora-roots``, symlinks followed, and refuses the rest with a 400 naming ``lora_path``).
+``--lora-roots``, walking from the root with no symlink followed, and refuses the rest with a
+400 naming ``lora_path``).
 The adapter is registered in the router's registry (Redis) first, so an engine that starts or
 restarts meanwhile loads it too, then loaded on every live engine of the model at once; the
 answer comes when all have it (vLLM's ``Success: ...`` text). If every engine refuses it, it
