@@ -27,9 +27,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import json
 import types
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -323,3 +324,18 @@ def _name_flag(message: str, flags: dict[str, str]) -> str:
     names its flag instead."""
     head, sep, rest = message.partition(" ")
     return flags[head] + sep + rest if head in flags else message
+
+
+def json_object(value: object, where: str) -> Mapping[str, Any]:
+    """A JSON-object flag's value (vLLM's ``--speculative-config``, ``--kv-transfer-config``):
+    its text parsed, or the mapping given in Python; anything else is a ValueError naming
+    ``where``."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where} is not valid JSON: {exc}") from None
+    if not isinstance(value, Mapping):
+        raise ValueError(  # noqa: TRY004 - bad configuration is a ValueError here
+            f"{where} must be a JSON object, got {type(value).__name__}")
+    return value

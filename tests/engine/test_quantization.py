@@ -8,7 +8,6 @@ run, a ``--quantization`` that disagrees with the checkpoint.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,6 @@ import torch
 
 from services.engine import LoRARequest
 from services.engine.config import EngineConfig
-from services.engine.engine import LLMEngine
 from services.engine.model_runner import ModelRunner
 from services.engine.models.layers import Linear
 from services.engine.models.loader import load_model
@@ -24,6 +22,7 @@ from services.engine.parallel.step_broadcast import StepBatch
 from services.engine.quantization import quant_config_for
 from services.engine.quantization.w8a8_int8 import W8A8Int8Method
 from services.protocol.sampling_params import SamplingParams
+from tests.engine.test_model_families import _engine, _generate
 from tests.engine.test_models import _kv_caches, _random_ids, _step
 from tests.support.lora import write_adapter
 from tests.support.quantized import (
@@ -64,22 +63,6 @@ def family(request, tiny_model_dir, tmp_path_factory) -> tuple[Path, Path]:
     name, architecture, overrides = request.param
     original = tiny_model_dir(architecture, **overrides)
     return original, write_w8a8(original, tmp_path_factory.mktemp(f"w8a8-{name}"))
-
-
-def _engine(path: Path, **overrides) -> LLMEngine:
-    config = {"num_blocks": 64, "block_size": 4, "max_num_batched_tokens": 64, **overrides}
-    return LLMEngine(EngineConfig(model=str(path), **config))
-
-
-def _generate(engine: LLMEngine, prompts: Sequence[list[int]], max_tokens: int) -> list[list[int]]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for i, ids in enumerate(prompts):
-        engine.add_request(f"r{i}", ids, params)
-    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
-    while engine.has_unfinished_requests():
-        for update in engine.step():
-            out[update.request_id].extend(update.new_token_ids)
-    return [out[f"r{i}"] for i in range(len(prompts))]
 
 
 def _reference_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:

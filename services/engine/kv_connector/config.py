@@ -16,12 +16,12 @@ which the engine server turns into exit status 2 and ``LLM(...)`` raises.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from services.common.cli import json_object
 from services.engine.kv_connector.registry import CONNECTORS, MULTI
 
 PREFIX = "kv_transfer_config"
@@ -57,11 +57,6 @@ class KVTransferConfig:
         """From a JSON text (the flag), a dict (``LLM(kv_transfer_config={...})``) or itself."""
         if isinstance(value, KVTransferConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{PREFIX} is not valid JSON: {exc}") from None
         return _from_mapping(value, PREFIX)
 
     def leaves(self) -> Iterator[KVTransferConfig]:
@@ -74,9 +69,7 @@ class KVTransferConfig:
 
 
 def _from_mapping(raw: object, where: str) -> KVTransferConfig:
-    if not isinstance(raw, Mapping):
-        raise ValueError(  # noqa: TRY004 - bad configuration is a ValueError here
-            f"{where} must be a JSON object, got {type(raw).__name__}")
+    raw = json_object(raw, where)
     unknown = sorted(set(raw) - set(_KEYS))
     if unknown:
         raise ValueError(f"{where}.{unknown[0]} is not a known key (known: {', '.join(_KEYS)})")

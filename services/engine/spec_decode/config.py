@@ -25,6 +25,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from services.common.cli import json_object
 from services.common.model_files import ModelFiles
 
 PREFIX = "speculative_config"
@@ -55,15 +56,7 @@ class SpeculativeConfig:
         """From a JSON text (the flag), a dict (``LLM(speculative_config={...})``) or itself."""
         if isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{PREFIX} is not valid JSON: {exc}") from None
-        if not isinstance(value, Mapping):
-            raise ValueError(  # noqa: TRY004 - bad configuration is a ValueError here
-                f"{PREFIX} must be a JSON object, got {type(value).__name__}")
-        return cls._from_mapping(value)
+        return cls._from_mapping(json_object(value, PREFIX))
 
     @classmethod
     def _from_mapping(cls, raw: Mapping[str, Any]) -> SpeculativeConfig:
