@@ -11,10 +11,13 @@ Exported on ``/metrics`` with the label ``model`` (the served model name)::
     pagoda_router_arrivals_total      requests that asked for an engine (counter; one per
                                       engine request, i.e. per choice, at its first ask)
     pagoda_router_arrival_rate        arrivals per second over the last minute
+    pagoda_router_prompt_tokens_total prompt tokens of those arrivals (counter), by P/D leg
+                                      (label ``role``: prefill, decode, any): the prefill
+                                      engines' demand
 
 The first four are fleet-wide and the same on every router replica: they are computed when
 ``/metrics`` is scraped, from Redis (the engines' heartbeats, the routers' pending counts and
-the held set), so aggregate them across replicas with ``max()``. The last two are this
+the held set), so aggregate them across replicas with ``max()``. The last three are this
 replica's own (every request's first ask reaches exactly one replica): aggregate with
 ``sum()``. The arrival rate is a gauge, not only a counter, because a model waking from zero
 must show at its very first request: a counter series born with the value 1 has no ``rate()``.
@@ -108,6 +111,8 @@ class Demand:
             return
         if req.waited_s == 0 and not req.exclude:
             self._metrics.arrivals.labels(model=req.model).inc()
+            self._metrics.prompt_tokens.labels(model=req.model, role=req.role or "any").inc(
+                req.prompt_len)
             self._rates[req.model].add(self._clock())
         if req.request_id is None:
             return

@@ -91,3 +91,11 @@ class RouterMetrics:
             ["model"],
             registry=r,
         )
+        # P/D autoscaling: prefill engines scale on the prompt tokens coming to them.
+        self.prompt_tokens = Counter(
+            "pagoda_router_prompt_tokens",
+            "Prompt tokens of the engine requests routed by this replica (first asks only), by "
+            "P/D leg: prefill, decode, or any (aggregated)",
+            ["model", "role"],
+            registry=r,
+        )

@@ -33,10 +33,22 @@ class Candidate:
     reach_blocks: int = 0  # leading blocks in its pool or host tier (KV tiers; >= matched)
     shared_blocks: int = 0  # leading blocks in the model's shared KV store (every engine's)
     kv_role: str = "both"  # disaggregated serving: "prefill", "decode" or "both"
+    free_blocks: int = 0  # KV blocks it can allocate now (cached ones included; 0: unknown)
+    total_blocks: int = 0
+    kv_layout: str | None = None  # its KV layout digest (None: no KV transfer server)
+    kv_transfer_address: str | None = None  # where peers pull from it ("host:port")
+    # Leading blocks of the prompt a peer of the same layout holds in its pool, when more than
+    # this engine reaches itself (``services.router.pairing``): pulled, not recomputed.
+    peer_blocks: int = 0
 
     @property
     def load(self) -> int:
         return self.running + self.waiting + self.pending
+
+    @property
+    def local_blocks(self) -> int:
+        """Leading blocks of the prompt in its own pool or host tier."""
+        return max(self.matched_blocks, self.reach_blocks)
 
 
 # Step-time ratios below this are noise (batch mix, a busy neighbour), not a slower engine.
@@ -69,6 +81,7 @@ class PolicyContext:
     model: str
     num_blocks: int  # blocks in the prompt's chain
     counter: Callable[[], Awaitable[int]]  # next value of a counter shared by all replicas
+    role: str | None = None  # the P/D leg ("prefill", "decode"), None: an aggregated request
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,10 +106,40 @@ def _least_loaded(candidates: Sequence[Candidate], cost: Cost | None = None) -> 
     return min(candidates, key=lambda c: (cost(c), c.kv_usage, c.engine_id))
 
 
+# The decode leg: a decode engine's KV fills as its requests grow, and one that runs out
+# preempts (recomputes) a running request; the nearer full, the likelier. So KV counts as
+# ``used / (1 - used)``, which grows without bound as it fills: half full weighs as much as
+# being the busiest engine at ``DECODE_KV_WEIGHT`` 1, nearly full outweighs any load.
+DECODE_KV_WEIGHT = 0.5
+
+
+def decode_choice(candidates: Sequence[Candidate], prompt_blocks: int) -> Decision:
+    """The P/D decode leg, by load and free KV (the prompt's blocks come from the prefill
+    engine, so no prefix counts): engines without free blocks for the prompt lose to any with
+    room; then the least of ``cost / busiest cost + kv_weight x u / (1 - u)``, u the KV usage
+    once the prompt is in."""
+    if not candidates:
+        raise ValueError("no candidate engines")
+    cost = load_cost(candidates)
+    busiest = max(1.0, max(cost(c) for c in candidates))
+    need = prompt_blocks + 1  # the prompt's full blocks, its partial one and the output's
+
+    def rank(c: Candidate) -> tuple[bool, float, float, str]:
+        short = c.total_blocks > 0 and c.free_blocks < need
+        used = c.kv_usage + (need / c.total_blocks if c.total_blocks > 0 else 0.0)
+        pressure = min(used, 0.99) / (1.0 - min(used, 0.99))
+        return (short, cost(c) / busiest + DECODE_KV_WEIGHT * pressure, c.kv_usage,
+                c.engine_id)
+
+    return Decision(min(candidates, key=rank), "decode-load")
+
+
 class LeastLoadedPolicy:
     name = PolicyName.LEAST_LOADED
 
     async def choose(self, candidates: Sequence[Candidate], ctx: PolicyContext) -> Decision:
+        if ctx.role == "decode":
+            return decode_choice(candidates, ctx.num_blocks)
         return Decision(_least_loaded(candidates), "least-loaded")
 
 
@@ -137,6 +180,8 @@ class PrefixPolicy:
     name: ClassVar[PolicyName] = PolicyName.PREFIX
 
     async def choose(self, candidates: Sequence[Candidate], ctx: PolicyContext) -> Decision:
+        if ctx.role == "decode":
+            return decode_choice(candidates, ctx.num_blocks)
         cost = load_cost(candidates)
         least = _least_loaded(candidates, cost)
         adapter = any(c.adapter >= 0 for c in candidates)
@@ -160,23 +205,33 @@ class PrefixPolicy:
             return Decision(least, "hot-spot")
         if best.reach_blocks or best.matched_blocks:
             return Decision(best, "prefix-hit")
+        if best.peer_blocks:
+            return Decision(best, "peer-prefix")
         return Decision(best, "adapter-affinity" if adapter and best is not least
                         else "least-loaded")
 
 
 # KV tiers' weights (llm-d's): a block in an engine's pool counts 1, in its host memory 0.8
 # (it must be copied back first), in the shared store 0.5 (loaded over the network; the same
-# for every engine, so it never tells engines apart on its own: load decides).
-POOL_WEIGHT, HOST_WEIGHT, SHARED_WEIGHT = 1.0, 0.8, 0.5
+# for every engine, so it never tells engines apart on its own: load decides). A block on a
+# peer engine (its pool, same KV layout) counts 0.6: pulled engine to engine over TCP, one hop
+# and no store in between, yet a network copy and some of the peer's time; still far cheaper
+# than recomputing, so a less loaded engine (or one holding the adapter) can win with the
+# prefix pulled from the one that holds it.
+POOL_WEIGHT, HOST_WEIGHT, PEER_WEIGHT, SHARED_WEIGHT = 1.0, 0.8, 0.6, 0.5
 
 
 def tiered_match(c: Candidate) -> float:
     """The candidate's prefix in pool-block equivalents: its longest prefix through any tier,
-    each block weighted by the best tier that holds it."""
-    pool = c.matched_blocks
-    host = max(c.reach_blocks, pool)
-    shared = max(c.shared_blocks, host)
-    return POOL_WEIGHT * pool + HOST_WEIGHT * (host - pool) + SHARED_WEIGHT * (shared - host)
+    each block weighted by the best tier that holds it (every tier holds a leading run)."""
+    tiers = ((POOL_WEIGHT, c.matched_blocks), (HOST_WEIGHT, c.reach_blocks),
+             (PEER_WEIGHT, c.peer_blocks), (SHARED_WEIGHT, c.shared_blocks))
+    covered, total = 0, 0.0
+    for weight, blocks in sorted(tiers, reverse=True):  # best tier first
+        if blocks > covered:
+            total += weight * (blocks - covered)
+            covered = blocks
+    return total
 
 
 PolicyFactory = Callable[[RouterConfig], RoutingPolicy]

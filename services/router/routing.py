@@ -17,6 +17,7 @@ from services.router.adapters import with_adapter
 from services.router.discovery import Discovery, normalize_url
 from services.router.index import EngineView, IndexSnapshot, RouterIndex
 from services.router.metrics import RouterMetrics
+from services.router.pairing import PeerTier, paired_decode, paired_prefill
 from services.router.policies import Candidate, Decision, PolicyContext, RoutingPolicy
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,9 @@ class EngineStatus:
     discovered: bool
     hash_algorithm: str
     adapters: list[dict[str, Any]]  # the engine's LoRA adapters (lora_api.AdapterStatus)
+    kv_role: str  # disaggregated serving: prefill, decode or both
+    kv_layout: str | None  # its KV layout digest (engines with a KV transfer server)
+    kv_transfer_address: str | None
 
 
 class Router:
@@ -134,17 +138,7 @@ class Router:
         self._gauge_live(req.model, len(eligible))
         if admit is not None:
             eligible = [c for c in eligible if admit(c)]
-        excluded = set(req.exclude) | {normalize_url(x) for x in req.exclude}
-        candidates = [
-            c
-            for c in eligible
-            if c.engine_id not in excluded and normalize_url(c.url) not in excluded
-        ]
-        if req.role is not None:  # a P/D leg: engines of its role, or of both
-            candidates = [c for c in candidates if c.kv_role in (req.role, "both")]
-        candidates = self._avoid_suspects(req.exclude, eligible, candidates)
-        if req.lora_name is not None and candidates:
-            candidates = with_adapter(candidates, snapshot, req.lora_name)
+        candidates, paired, peers = self._narrow(req, eligible, snapshot)
         if span.is_recording():
             _trace_lookup(span, req, self.policy.name.value, snapshot.degraded, lookup_s,
                           len(eligible), candidates)
@@ -158,7 +152,8 @@ class Router:
             raise NoEngineError(503, f"no live engine serves model {req.model!r}")
 
         ctx = PolicyContext(
-            req.model, len(req.block_hashes), lambda: self.index.next_counter(req.model)
+            req.model, len(req.block_hashes), lambda: self.index.next_counter(req.model),
+            req.role,
         )
         decision = await self.policy.choose(candidates, ctx)
         chosen = decision.candidate
@@ -166,7 +161,8 @@ class Router:
         for observer in self.observers:
             await observer.observe(req, chosen)
 
-        reason = "degraded" if snapshot.degraded else decision.reason
+        reason = ("degraded" if snapshot.degraded else decision.reason if paired
+                  else "unpaired")
         policy = self.policy.name.value
         self.metrics.decisions.labels(policy=policy, reason=reason).inc()
         if req.block_hashes:
@@ -180,11 +176,39 @@ class Router:
             chosen.matched_blocks,
             reason,
         )
+        kv_peer = peers.peer_of(chosen) if peers is not None else None
         response = RouteResponse(chosen.engine_id, chosen.url, chosen.matched_blocks, reason,
-                                 policy)
+                                 policy, kv_peer)
         rest = sorted((c for c in candidates if c is not chosen),
                       key=lambda c: (-c.matched_blocks, c.load, c.engine_id))
         return Pick(response, [chosen, *rest])
+
+    def _narrow(self, req: RouteRequest, eligible: list[Candidate], snapshot: IndexSnapshot
+                ) -> tuple[list[Candidate], bool, PeerTier | None]:
+        """The engines that may take the request (not excluded, of its P/D role, paired by KV
+        layout, holding its adapter), with peer blocks counted; whether a decode leg's layout
+        pairing held; the peer tier (None on a decode leg)."""
+        excluded = set(req.exclude) | {normalize_url(x) for x in req.exclude}
+        reachable = [
+            c
+            for c in eligible
+            if c.engine_id not in excluded and normalize_url(c.url) not in excluded
+        ]
+        candidates = reachable
+        if req.role is not None:  # a P/D leg: engines of its role, or of both
+            candidates = [c for c in candidates if c.kv_role in (req.role, "both")]
+        candidates = self._avoid_suspects(req.exclude, eligible, candidates)
+        paired = True
+        if req.role == "prefill":
+            candidates = paired_prefill(candidates, reachable)
+        elif req.role == "decode":
+            candidates, paired = paired_decode(candidates, req.kv_layout)
+        if req.lora_name is not None and candidates:
+            candidates = with_adapter(candidates, snapshot, req.lora_name)
+        if req.role == "decode":
+            return candidates, paired, None
+        peers = PeerTier([c for c in reachable if not self._suspected(c)])
+        return peers.annotate(candidates), paired, peers
 
     async def engines(self, model: str | None = None) -> tuple[list[EngineStatus], bool]:
         """Live engines (all models, or one) and whether the answer is degraded."""
@@ -207,19 +231,19 @@ class Router:
                         candidates: list[Candidate]) -> list[Candidate]:
         """Records the engines this request excludes as suspects, and drops every current
         suspect from ``candidates`` unless that would leave none."""
-        now = time.monotonic()
         if exclude:
-            self._suspect(exclude, eligible, now)
+            self._suspect(exclude, eligible, time.monotonic())
         if not self._suspects:
             return candidates
-        suspects = self._suspects
-
-        def suspect(c: Candidate) -> bool:
-            return any(s is not None and s.holds(now, c.heartbeat_ts)
-                       for s in (suspects.get(c.engine_id), suspects.get(c.url)))
-
-        healthy = [c for c in candidates if not suspect(c)]
+        healthy = [c for c in candidates if not self._suspected(c)]
         return healthy or candidates
+
+    def _suspected(self, c: Candidate) -> bool:
+        if not self._suspects:
+            return False
+        now, suspects = time.monotonic(), self._suspects
+        return any(s is not None and s.holds(now, c.heartbeat_ts)
+                   for s in (suspects.get(c.engine_id), suspects.get(c.url)))
 
     def _suspect(self, exclude: list[str], eligible: list[Candidate], now: float) -> None:
         if len(self._suspects) >= _MAX_SUSPECTS:
@@ -311,6 +335,10 @@ def _candidate(view: EngineView) -> Candidate:
         step_ms=hb.step_ms,
         heartbeat_ts=hb.timestamp,
         kv_role=hb.kv_role,
+        free_blocks=hb.free_blocks,
+        total_blocks=hb.total_blocks,
+        kv_layout=hb.kv_layout,
+        kv_transfer_address=hb.kv_transfer_address,
     )
 
 
@@ -331,6 +359,9 @@ def _status(model: str, view: EngineView, discovered: bool) -> EngineStatus:
         discovered=discovered,
         hash_algorithm=hb.hash_algorithm,
         adapters=[a.to_dict() for a in hb.adapters],
+        kv_role=hb.kv_role,
+        kv_layout=hb.kv_layout,
+        kv_transfer_address=hb.kv_transfer_address,
     )
 
 
