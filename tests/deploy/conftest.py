@@ -187,6 +187,25 @@ GATEWAY_API: dict[str, Any] = {
                    "gateway": {"name": "inference-gateway", "namespace": "gateways"}},
 }
 
+# Prefill/decode on separate engines for one model (with the KV tiers too), one aggregated
+# model beside it; KEDA per role, the NetworkPolicy on.
+DISAGGREGATED: dict[str, Any] = {
+    "models": [
+        {"name": "chat", "source": {"type": "builtin"}, "gpus": 0, "kvOffloadingSize": 1,
+         "resources": {"requests": {"cpu": "1", "memory": "2Gi"}},
+         "disaggregation": {
+             "transferPort": 7200,
+             "prefill": {"replicas": 1, "resources": {"requests": {"cpu": "4"}},
+                         "maxNumBatchedTokens": 8192},
+             "decode": {"replicas": 2, "maxNumSeqs": 64, "keda": {"maxReplicaCount": 8}},
+             "autoscaling": {"promptTokensPerSecond": 3000, "runningRequests": 24,
+                             "kvUsage": 0.7}}},
+        {"name": "plain", "source": {"type": "builtin"}, "gpus": 0},
+    ],
+    "keda": {"enabled": True},
+    "networkPolicy": {"enabled": True},
+}
+
 SCENARIOS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "two-models": TWO_MODELS,
@@ -199,6 +218,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "lora": LORA,
     "kv-tiers": KV_TIERS,
     "gateway-api": GATEWAY_API,
+    "disaggregated": DISAGGREGATED,
 }
 
 

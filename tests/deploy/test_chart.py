@@ -73,6 +73,16 @@ def model_names(r: Render) -> list[str]:
     return [m["name"] for m in models] if models else ["smollm2"]
 
 
+def engine_deployments(r: Render) -> list[str]:
+    """Every model's engine Deployments: one, or a disaggregated model's prefill and decode."""
+    names = set(r.names("Deployment"))
+    out = []
+    for m in model_names(r):
+        roles = [f"{engine(m)}-prefill", f"{engine(m)}-decode"]
+        out += roles if set(roles) <= names else [engine(m)]
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # Every value set: schemas and cross-references.
 
@@ -250,12 +260,12 @@ def test_flags_name_rendered_services(scenario: Render) -> None:
     assert svc["spec"]["clusterIP"] == "None"
     assert flag(router, "k8s-namespace") == NAMESPACE
     assert flag(router, "k8s-port-name") in [p["name"] for p in svc["spec"]["ports"]]
-    for name in model_names(scenario):
-        labels = scenario.get("Deployment", engine(name))["spec"]["template"]["metadata"]
+    for name in engine_deployments(scenario):
+        labels = scenario.get("Deployment", name)["spec"]["template"]["metadata"]
         assert selects(svc["spec"]["selector"], labels["labels"]), name
     # router + engines -> Redis
     external = (scenario.values.get("redis") or {}).get("url")
-    for c in [router] + [scenario.container(engine(m)) for m in model_names(scenario)]:
+    for c in [router] + [scenario.container(d) for d in engine_deployments(scenario)]:
         url = urlsplit(flag(c, "redis-url"))
         if external:
             assert url.hostname == urlsplit(external).hostname
@@ -288,8 +298,8 @@ def test_engines_accept_their_flags(scenario: Render) -> None:
     from services.engine.serving.server_config import build_parser
 
     parser = build_parser()
-    for name in model_names(scenario):
-        c = scenario.container(engine(name))
+    for name in engine_deployments(scenario):
+        c = scenario.container(name)
         assert c["command"] == ["python", "-m", "services.engine.serving.server"]
         args = vars(parser.parse_args(expand_env_refs(c["args"], c, SAMPLE_ENV)))
         assert args["host"] == "0.0.0.0"
@@ -313,8 +323,8 @@ def test_model_directories_are_mounted_where_the_flags_point(scenario: Render) -
         served_name, _, directory = spec.rpartition("=")
         served.append(served_name)
         assert mounted(gateway, directory), spec
-    for name in model_names(scenario):
-        c = scenario.container(engine(name))
+    for name in engine_deployments(scenario):
+        c = scenario.container(name)
         assert mounted(c, flag(c, "model")), name
         assert flag(c, "served-model-name") in served, "the gateway must serve every engine"
     assert len(served) == len(model_names(scenario))
@@ -323,8 +333,8 @@ def test_model_directories_are_mounted_where_the_flags_point(scenario: Render) -
 def test_engine_pods_are_ready_only_with_the_model_loaded_and_drain_on_stop(
     scenario: Render,
 ) -> None:
-    for name in model_names(scenario):
-        pod = scenario.get("Deployment", engine(name))["spec"]["template"]["spec"]
+    for name in engine_deployments(scenario):
+        pod = scenario.get("Deployment", name)["spec"]["template"]["spec"]
         (c,) = pod["containers"]
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
@@ -342,7 +352,7 @@ def test_engine_pods_are_ready_only_with_the_model_loaded_and_drain_on_stop(
 def test_otel_env_only_when_an_endpoint_is_set(scenario: Render) -> None:
     endpoint = (scenario.values.get("otel") or {}).get("endpoint")
     pods = {GATEWAY: "gateway", ROUTER: "router"}
-    pods.update({engine(m): "engine" for m in model_names(scenario)})
+    pods.update({d: "engine" for d in engine_deployments(scenario)})
     for deployment, component in pods.items():
         env = env_of(scenario.container(deployment))
         if not endpoint:

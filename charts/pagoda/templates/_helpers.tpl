@@ -28,9 +28,11 @@ Names
 {{/* Pods that need no Kubernetes API token. */}}
 {{- define "pagoda.workload.serviceAccountName" -}}{{ include "pagoda.fullname" . }}{{- end -}}
 
-{{/* One model's engine Deployment/Service name. Call with (dict "root" $ "model" $m). */}}
+{{/* One model's engine Deployment/Service name. Call with (dict "root" $ "model" $m), and
+"role" (prefill or decode) for one role's Deployment of a disaggregated model. */}}
 {{- define "pagoda.engine.fullname" -}}
 {{- $name := printf "%s-engine-%s" (include "pagoda.fullname" .root) .model.name -}}
+{{- with .role }}{{ $name = printf "%s-%s" $name . }}{{ end -}}
 {{- if gt (len $name) 63 -}}
 {{- fail (printf "engine name %q is longer than 63 characters: shorten the release name, fullnameOverride or models[].name %q" $name .model.name) -}}
 {{- end -}}
@@ -76,11 +78,57 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "pagoda.engine.selectorLabels" -}}
 {{ include "pagoda.componentSelectorLabels" (dict "root" .root "component" "engine") }}
 pagoda.io/model: {{ .model.name }}
+{{- with .role }}
+pagoda.io/kv-role: {{ . }}
+{{- end }}
 {{- end -}}
 
 {{- define "pagoda.engine.labels" -}}
 {{ include "pagoda.componentLabels" (dict "root" .root "component" "engine") }}
 pagoda.io/model: {{ .model.name }}
+{{- with .role }}
+pagoda.io/kv-role: {{ . }}
+{{- end }}
+{{- end -}}
+
+{{/* ------------------------------------------------------------------------------------
+Disaggregated prefill/decode (a model's `disaggregation`)
+------------------------------------------------------------------------------------ */}}
+
+{{/* A model's engine roles, as JSON: ["prefill","decode"], or [""] (aggregated). */}}
+{{- define "pagoda.engine.roles" -}}
+{{- if .disaggregation }}["prefill","decode"]{{ else }}[""]{{ end -}}
+{{- end -}}
+
+{{/* Non-empty when some model has `disaggregation`. */}}
+{{- define "pagoda.pd.enabled" -}}
+{{- range .Values.models }}{{ if .disaggregation }}true{{ end }}{{ end -}}
+{{- end -}}
+
+{{- define "pagoda.engine.transferPort" -}}
+{{- int (.disaggregation | default dict).transferPort | default 7100 -}}
+{{- end -}}
+
+{{/* An engine's --kv-transfer-config (empty: none): the model's kvTransferConfig and, for a
+P/D role, PagodaPDConnector (kv_producer on prefill engines, whose transfer server listens on
+the pod IP; kv_consumer on decode engines), both under a MultiConnector, P/D first (a decode
+engine takes the prompt from the prefill engine before its own tiers). */}}
+{{- define "pagoda.engine.kvTransferConfig" -}}
+{{- $own := .model.kvTransferConfig -}}
+{{- if .role -}}
+{{- $extra := dict "engine_id" "$(POD_NAME)" -}}
+{{- if eq .role "prefill" -}}
+{{- $extra = merge $extra (dict "host" "0.0.0.0" "advertise_host" "$(POD_IP)" "port" (int .port)) -}}
+{{- end -}}
+{{- $pd := dict "kv_connector" "PagodaPDConnector" "kv_role" (eq .role "prefill" | ternary "kv_producer" "kv_consumer") "kv_connector_extra_config" $extra -}}
+{{- if $own -}}
+{{- toJson (dict "kv_connector" "MultiConnector" "kv_role" "kv_both" "kv_connector_extra_config" (dict "connectors" (list $pd $own))) -}}
+{{- else -}}
+{{- toJson $pd -}}
+{{- end -}}
+{{- else if $own -}}
+{{- toJson $own -}}
+{{- end -}}
 {{- end -}}
 
 {{/* ------------------------------------------------------------------------------------
