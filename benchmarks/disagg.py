@@ -302,33 +302,38 @@ def main() -> None:
     ap.add_argument("--long-tokens", type=int, default=0,
                     help="tokens per long prompt (default 2000; --quick: 512)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default=None, help="HF model directory (default: SmolLM2)")
     ap.add_argument("--engine-flags", default="",
                     help="extra flags for every engine, e.g. '--max-num-batched-tokens 512'")
     args = ap.parse_args()
+    # A SIGTERM (timeout, Ctrl-C from a supervisor) still stops the stacks (finally below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     w = Workload.of(args)
     print(machine_line(), flush=True)
     print(f"work: {w.chat_streams} chat streams of {w.chat_tokens} tokens, meanwhile "
           f"{w.long_prompts} prompts of {w.long_tokens} tokens ({w.long_output} out) one every "
           f"{w.long_every_s:.0f}s; greedy, ignore_eos, float32", flush=True)
-    model = "SmolLM2-135M-Instruct"
+    model_flags = ["--model", args.model] if args.model else []
     results: dict[str, dict[str, float]] = {}
     setups = {"aggregated": ["--engines", "2"],
               "P/D": ["--prefill-engines", "1", "--decode-engines", "1"]}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, flags in setups.items():
-            serve = Serve([*flags, *args.engine_flags.split()], Path(tmp) / "serve.log")
-            try:
-                serve.wait()
-                model = _served_model(serve.port)
-                streams, wall = asyncio.run(mixed(f"http://127.0.0.1:{serve.port}", model, w,
-                                                  args.seed))
-                results[name] = summarize(streams, wall)
-                print(f"{name}: {json.dumps({k: round(v, 1) for k, v in results[name].items()})}",
-                      flush=True)
-                if name == "P/D":
-                    asyncio.run(transfer_vs_prefill(serve, model, w, args.seed + 1000))
-            finally:
-                serve.stop()
+    tmp = tempfile.mkdtemp(prefix="pagoda-disagg-")  # the stacks' logs stay for a post-mortem
+    print(f"logs: {tmp}", flush=True)
+    for name, flags in setups.items():
+        serve = Serve([*flags, *model_flags, *args.engine_flags.split()],
+                      Path(tmp) / f"serve-{len(results)}.log")
+        try:
+            serve.wait()
+            model = _served_model(serve.port)
+            streams, wall = asyncio.run(mixed(f"http://127.0.0.1:{serve.port}", model, w,
+                                              args.seed))
+            results[name] = summarize(streams, wall)
+            print(f"{name}: {json.dumps({k: round(v, 1) for k, v in results[name].items()})}",
+                  flush=True)
+            if name == "P/D":
+                asyncio.run(transfer_vs_prefill(serve, model, w, args.seed + 1000))
+        finally:
+            serve.stop()
     report(results)
     peer_pull(args.quick)
 
