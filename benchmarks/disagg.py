@@ -12,9 +12,9 @@ prefills. Printed for both, and P/D over aggregated: p99 inter-token latency of 
 streams, mean time to first token (all requests, and the long prompts alone), output
 throughput. Then, on the P/D stack alone and idle, one fresh long prompt: its KV transfer time
 (the decode engine's ``pagoda:kv_transfer_seconds``; without that metric, an upper bound: the
-decode leg's time to its first token) against its prefill time (the prefill engine's
-``vllm:request_prefill_time_seconds``). Last, if ``benchmarks/peer_pull.py`` exists, its
-figures (a prefix pulled from a peer against recomputing it).
+client's time to first token less the prefill leg's latency) against its prefill time (the
+prefill engine's ``vllm:request_prefill_time_seconds``). Last, if ``benchmarks/peer_pull.py``
+exists, its figures (a prefix pulled from a peer against recomputing it).
 
 Every figure comes with the machine line (CPU, ISA flags, usable cores). Run it on a machine
 nothing else is using: the engines are pinned to cores, the load is not.
@@ -256,9 +256,11 @@ async def transfer_vs_prefill(serve: Serve, model: str, w: Workload, seed: int) 
     prefill_s = delta(after_p, before_p, "vllm:request_prefill_time_seconds_sum")
     transfer_s = delta(after_d, before_d, "pagoda:kv_transfer_seconds_sum")
     how = "pagoda:kv_transfer_seconds"
-    if transfer_s is None:  # no transfer metric: the decode leg's TTFT bounds it from above
-        decode_ttft = delta(after_d, before_d, "vllm:time_to_first_token_seconds_sum")
-        transfer_s, how = decode_ttft, "<= the decode leg's TTFT (no pagoda:kv_transfer_seconds)"
+    if transfer_s is None:  # no transfer metric: what the client waited beyond the prefill leg
+        prefill_leg = delta(after_p, before_p, "vllm:e2e_request_latency_seconds_sum")
+        transfer_s = None if prefill_leg is None else max(0.0, s.ttft - prefill_leg)
+        how = ("<= the client's TTFT - the prefill leg's latency: transfer, the decode engine's "
+               "first step and two hops; no pagoda:kv_transfer_seconds")
     print(f"\nKV transfer of one {w.long_tokens}-token prompt (idle P/D stack; client TTFT "
           f"{1000 * s.ttft:.0f} ms):")
     print(f"  prefill time (prefill engine): {_ms(prefill_s)}")
