@@ -105,6 +105,21 @@ def test_two_tenants_salts_never_share(engines: tuple[LLMEngine, LLMEngine]) -> 
     decode.block_manager.reset_prefix_cache()
 
 
+def _signed(params: dict, **edit: Any) -> dict:
+    """The params with ``edit`` applied and signed again under the test's token: what only a
+    holder of the credential can write."""
+    from services.common import internal_mac
+    from services.common.internal_auth import InternalCredential
+    from services.engine.kv_connector.pd import GRANT
+
+    p = {**params, **edit}
+    p["remote_signature"] = internal_mac.sign(
+        InternalCredential((TOKEN,)), GRANT, p["remote_engine_id"], p["remote_host"],
+        p["remote_port"], p["remote_transfer_id"], p["remote_num_blocks"], p["kv_layout"],
+        p["remote_expires"])
+    return p
+
+
 def test_a_failed_pull_recomputes(engines: tuple[LLMEngine, LLMEngine]) -> None:
     prefill, decode = engines
     prompt = _prompt(11, 3 * BS + 4)
@@ -113,13 +128,22 @@ def test_a_failed_pull_recomputes(engines: tuple[LLMEngine, LLMEngine]) -> None:
     with socket.socket() as dead:  # a port nobody listens on: the prefill engine is gone
         dead.bind(("127.0.0.1", 0))
         port = dead.getsockname()[1]
-    for rid, edit in (("gone", {"remote_port": port}),
-                      ("unknown", {"remote_transfer_id": "x" * 32}),
-                      ("layout", {"kv_layout": "another model"})):
-        tokens, req, _ = _pd(prefill, decode, rid, prompt, edit=edit)
+    before = decode.transfer_stats.snapshot().failures
+    for rid, edit, reason in (
+            ("gone", lambda p: _signed(p, remote_port=port), "connection"),
+            ("unknown", lambda p: _signed(p, remote_transfer_id="x" * 32), "refused"),
+            ("layout", lambda p: {**p, "kv_layout": "another model"}, "layout"),
+            ("unsigned", lambda p: {**p, "remote_port": port}, "unsigned"),
+            ("expired", lambda p: _signed(p, remote_expires=int(time.time()) - 1), "expired")):
+        _, p_req, _ = _run(prefill, rid, prompt, PREFILL, {"do_remote_decode": True})
+        tokens, req, _ = _run(decode, rid, prompt, GREEDY, edit(dict(p_req.kv_transfer_params)))
         assert tokens == alone and req.num_cached_tokens == 0, rid
+        after = decode.transfer_stats.snapshot().failures
+        assert after.get(reason, 0) == before.get(reason, 0) + 1, (rid, after)
+        before = after
         decode.block_manager.reset_prefix_cache()
     assert _all_free(prefill, timeout=3.0)  # the unpulled ones too, once expired
+    assert prefill.transfer_stats.snapshot().expired >= 5
 
 
 def test_held_blocks_are_freed_after_pulls_and_after_the_timeout(
@@ -148,7 +172,7 @@ def _frame(payload: bytes) -> bytes:
 def _answer(s: socket.socket) -> dict | None:
     try:
         head = s.recv(4)
-    except ConnectionResetError:
+    except (ConnectionResetError, TimeoutError):
         return None
     if len(head) < 4:
         return None  # closed without an answer
@@ -156,57 +180,117 @@ def _answer(s: socket.socket) -> dict | None:
     return json.loads(s.recv(n))
 
 
+def _hello(s: socket.socket, token: str) -> str:
+    """The puller's handshake by hand: checks the server's proof, returns the client's."""
+    from services.common import internal_mac
+    from services.common.internal_auth import InternalCredential
+
+    mine = "ab" * 16
+    s.sendall(_frame(json.dumps({"nonce": mine}).encode()))
+    theirs = _answer(s)
+    cred = InternalCredential((TOKEN,))
+    assert internal_mac.signed(cred, "pagoda-kv/2 server proof", theirs["proof"], mine,
+                               theirs["nonce"])
+    return internal_mac.sign(InternalCredential((token,)), "pagoda-kv/2 client proof", mine,
+                             theirs["nonce"])
+
+
 def test_the_transfer_port_refuses_attackers(engines: tuple[LLMEngine, LLMEngine]) -> None:
     prefill, _ = engines
-    _, p_req, _ = _run(prefill, "target", _prompt(9, 3 * BS), PREFILL,
-                       {"do_remote_decode": True})
+    prompt = _prompt(9, 3 * BS)
+    _, p_req, _ = _run(prefill, "target", prompt, PREFILL, {"do_remote_decode": True})
     tid = p_req.kv_transfer_params["remote_transfer_id"]
     layout = p_req.kv_transfer_params["kv_layout"]
-    ask = _frame(json.dumps({"transfer_id": tid, "first": 0, "count": 1,
-                             "layout": layout}).encode())
-    for auth in (b"", b"Bearer wrong-token-0123456789", TOKEN.encode()):  # token without scheme
+    last = p_req.block_hashes[0].hex()
+    ask = {"transfer_id": tid, "first": 0, "count": 1, "last_hash": last, "layout": layout}
+    for proof in (None, "0" * 64, TOKEN, f"Bearer {TOKEN}"):  # no proof; the token itself
         with _connect(prefill) as s:
-            s.sendall(_frame(auth) + ask)
+            _hello(s, TOKEN)
+            s.sendall(_frame(json.dumps({**ask, "proof": proof}).encode()))
             assert _answer(s) == {"ok": False, "error": "unauthorized"}
-    good = _frame(f"Bearer {TOKEN}".encode())
-    with _connect(prefill) as s:  # oversized: cut off unanswered
-        s.sendall(good + struct.pack(">I", 1 << 30))
+    with _connect(prefill) as s:  # a proof under another token
+        proof = _hello(s, "another-token-0123456789abcdef")
+        s.sendall(_frame(json.dumps({**ask, "proof": proof}).encode()))
+        assert _answer(s) == {"ok": False, "error": "unauthorized"}
+    with _connect(prefill) as s:  # oversized hello: cut off unanswered
+        s.sendall(struct.pack(">I", 1 << 30))
         assert _answer(s) is None
-    for body, error in (({"transfer_id": "guess", "first": 0, "count": 1, "layout": layout},
-                         "unknown transfer id"),
-                        ({"transfer_id": tid, "first": 0, "count": 99, "layout": layout},
-                         "blocks out of the transfer's range"),
-                        ({"transfer_id": tid, "first": 0, "count": 1, "layout": "x"},
-                         "KV layout mismatch"),
-                        ({"block_ids": [0, 1, 2]}, "transfer_id (string), first and count")):
+    wrong = p_req.block_hashes[1].hex()  # another prompt's (or tenant's) chain
+    for body, error in (({**ask, "transfer_id": "guess"}, "unknown transfer id"),
+                        ({**ask, "count": 99}, "blocks out of the transfer's range"),
+                        ({**ask, "layout": "x"}, "KV layout mismatch"),
+                        ({**ask, "last_hash": wrong}, "another prompt's blocks"),
+                        ({"block_ids": [0, 1, 2]}, "transfer_id, last_hash")):
         with _connect(prefill) as s:
-            s.sendall(good + _frame(json.dumps(body).encode()))
+            proof = _hello(s, TOKEN)
+            s.sendall(_frame(json.dumps({**body, "proof": proof}).encode()))
             answer = _answer(s)
             assert answer is not None and answer["ok"] is False
-            assert answer["error"].startswith(error)
+            assert answer["error"].startswith(error), answer
     started = time.monotonic()
-    with _connect(prefill) as s:  # slow: half a credential, then nothing
-        s.sendall(good[:6])
+    with _connect(prefill) as s:  # slow: half a hello, then nothing
+        s.sendall(_frame(b'{"nonce": "ab"}')[:6])
         assert _answer(s) is None
     assert time.monotonic() - started < 2.0  # read_timeout_s 0.5
     idle = [_connect(prefill) for _ in range(3)]  # max_connections 3: the fourth is refused
     try:
         time.sleep(0.1)
         with _connect(prefill) as s:
-            s.sendall(good + ask)
+            s.sendall(_frame(json.dumps({"nonce": "ab" * 16}).encode()))
             assert _answer(s) is None
     finally:
         for s in idle:
             s.close()
     time.sleep(0.7)  # the idle ones timed out: slots free again, a real pull still works
-    _, p_req, _ = _run(prefill, "target2", _prompt(9, 3 * BS), PREFILL,
-                       {"do_remote_decode": True})
-    ask = _frame(json.dumps({"transfer_id": p_req.kv_transfer_params["remote_transfer_id"],
-                             "first": 0, "count": 1, "layout": layout}).encode())
+    _, p_req, _ = _run(prefill, "target2", prompt, PREFILL, {"do_remote_decode": True})
     with _connect(prefill) as s:
-        s.sendall(good + ask)
+        proof = _hello(s, TOKEN)
+        s.sendall(_frame(json.dumps({**ask, "proof": proof, "transfer_id":
+                                     p_req.kv_transfer_params["remote_transfer_id"]}).encode()))
         assert _answer(s) == {"ok": True, "count": 1}
     assert _all_free(prefill)
+
+
+def test_a_puller_never_sends_the_credential(engines: tuple[LLMEngine, LLMEngine]) -> None:
+    """Exfiltration: params that name an attacker's server. Unsigned, the engine never
+    connects; signed (a leaked grant), it sends a nonce, gets no proof back, and stops: the
+    server never sees the token or anything derived from it alone."""
+    prefill, decode = engines
+    prompt = _prompt(21, 3 * BS + 1)
+    alone, _, _ = _run(decode, "exf-ref", prompt, GREEDY)
+    decode.block_manager.reset_prefix_cache()
+    heard: list[bytes] = []
+    with socket.create_server(("127.0.0.1", 0)) as fake:
+        fake.settimeout(0.05)
+        port = fake.getsockname()[1]
+        for rid, forge in (("exf1", lambda p: {**p, "remote_port": port}),
+                           ("exf2", lambda p: _signed(p, remote_port=port))):
+            _, p_req, _ = _run(prefill, rid, prompt, PREFILL, {"do_remote_decode": True})
+            decode.add_request(rid, prompt, GREEDY,
+                               kv_transfer_params=forge(dict(p_req.kv_transfer_params)))
+            tokens, deadline = [], time.monotonic() + 30
+            while decode.has_unfinished_requests():
+                assert time.monotonic() < deadline
+                tokens += [t for u in decode.step() for t in u.new_token_ids]
+                try:
+                    conn, _ = fake.accept()
+                except TimeoutError:
+                    continue
+                with conn:  # answers the hello with a made-up proof
+                    conn.settimeout(2)
+                    heard.append(conn.recv(65536))
+                    conn.sendall(_frame(json.dumps({"nonce": "cd" * 16,
+                                                    "proof": "0" * 64}).encode()))
+                    while chunk := conn.recv(65536):
+                        heard.append(chunk)
+            assert tokens == alone, rid
+            decode.block_manager.reset_prefix_cache()
+    wire = b"".join(heard)
+    assert wire and TOKEN.encode() not in wire and b"Bearer" not in wire
+    (n,) = struct.unpack(">I", wire[:4])
+    assert list(json.loads(wire[4:4 + n])) == ["nonce"] and len(wire) == 4 + n  # nothing more
+    assert decode.transfer_stats.snapshot().failures.get("unauthorized", 0) >= 1
+    assert _all_free(prefill, timeout=3.0)
 
 
 def test_the_connector_starts_only_with_a_credential(fast_model_dir: Path,
