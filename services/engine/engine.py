@@ -136,6 +136,7 @@ class LLMEngine:
             closers.append(self.kv_connector)
             parts = getattr(self.kv_connector, "connectors", [self.kv_connector])
             self.tiers = next((c for c in parts if isinstance(c, KVTiers)), None)
+        self._transfer_mark: tuple | None = None  # what poll_kv_transfers last saw
         self.transfer_stats: TransferStats | None = next(
             (c.stats for c in parts if isinstance(getattr(c, "stats", None), TransferStats)),
             None) if self.kv_connector is not None else None
@@ -277,6 +278,18 @@ class LLMEngine:
         self._release_rows()
         req.status = RequestStatus.FINISHED_ABORTED
         return self._update(req, [], [])
+
+    def poll_kv_transfers(self) -> bool:
+        """Between steps (an idle engine): frees blocks held for a pull once pulled or
+        expired; True when something ``stats`` shows has changed since the last call."""
+        if self.kv_connector is None:
+            return False
+        self.scheduler.poll_transfers()
+        s = self.transfer_stats
+        mark = (self.block_manager.num_free_blocks, None if s is None else (
+            s.sent.transfers, s.received.transfers, sum(s.failures.values()), s.expired))
+        changed, self._transfer_mark = mark != self._transfer_mark, mark
+        return changed
 
     def has_unfinished_requests(self) -> bool:
         # A step in flight is unfinished work even when all its requests are gone.
