@@ -284,6 +284,7 @@ class LLMEngine:
         expired; True when something ``stats`` shows has changed since the last call."""
         if self.kv_connector is None:
             return False
+        self.kv_connector.save_kv()  # nothing in flight: peers' pins are served now too
         self.scheduler.poll_transfers()
         s = self.transfer_stats
         mark = (self.block_manager.num_free_blocks, None if s is None else (

@@ -8,6 +8,7 @@ messages use too, under the same limits (``services.protocol.wire``, which says 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -22,6 +23,7 @@ from services.protocol.wire import (
     MAX_URL_CHARS,
     Message,
     bounds,
+    show,
 )
 
 HASH_ALGORITHMS = tuple(a.value for a in HashAlgorithm)
@@ -50,6 +52,29 @@ def _check_non_negative(where: str, value: float) -> None:
 
 
 ENGINE_ROLES = ("prefill", "decode", "both")
+# An engine's KV transfer port as peers dial it: "host:port", host a DNS name, an IPv4 address
+# or a bracketed IPv6 one (engines pull from it with the internal credential, so nothing that
+# could smuggle a path, a scheme or whitespace into the address is accepted).
+_TRANSFER_ADDRESS = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):([0-9]{1,5})")
+MAX_ADDRESS_CHARS = 300
+# What two engines must share for one's KV blocks to be the other's (the engine's digest of its
+# model, weights and per-block KV shape): opaque to the router, compared for equality only.
+_KV_LAYOUT = re.compile(r"[A-Za-z0-9._:-]+")
+MAX_KV_LAYOUT_CHARS = 128
+
+
+def _check_transfer_address(where: str, value: str | None) -> None:
+    if value is None:
+        return
+    m = _TRANSFER_ADDRESS.fullmatch(value)
+    if m is None or not 0 < int(m.group(1)) < 65536:
+        raise ValueError(f"{where} must be host:port (port 1-65535), got {show(value)}")
+
+
+def _check_kv_layout(where: str, value: str | None) -> None:
+    if value is not None and _KV_LAYOUT.fullmatch(value) is None:
+        raise ValueError(f"{where} must be letters, digits and . _ : -, got {show(value)}")
+
 
 @dataclass(frozen=True, slots=True)
 class EngineHeartbeat(Message):
@@ -80,8 +105,16 @@ class EngineHeartbeat(Message):
     # Disaggregated serving: "prefill" (its KV connector only sends), "decode" (only
     # receives) or "both" (every engine without a P/D connector).
     kv_role: str = "both"
+    # An engine with a KV transfer server (P/D, pulls from a peer): where peers dial it, and
+    # its KV layout digest. Engines pair (a decode pulls a prefill's blocks, an engine pulls a
+    # peer's prefix) only when their layouts are equal. None: no transfer server.
+    kv_transfer_address: str | None = field(metadata=bounds(MAX_ADDRESS_CHARS, min_len=1),
+                                            default=None)
+    kv_layout: str | None = field(metadata=bounds(MAX_KV_LAYOUT_CHARS, min_len=1), default=None)
 
     def _check(self) -> None:
+        _check_transfer_address("EngineHeartbeat.kv_transfer_address", self.kv_transfer_address)
+        _check_kv_layout("EngineHeartbeat.kv_layout", self.kv_layout)
         if self.kv_role not in ENGINE_ROLES:
             raise ValueError(f"EngineHeartbeat.kv_role must be one of {', '.join(ENGINE_ROLES)}"
                              f", got {self.kv_role!r}")
@@ -132,8 +165,12 @@ class RouteRequest(Message):
     # P/D: the leg to route ("prefill" or "decode": engines of that role or "both");
     # None: any engine
     role: str | None = None
+    # The decode leg: the KV layout of the prefill engine that holds the prompt's blocks (its
+    # ``kv_transfer_params["kv_layout"]``); only decode engines of that layout can pull them.
+    kv_layout: str | None = field(metadata=bounds(MAX_KV_LAYOUT_CHARS, min_len=1), default=None)
 
     def _check(self) -> None:
+        _check_kv_layout("RouteRequest.kv_layout", self.kv_layout)
         if self.role is not None and self.role not in ("prefill", "decode"):
             raise ValueError(f"RouteRequest.role must be prefill or decode, got {self.role!r}")
         _check_non_negative("RouteRequest.prompt_len", self.prompt_len)
@@ -157,6 +194,22 @@ class RouteRequest(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class KVPeer(Message):
+    """Another engine of the model, with the same KV layout, that holds more of the prompt's
+    leading blocks than the chosen one: the chosen engine may pull them instead of computing
+    them (what the index says: the blocks may have gone since, then it computes them)."""
+
+    engine_id: str = field(metadata=bounds(MAX_NAME_CHARS, min_len=1))
+    address: str = field(metadata=bounds(MAX_ADDRESS_CHARS, min_len=1))  # its transfer port
+    blocks: int  # the prompt's leading blocks it holds in its KV pool
+
+    def _check(self) -> None:
+        _check_transfer_address("KVPeer.address", self.address)
+        if self.blocks <= 0:
+            raise ValueError(f"KVPeer.blocks must be > 0, got {self.blocks!r}")
+
+
+@dataclass(frozen=True, slots=True)
 class RouteResponse(Message):
     """Router -> gateway: the chosen engine and why."""
 
@@ -166,6 +219,11 @@ class RouteResponse(Message):
     # e.g. "prefix-hit", "least-loaded", "hot-spot", "round-robin", "degraded"
     reason: str = field(metadata=bounds(MAX_NAME_CHARS))
     policy: str = field(metadata=bounds(MAX_NAME_CHARS))  # the policy that decided
+    # Where the chosen engine can pull more of the prompt's prefix than it holds (None: no
+    # such peer). Never on a P/D decode leg: the prefill engine's blocks are what it pulls.
+    kv_peer: KVPeer | None = None
 
     def _check(self) -> None:
         _check_non_negative("RouteResponse.matched_blocks", self.matched_blocks)
+        if self.kv_peer is not None and self.kv_peer.blocks <= self.matched_blocks:
+            raise ValueError("RouteResponse.kv_peer must hold more blocks than matched_blocks")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,9 +28,10 @@ PREFILL = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
 
 def _llm(model: Path, role: str, **extra: Any) -> LLM:
-    return LLM(str(model), num_blocks=64, block_size=BS, max_num_seqs=4, kv_transfer_config={
+    return LLM(str(model), num_blocks=160, block_size=BS, max_num_seqs=16, kv_transfer_config={
         "kv_connector": "PagodaPDConnector", "kv_role": role, "kv_transfer_timeout": 2.0,
-        "kv_connector_extra_config": {"read_timeout_s": 0.5, "max_connections": 3, **extra}})
+        "kv_connector_extra_config": {"read_timeout_s": 0.5, "max_connections": 3,
+                                      "pull_threads": 3, **extra}})
 
 
 @pytest.fixture(scope="module")
@@ -338,3 +340,133 @@ def test_kv_transfer_params_on_the_engine_api_are_checked_where_they_enter(
         updates = decode.step()
     assert updates[-1].finished and updates[-1].kv_transfer_params is None
     assert _all_free(prefill)
+
+
+class _FaultyServer:
+    """A transfer port that proves the credential, reads the ask, then stalls (``slow``) or
+    sends half a block and hangs up (``cut``)."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode, self.sock = mode, socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        from services.common.internal_auth import InternalCredential
+        from services.engine.kv_connector import pd_wire
+
+        with conn:
+            try:
+                deadline = time.monotonic() + 5
+                pd_wire.server_hello(conn, InternalCredential((TOKEN,)), deadline)
+                ask = pd_wire.recv_json(conn, deadline)
+                pd_wire.send_json(conn, {"ok": True, "count": ask["count"]})
+                if self.mode == "cut":
+                    conn.sendall(struct.pack(">I", 1 << 16) + b"\0" * 100)
+                else:
+                    conn.settimeout(5)
+                    conn.recv(1)  # until the puller gives up
+            except (OSError, pd_wire.WireError):
+                pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+WAVES = 63  # of 16 requests: 1,008
+
+
+def test_no_leak_after_a_thousand_requests_with_a_fifth_faulted(
+        engines: tuple[LLMEngine, LLMEngine]) -> None:
+    prefill, decode = engines
+    prompts = [_prompt(300 + i, 2 * BS + 1 + i % 3) for i in range(8)]
+    short = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    want = {}
+    for i, prompt in enumerate(prompts):
+        want[i] = _run(decode, f"leak-ref{i}", prompt, short)[0]
+    slow, cut = _FaultyServer("slow"), _FaultyServer("cut")
+    connector = decode.kv_connector
+    min_pull_s, connector.min_pull_s = connector.min_pull_s, 0.05
+    faults = {"refused": lambda p: _signed(p, remote_transfer_id="y" * 32),
+              "slow": lambda p: _signed(p, remote_port=slow.port),
+              "cut": lambda p: _signed(p, remote_port=cut.port),
+              "never pulled": lambda p: None}
+    kinds = list(faults)
+    try:
+        for wave in range(WAVES):
+            rids = [f"leak{wave}-{i}" for i in range(16)]
+            for i, rid in enumerate(rids):
+                prefill.add_request(rid, prompts[i % 8], PREFILL,
+                                    kv_transfer_params={"do_remote_decode": True})
+            params = {}
+            while prefill.has_unfinished_requests():
+                params.update({u.request_id: u.kv_transfer_params for u in prefill.step()
+                               if u.finished})
+            for i, rid in enumerate(rids):
+                n = wave * 16 + i
+                kv = params[rid] if n % 5 else faults[kinds[n // 5 % 4]](params[rid])
+                decode.add_request(rid, prompts[i % 8], short, kv_transfer_params=kv)
+            got: dict[str, list[int]] = {rid: [] for rid in rids}
+            deadline = time.monotonic() + 30
+            while decode.has_unfinished_requests():
+                assert time.monotonic() < deadline
+                for u in decode.step():
+                    got[u.request_id] += u.new_token_ids
+            assert [got[rid] for rid in rids] == [want[i % 8] for i in range(16)], wave
+            assert decode.block_manager.reset_prefix_cache()  # the next wave pulls again
+    finally:
+        connector.min_pull_s = min_pull_s
+        slow.close()
+        cut.close()
+    assert _all_free(prefill, timeout=5.0) and len(prefill.kv_connector.held) == 0
+    assert not prefill.scheduler._held and not decode.scheduler.loading
+    assert decode.block_manager.num_free_blocks == decode.block_manager.num_total_blocks
+    assert not connector._tried and connector._arrived.empty()
+    failures = decode.transfer_stats.snapshot().failures
+    # Every fault was met (a loaded machine may turn some into "expired" or "timeout").
+    assert failures.get("refused") and failures.get("slower_than_recompute")
+    assert failures.get("connection") or failures.get("protocol")  # cut mid-stream
+    assert sum(failures.values()) >= WAVES * 16 // 5 * 3 // 4  # the never-pulled aside
+
+
+def test_a_prefix_pulled_from_a_peer_matches_and_never_crosses_tenants(
+        engines: tuple[LLMEngine, LLMEngine]) -> None:
+    """The decode engine pulls by chain hash the prefix the other engine has cached from an
+    ordinary request: greedy output equal, only the tail computed; under another tenant's
+    salt the peer has none of it (the chain differs), so all is computed."""
+    peer, puller = engines
+    prompt = _prompt(41, 4 * BS + 3)
+    alone, _, _ = _run(puller, "peer-ref", prompt, GREEDY, salt="tenant-a")
+    puller.block_manager.reset_prefix_cache()
+    _run(peer, "peer-warm", prompt, PREFILL, salt="tenant-a")  # cached on the peer
+    ask = {"pull_prefix_from": {"engine_id": "peer", "blocks": 4,
+                                "address": f"127.0.0.1:{peer.kv_connector.server.port}"}}
+    stop = threading.Event()
+
+    def idle_peer() -> None:  # the server's core loop does this while idle
+        while not stop.wait(0.01):
+            peer.poll_kv_transfers()
+
+    threading.Thread(target=idle_peer, daemon=True).start()
+    try:
+        tokens, req, steps = _run(puller, "peer-pull", prompt, GREEDY, ask, salt="tenant-a")
+        assert tokens == alone and req.num_cached_tokens == 4 * BS and steps[0] == 3
+        puller.block_manager.reset_prefix_cache()
+        tokens, req, _ = _run(puller, "peer-other", prompt, GREEDY, ask, salt="tenant-b")
+        assert req.num_cached_tokens == 0  # tenant b's chain: the peer returned nothing
+        deadline = time.monotonic() + 2
+        while peer.kv_connector.peers.held and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert peer.kv_connector.peers.held == 0  # unpinned once read
+    finally:
+        stop.set()
+    puller.block_manager.reset_prefix_cache()
+    assert peer.block_manager.num_free_blocks == peer.block_manager.num_total_blocks

@@ -1,9 +1,9 @@
 """kv_transfer_params on the OpenAI API, as vLLM's P/D proxy drives it: the prefill leg
 (max_tokens 1, do_remote_decode) answers with the params, the decode leg sent them answers as
 one aggregated request would, on completions and chat completions; bad params are a 400
-naming the field; a client that names a host of its own in the params gets an ordinary answer
-and the engine never connects there, and a client cannot send the gateway's
-pull_prefix_from."""
+naming the field; streamed, the prefill leg's params come in its last chunk; a client that
+names a host of its own in the params gets an ordinary answer and the engine never connects
+there, and a client cannot send the gateway's pull_prefix_from."""
 
 from __future__ import annotations
 
@@ -93,3 +93,22 @@ def test_a_client_cannot_point_an_engine_at_its_own_host(pagoda: PagodaStack) ->
                                  "blocks": 3}}
     resp = _post(pagoda, "completions", max_tokens=2, kv_transfer_params=peer, **prompt)
     assert resp.status_code == 400 and "set by the gateway" in resp.json()["error"]["message"]
+
+
+def test_a_streamed_prefill_leg_returns_the_params_in_its_last_chunk(
+        pagoda: PagodaStack) -> None:
+    prompt = {"prompt": [19 + (i * 43) % 700 for i in range(2 * BS + 5)]}
+    resp = _post(pagoda, "completions", max_tokens=1, stream=True,
+                 kv_transfer_params={"do_remote_decode": True}, **prompt)
+    chunks = [json.loads(line[6:]) for line in resp.text.splitlines()
+              if line.startswith("data: {")]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    params = chunks[-1]["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["remote_num_blocks"] == 2
+    assert all("kv_transfer_params" not in c for c in chunks[:-1])
+    decode = _post(pagoda, "completions", max_tokens=8, stream=True, kv_transfer_params=params,
+                   **prompt)
+    alone = _post(pagoda, "completions", max_tokens=8, **prompt).json()
+    text = "".join(json.loads(line[6:])["choices"][0]["text"]
+                   for line in decode.text.splitlines() if line.startswith("data: {"))
+    assert text == alone["choices"][0]["text"]

@@ -48,6 +48,7 @@ from services.engine.kv_connector.compute_rate import ComputeRate
 from services.engine.kv_connector.config import KVTransferConfig
 from services.engine.kv_connector.pd_server import HeldTransfers, TransferServer
 from services.engine.kv_connector.pd_wire import WireError
+from services.engine.kv_connector.peer_blocks import PeerBlocks
 from services.engine.kv_connector.transfer_stats import TransferStats
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class Pull:
     first: int
     block_ids: list[int]
     last_hash: str  # hex chain hash of the last block: the server checks it is its own
+    hashes: list[str] | None = None  # a prefix pulled from a peer: every block's chain hash
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +105,19 @@ class Remote:
             return "expired"
         return cls(host, port, tid, n)
 
+    @classmethod
+    def peer(cls, params: Any) -> Remote | None:
+        """A peer the gateway named to pull the prompt's prefix from (``pull_prefix_from``:
+        the router's view of live engines of this model and layout), or None."""
+        peer = params.get("pull_prefix_from") if isinstance(params, dict) else None
+        if not isinstance(peer, dict):
+            return None
+        address, blocks = peer.get("address"), peer.get("blocks")
+        where = _host_port(address)
+        if where is None or not _int(blocks) or not blocks > 0:
+            return None
+        return cls(*where, "", blocks)
+
 
 class PagodaPDConnector:
     def __init__(self, spec: KVTransferConfig, ctx: ConnectorContext) -> None:
@@ -120,18 +135,26 @@ class PagodaPDConnector:
         self.advertise_host = extra.get("advertise_host", host)
         self.held: HeldTransfers | None = None
         self.server: TransferServer | None = None
+        # Prefix blocks served to peers by hash (the engine thread pins them: ``save_kv``).
+        self.peers: PeerBlocks | None = PeerBlocks() if self.role.saves else None
+        self.block_manager = ctx.block_manager
         if self.role.saves:
             # Given up at half the engine's hold: its blocks are never read once it frees them.
             self.held = HeldTransfers(extra.get("max_held_transfers", 1024),
                                       spec.kv_transfer_timeout / 2, self.stats)
             self.server = TransferServer(host, extra.get("port", 0), self.credential, self.held,
                                          ctx.kv_caches, self.layout, self.read_timeout_s,
-                                         extra.get("max_connections", 16))
+                                         extra.get("max_connections", 16), self.peers)
         self._pool = ThreadPoolExecutor(extra.get("pull_threads", 4), "kv-pd-pull")
         self._arrived: queue.SimpleQueue[tuple[str, int]] = queue.SimpleQueue()
         self._asked: tuple[str, Remote, int, int] | None = None  # id, remote, first, count
         self._tried: set[str] = set()  # pulled once (a preempted request recomputes)
         self._planned: list[Pull] = []
+
+    @property
+    def transfer_address(self) -> str | None:
+        """Where peers pull from ("host:port"; None: this engine serves no blocks)."""
+        return None if self.server is None else f"{self.advertise_host}:{self.server.port}"
 
     # -- scheduler side --------------------------------------------------------------------
 
@@ -147,6 +170,8 @@ class PagodaPDConnector:
             self.stats.failed(remote)
             self._tried.add(request.request_id)  # said once
             return 0, False
+        if remote is None:
+            remote = Remote.peer(request.kv_transfer_params)
         if remote is None:
             return 0, False
         first = num_computed_tokens // self.block_size
@@ -165,9 +190,11 @@ class PagodaPDConnector:
         rid, remote, first, count = self._asked
         assert count * self.block_size == num_external_tokens
         self._tried.add(rid)
+        hashes = None if remote.transfer_id else [
+            h.hex() for h in request.block_hashes[first:first + count]]
         self._planned.append(Pull(rid, remote.host, remote.port, remote.transfer_id, first,
                                   block_ids[first:first + count],
-                                  request.block_hashes[first + count - 1].hex()))
+                                  request.block_hashes[first + count - 1].hex(), hashes))
 
     def build_connector_meta(self) -> list[Pull]:
         planned, self._planned = self._planned, []
@@ -211,7 +238,10 @@ class PagodaPDConnector:
             self._pool.submit(self._pull, pull)
 
     def save_kv(self) -> None:
-        pass  # the prompt's blocks are read from the pool when pulled
+        # Every cached block holds final KV now: pin what peers asked for, release what they
+        # read. (The prompts' held blocks are read from the pool when pulled.)
+        if self.peers is not None:
+            self.peers.serve(self.block_manager)
 
     def get_finished(self, timeout: float = 0.0) -> FinishedTransfers:
         out = FinishedTransfers()
@@ -258,16 +288,22 @@ class PagodaPDConnector:
         deadline = time.monotonic() + budget_s
         with socket.create_connection((pull.host, pull.port), timeout=budget_s) as s:
             proof = pd_wire.client_hello(s, self.credential, deadline)
-            pd_wire.send_json(s, {"proof": proof, "transfer_id": pull.transfer_id,
-                                  "first": pull.first, "count": len(pull.block_ids),
-                                  "last_hash": pull.last_hash, "layout": self.layout})
+            if pull.hashes is None:
+                ask = {"transfer_id": pull.transfer_id, "first": pull.first,
+                       "count": len(pull.block_ids), "last_hash": pull.last_hash}
+            else:
+                ask = {"hashes": pull.hashes}
+            pd_wire.send_json(s, {"proof": proof, **ask, "layout": self.layout})
             answer = pd_wire.recv_json(s, deadline)
-            if answer.get("ok") is not True or answer.get("count") != len(pull.block_ids):
+            count = answer.get("count")
+            wanted = len(pull.block_ids) if pull.hashes is None else range(len(pull.hashes) + 1)
+            if answer.get("ok") is not True or not _int(count) or \
+                    (count != wanted if isinstance(wanted, int) else count not in wanted):
                 error = str(answer.get("error"))[:200]
                 raise (pd_wire.Unauthorized if error == "unauthorized" else pd_wire.Refused)(
                     f"refused: {error}")
             size = pd_wire.block_bytes(self.caches)
-            for block_id in pull.block_ids:
+            for block_id in pull.block_ids[:count]:
                 try:
                     frame = pd_wire.recv_frame(s, size + 8, deadline)
                 except pd_wire.TooSlow:
@@ -293,6 +329,17 @@ class PagodaPDConnector:
         if self.server is not None:
             self.server.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _host_port(value: object) -> tuple[str, int] | None:
+    """A transfer address as the heartbeat carries it ("host:port", IPv6 in brackets)."""
+    if not isinstance(value, str):
+        return None
+    host, _, port = value.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        return None
+    return host, int(port)
 
 
 def _int(value: object) -> bool:

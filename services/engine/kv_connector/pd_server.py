@@ -26,6 +26,7 @@ import torch
 from services.common.internal_auth import InternalCredential
 from services.engine.kv_connector import pd_wire
 from services.engine.kv_connector.pd_wire import WireError
+from services.engine.kv_connector.peer_blocks import PeerBlocks
 from services.engine.kv_connector.transfer_stats import TransferStats
 from services.protocol.block_hash import BlockHash
 
@@ -102,8 +103,10 @@ class TransferServer:
 
     def __init__(self, host: str, port: int, credential: InternalCredential,
                  held: HeldTransfers, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 layout: str, read_timeout_s: float, max_connections: int) -> None:
+                 layout: str, read_timeout_s: float, max_connections: int,
+                 peers: PeerBlocks | None = None) -> None:
         self.credential, self.held, self.kv_caches = credential, held, kv_caches
+        self.peers = peers
         self.layout, self.read_timeout_s = layout, read_timeout_s
         self._slots = threading.BoundedSemaphore(max_connections)
         self._sock = socket.create_server((host, port), backlog=max_connections)
@@ -149,11 +152,11 @@ class TransferServer:
     def _answer(self, conn: socket.socket) -> None:
         deadline = time.monotonic() + self.read_timeout_s  # for the whole request
         nonces = pd_wire.server_hello(conn, self.credential, deadline)
-        ask = pd_wire.recv_json(conn, deadline)
+        ask = pd_wire.recv_json(conn, deadline, pd_wire.MAX_ASK_BYTES)
         if not pd_wire.client_proven(self.credential, nonces, ask.get("proof")):
             pd_wire.send_json(conn, {"ok": False, "error": "unauthorized"})
             raise pd_wire.Unauthorized("a peer without the internal credential")
-        blocks = self._blocks_for(ask)
+        blocks = self._by_hash(ask, deadline) if "hashes" in ask else self._blocks_for(ask)
         if isinstance(blocks, str):
             pd_wire.send_json(conn, {"ok": False, "error": blocks})
             raise pd_wire.Refused(blocks)
@@ -164,6 +167,29 @@ class TransferServer:
             pd_wire.send_frame(conn, pd_wire.checksummed(data))
         self.held.stats.done("sent", sum(map(len, blocks)), time.monotonic() - started)
 
+    def _by_hash(self, ask: dict[str, Any], deadline: float) -> list[bytes] | str:
+        """A peer's prefix pull: the leading run of the asked chain hashes this engine's cache
+        holds (maybe none), pinned while copied."""
+        hashes = ask.get("hashes")
+        if self.peers is None:
+            return "this engine serves no prefix blocks"
+        if ask.get("layout") != self.layout:
+            return "KV layout mismatch"
+        if not isinstance(hashes, list) or not 0 < len(hashes) <= MAX_PEER_BLOCKS or not all(
+                isinstance(h, str) and len(h) == 32 for h in hashes):
+            return f"hashes must be 1-{MAX_PEER_BLOCKS} block hashes (32 hex characters)"
+        try:
+            wanted = [BlockHash(bytes.fromhex(h)) for h in hashes]
+        except ValueError:
+            return "hashes must be hex"
+        ids = self.peers.pin(wanted, max(0.0, deadline - time.monotonic()))
+        if ids is None:
+            return "the engine is busy"
+        try:
+            return [pd_wire.read_block(self.kv_caches, b) for b in ids]
+        finally:
+            self.peers.unpin(ids)
+
     def _blocks_for(self, ask: dict[str, Any]) -> list[bytes] | str:
         tid, first, count = ask.get("transfer_id"), ask.get("first"), ask.get("count")
         last_hash = ask.get("last_hash")
@@ -173,6 +199,9 @@ class TransferServer:
         if ask.get("layout") != self.layout:
             return "KV layout mismatch"
         return self.held.copy_out(tid, first, count, last_hash, self.kv_caches)
+
+
+MAX_PEER_BLOCKS = 1024  # one ask's hashes (16k tokens of 16): ~35 KB of JSON
 
 
 def _is_int(value: object) -> bool:

@@ -10,13 +10,16 @@ any address, so it proves the credential only to a server that proved it first):
     client             checks the server's proof: no credential, no ask (and no block trusted)
     client -> server   frame: JSON {"proof": MAC(client, cn, sn), "transfer_id", "first",
                                     "count", "last_hash", "layout"}
+                       or, a prefix pulled from a peer: {"proof", "hashes": [...], "layout"}
     server -> client   frame: JSON {"ok": true, "count": n} | {"ok": false, "error": "..."}
     server -> client   n frames: 8-byte xxh3-64 of the block, then the block's bytes
 
 MAC is ``internal_mac.sign`` (HMAC-SHA256 under an internal token, labelled by direction, so a
 server's proof is never a client's). ``last_hash`` is the block-hash chain's hash of the last
 block asked for: the chain covers the tenant's salt, the adapter and every token before it, so
-a pull for another prompt or another tenant than the held one is refused. A block's bytes are
+a pull for another prompt or another tenant than the held one is refused. A peer's pull names
+its own request's chain hashes and gets the leading run of them the server's cache holds
+(``n`` may be fewer, or 0): the same chain keeps tenants apart. A block's bytes are
 every layer's key block then value block, in layer order, as the pool holds them; both engines'
 layouts match (``layout_digest``) or nothing is pulled.
 
@@ -42,7 +45,8 @@ from services.common.internal_auth import InternalCredential
 
 _LEN = struct.Struct(">I")
 _SUM = struct.Struct(">Q")
-MAX_CONTROL_BYTES = 4096  # a hello or a pull request: a few hundred bytes
+MAX_CONTROL_BYTES = 4096  # a hello or an answer: a few hundred bytes
+MAX_ASK_BYTES = 64 * 1024  # a pull request; a peer's names up to 1,024 block hashes
 _SERVER_PROOF, _CLIENT_PROOF = "pagoda-kv/2 server proof", "pagoda-kv/2 client proof"
 
 
@@ -176,9 +180,10 @@ def recv_frame(sock: socket.socket, max_bytes: int, deadline: float) -> bytes:
     return _recv_exact(sock, n, deadline)
 
 
-def recv_json(sock: socket.socket, deadline: float) -> dict[str, Any]:
+def recv_json(sock: socket.socket, deadline: float,
+              max_bytes: int = MAX_CONTROL_BYTES) -> dict[str, Any]:
     try:
-        message = json.loads(recv_frame(sock, MAX_CONTROL_BYTES, deadline))
+        message = json.loads(recv_frame(sock, max_bytes, deadline))
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise WireError("a control frame that is not JSON") from None
     if not isinstance(message, dict):
