@@ -93,6 +93,21 @@ def test_decode_engine_matches_one_engine_and_computes_only_the_tail(
     assert _all_free(prefill) and decode.block_manager.reset_prefix_cache()
 
 
+def test_a_prefix_the_prefill_engine_had_cached(engines: tuple[LLMEngine, LLMEngine]) -> None:
+    prefill, decode = engines
+    shared = _prompt(61, 2 * BS)
+    prompt = [*shared, *_prompt(62, BS + 7)]
+    alone, _, _ = _run(decode, "cached-ref", prompt, GREEDY)
+    decode.block_manager.reset_prefix_cache()
+    _run(prefill, "cached-warm", shared, PREFILL)  # the prefill engine holds the first blocks
+    _, p_req, _ = _run(prefill, "cached", prompt, PREFILL, {"do_remote_decode": True})
+    assert p_req.num_cached_tokens == 2 * BS and p_req.kv_transfer_params["remote_num_blocks"] == 3
+    tokens, req, _ = _run(decode, "cached", prompt, GREEDY, dict(p_req.kv_transfer_params))
+    assert tokens == alone and req.num_cached_tokens == 3 * BS
+    assert _all_free(prefill)
+    decode.block_manager.reset_prefix_cache()
+
+
 def test_two_tenants_salts_never_share(engines: tuple[LLMEngine, LLMEngine]) -> None:
     prefill, decode = engines
     prompt = _prompt(7, 3 * BS + 2)
