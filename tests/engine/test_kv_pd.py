@@ -28,7 +28,8 @@ PREFILL = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
 
 def _llm(model: Path, role: str, **extra: Any) -> LLM:
-    return LLM(str(model), num_blocks=160, block_size=BS, max_num_seqs=16, kv_transfer_config={
+    return LLM(str(model), num_blocks=160, block_size=BS, max_num_seqs=16, enable_lora=True,
+               max_loras=1, kv_transfer_config={
         "kv_connector": "PagodaPDConnector", "kv_role": role, "kv_transfer_timeout": 2.0,
         "kv_connector_extra_config": {"read_timeout_s": 0.5, "max_connections": 3,
                                       "pull_threads": 3, **extra}})
@@ -106,6 +107,44 @@ def test_a_prefix_the_prefill_engine_had_cached(engines: tuple[LLMEngine, LLMEng
     assert tokens == alone and req.num_cached_tokens == 3 * BS
     assert _all_free(prefill)
     decode.block_manager.reset_prefix_cache()
+
+
+def test_a_lora_adapter(engines: tuple[LLMEngine, LLMEngine], fast_model_dir: Path,
+                       tmp_path: Path) -> None:
+    """The adapter is in the chain: P/D under it equals one engine under it, and a pull under
+    the base model of a prompt held under the adapter is refused (recomputed)."""
+    from services.engine.lora.manager import STATIC
+    from tests.support.lora import write_adapter
+
+    prefill, decode = engines
+    adapter = write_adapter(fast_model_dir, tmp_path / "sql", seed=3, r=4)
+    for engine in engines:
+        engine.lora.load("sql", str(adapter), STATIC)
+    prompt = _prompt(71, 3 * BS + 5)
+    want = [decode.add_request("lora-ref", prompt, GREEDY, lora_request="sql")]
+    alone = []
+    while decode.has_unfinished_requests():
+        alone += [t for u in decode.step() for t in u.new_token_ids]
+    base, _, _ = _run(decode, "lora-base", prompt, GREEDY)
+    assert alone != base and want  # the adapter changes the output
+    decode.block_manager.reset_prefix_cache()
+    for rid, decode_lora in (("lora-pd", "sql"), ("lora-cross", None)):
+        prefill.add_request(rid, prompt, PREFILL, lora_request="sql",
+                            kv_transfer_params={"do_remote_decode": True})
+        params = None
+        while prefill.has_unfinished_requests():
+            params = next((u.kv_transfer_params for u in prefill.step() if u.finished), params)
+        req = decode.add_request(rid, prompt, GREEDY, lora_request=decode_lora,
+                                 kv_transfer_params=params)
+        tokens = []
+        while decode.has_unfinished_requests():
+            tokens += [t for u in decode.step() for t in u.new_token_ids]
+        if decode_lora:
+            assert tokens == alone and req.num_cached_tokens == 3 * BS
+        else:  # another chain: the server refuses, the base model's answer is computed
+            assert tokens == base and req.num_cached_tokens == 0
+        decode.block_manager.reset_prefix_cache()
+    assert _all_free(prefill)
 
 
 def test_two_tenants_salts_never_share(engines: tuple[LLMEngine, LLMEngine]) -> None:

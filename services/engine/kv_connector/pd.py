@@ -46,7 +46,7 @@ from services.engine.kv_connector import pd_wire
 from services.engine.kv_connector.base import ConnectorContext, ConnectorRequest, FinishedTransfers
 from services.engine.kv_connector.compute_rate import ComputeRate
 from services.engine.kv_connector.config import KVTransferConfig
-from services.engine.kv_connector.pd_server import HeldTransfers, TransferServer
+from services.engine.kv_connector.pd_server import MAX_PEER_BLOCKS, HeldTransfers, TransferServer
 from services.engine.kv_connector.pd_wire import WireError
 from services.engine.kv_connector.peer_blocks import PeerBlocks
 from services.engine.kv_connector.transfer_stats import TransferStats
@@ -177,6 +177,8 @@ class PagodaPDConnector:
         first = num_computed_tokens // self.block_size
         stop = min(remote.num_blocks, (request.num_tokens - 1) // self.block_size,
                    len(request.block_hashes))
+        if not remote.transfer_id:  # a peer's prefix: one ask names at most this many hashes
+            stop = min(stop, first + MAX_PEER_BLOCKS)
         if stop <= first:
             return 0, False
         self._asked = (request.request_id, remote, first, stop - first)
