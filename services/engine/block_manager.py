@@ -287,6 +287,19 @@ class BlockManager:
         for block_id in block_ids:
             self._take_ref(self._blocks[block_id])
 
+    def hold_cached(self, block_hashes: Sequence[BlockHash]) -> list[int]:
+        """Holds (as ``hold``) the leading run of ``block_hashes`` the cache has, and returns
+        its block ids: a KV connector reads them for a peer. The chain hash covers the tokens
+        (and the salt and adapter), so a run of hits is that prefix's KV."""
+        ids = []
+        for block_hash in block_hashes:
+            block = self._cached.get(block_hash)
+            if block is None:
+                break
+            ids.append(block.block_id)
+        self.hold(ids)
+        return ids
+
     def release(self, block_ids: list[int]) -> None:
         """Ends ``hold``; a block nobody else holds goes back to the queue as ``free`` would."""
         for block_id in block_ids:

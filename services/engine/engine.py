@@ -6,6 +6,7 @@ Not thread-safe: one thread owns an engine (the offline ``LLM``, or the server's
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,8 @@ from services.engine.block_manager import BlockManager
 from services.engine.config import EngineConfig
 from services.engine.kv_connector import registry as kv_connectors
 from services.engine.kv_connector.base import ConnectorContext, KVConnector
+from services.engine.kv_connector.compute_rate import ComputeRate
+from services.engine.kv_connector.transfer_stats import TransferStats
 from services.engine.kv_offload.tiers import KVTiers, KVTierStats
 from services.engine.logit_bias import LogitBias, check_logit_bias
 from services.engine.lora import manager as lora_manager
@@ -77,6 +80,7 @@ class EngineStats:
     lora: LoRAStats | None = None  # an engine with LoRA enabled: its adapters
     spec_decode: SpecDecodeStats | None = None  # speculative decoding's counters, if on
     kv_tiers: KVTierStats | None = None  # host memory / shared store, if on
+    kv_transfer: TransferStats | None = None  # KV pulled from / served to other engines
 
 
 _MAX_HASHERS = 4096  # one per cache salt seen; rebuilt on demand, so clearing is safe
@@ -121,9 +125,10 @@ class LLMEngine:
         )
         # What moves KV in and out of the pool (--kv-transfer-config, the tier flags): the
         # scheduler and the step reach it only through the connector contract.
+        self.compute_rate = ComputeRate()  # prompt tokens a second: what a KV pull must beat
         self.kv_connector = kv_connectors.build(config.kv_connector_specs(), ConnectorContext(
             config, self.runner.kv_caches, self.block_manager, self.model_name,
-            self.hasher().seed, kv_events, model_path))
+            self.hasher().seed, kv_events, model_path, self.compute_rate))
         self._kv_loads: list[object] = []  # connector metadata whose loads wait for a step
         self.tiers: KVTiers | None = None  # the tiers' own handle, for their stats
         if self.kv_connector is not None:
@@ -131,6 +136,10 @@ class LLMEngine:
             closers.append(self.kv_connector)
             parts = getattr(self.kv_connector, "connectors", [self.kv_connector])
             self.tiers = next((c for c in parts if isinstance(c, KVTiers)), None)
+        self._transfer_mark: tuple | None = None  # what poll_kv_transfers last saw
+        self.transfer_stats: TransferStats | None = next(
+            (c.stats for c in parts if isinstance(getattr(c, "stats", None), TransferStats)),
+            None) if self.kv_connector is not None else None
         self.speculator = None if config.speculative_config is None else Speculator(
             config.speculative_config, self.max_model_len)
         self.requests: dict[str, Request] = {}
@@ -270,6 +279,19 @@ class LLMEngine:
         req.status = RequestStatus.FINISHED_ABORTED
         return self._update(req, [], [])
 
+    def poll_kv_transfers(self) -> bool:
+        """Between steps (an idle engine): frees blocks held for a pull once pulled or
+        expired; True when something ``stats`` shows has changed since the last call."""
+        if self.kv_connector is None:
+            return False
+        self.kv_connector.save_kv()  # nothing in flight: peers' pins are served now too
+        self.scheduler.poll_transfers()
+        s = self.transfer_stats
+        mark = (self.block_manager.num_free_blocks, None if s is None else (
+            s.sent.transfers, s.received.transfers, sum(s.failures.values()), s.expired))
+        changed, self._transfer_mark = mark != self._transfer_mark, mark
+        return changed
+
     def has_unfinished_requests(self) -> bool:
         # A step in flight is unfinished work even when all its requests are gone.
         return self.scheduler.has_unfinished() or (
@@ -296,7 +318,12 @@ class LLMEngine:
         self.last_step_tokens = 0  # vllm:iteration_tokens_total: the applied step's (_apply)
         if self.pipeline is None:
             sched = self._schedule()
-            return [] if sched.is_empty else self._apply(sched, self.runner.execute(sched))
+            if sched.is_empty:
+                return []
+            started = time.monotonic()
+            result = self.runner.execute(sched)
+            self.compute_rate.observe(sched.num_batched_tokens, time.monotonic() - started)
+            return self._apply(sched, result)
         try:
             return self._step_async(self.pipeline)
         except BaseException:
@@ -445,6 +472,7 @@ class LLMEngine:
                                                                 self.scheduler.waiting),
             spec_decode=None if self.speculator is None else self.speculator.stats.snapshot(),
             kv_tiers=None if self.tiers is None else self.tiers.snapshot_stats(),
+            kv_transfer=None if self.transfer_stats is None else self.transfer_stats.snapshot(),
         )
 
 

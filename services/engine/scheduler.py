@@ -179,6 +179,12 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.loading)
 
+    def poll_transfers(self) -> None:
+        """Applies the connector's report between steps: an idle engine frees the blocks it
+        held for sending once they were pulled or expired (no step would)."""
+        if self.connector is not None and self._held and not self.loading:
+            self._admit_loaded(self.connector.get_finished())
+
     # -- one step ---------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:

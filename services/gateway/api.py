@@ -264,6 +264,8 @@ async def _stream(
                 chunk = builder.chunk(delta)
                 if plan.req.continuous_usage:  # vLLM's continuous_usage_stats
                     chunk["usage"] = _usage(plan, gen)
+                if delta.finish_reason is not None and plan.req.kv_transfer_params is not None:
+                    chunk["kv_transfer_params"] = gen.kv_transfer_params()  # as vLLM: the last
                 await sse.send(chunk)
             if plan.req.include_usage:
                 await sse.send(builder.usage_chunk(_usage(plan, gen)))

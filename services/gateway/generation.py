@@ -226,11 +226,12 @@ class Generation:
         kv_params, role = self._kv_params, None
         if up.pd and kv_params is None:  # the client drives no legs itself: the gateway does
             kv_params, role = await self._prefill(job), "decode"
+        layout = kv_params.get("kv_layout") if role == "decode" and kv_params else None
         for attempt in range(attempts):
-            route = await self._route(job, exclude, role)
+            route = await self._route(job, exclude, role, layout)
             rid = f"{self.request_id}-{job.index}" + (f"-r{attempt}" if attempt else "")
             req = GenerateRequest(rid, job.prompt_ids, job.engine_params, self._salt, self._lora,
-                                  kv_params)
+                                  kv_params if kv_params is not None else _peer_pull(route))
             guard = (up.watch.guard(route.engine_id, route.url) if up.watch is not None
                      else contextlib.nullcontext())
             try:
@@ -284,8 +285,8 @@ class Generation:
                 stream.close()
         return None
 
-    async def _route(self, job: ChoiceJob, exclude: list[str],
-                     role: str | None = None) -> RouteResponse:
+    async def _route(self, job: ChoiceJob, exclude: list[str], role: str | None = None,
+                     kv_layout: str | None = None) -> RouteResponse:
         """The router's choice; a first ask may wait for an engine (``EngineWait``)."""
         up, model = self._up, self._model
 
@@ -300,12 +301,25 @@ class Generation:
                     waited_s=waited_s,
                     lora_name=self._lora,
                     role=role,
+                    kv_layout=kv_layout if isinstance(kv_layout, str) else None,
                 )
             )
 
         if exclude or up.engine_wait is None:
             return await ask(0.0)
         return await up.engine_wait.route(model.name, ask, self._hold)
+
+
+def _peer_pull(route: RouteResponse) -> dict | None:
+    """The params that tell the chosen engine to pull the prompt's prefix from the peer the
+    router named (Pagoda's ``pull_prefix_from``; a client may never send it: the gateway
+    refuses it at its edge, so only an address from the router's view of live engines of
+    this model and KV layout is ever dialled)."""
+    peer = route.kv_peer
+    if peer is None:
+        return None
+    return {"pull_prefix_from": {"engine_id": peer.engine_id, "address": peer.address,
+                                 "blocks": peer.blocks}}
 
 
 async def _all_or_first_error(tasks: list[asyncio.Task[EngineStream]]) -> None:

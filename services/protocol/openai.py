@@ -254,7 +254,7 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
     if user is not None and not isinstance(user, str):
         raise OpenAIError("user must be a string", param="user")
     try:
-        kv = kv_params.check(body.get("kv_transfer_params"))
+        kv = kv_params.check_client(body.get("kv_transfer_params"))
     except ValueError as exc:  # BadRequest: its text names the field
         raise OpenAIError(str(exc), param="kv_transfer_params") from None
     return {"stream": stream, "include_usage": include_usage,

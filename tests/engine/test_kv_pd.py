@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,9 +28,11 @@ PREFILL = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
 
 def _llm(model: Path, role: str, **extra: Any) -> LLM:
-    return LLM(str(model), num_blocks=64, block_size=BS, max_num_seqs=4, kv_transfer_config={
+    return LLM(str(model), num_blocks=160, block_size=BS, max_num_seqs=16, enable_lora=True,
+               max_loras=1, kv_transfer_config={
         "kv_connector": "PagodaPDConnector", "kv_role": role, "kv_transfer_timeout": 2.0,
-        "kv_connector_extra_config": {"read_timeout_s": 0.5, "max_connections": 3, **extra}})
+        "kv_connector_extra_config": {"read_timeout_s": 0.5, "max_connections": 3,
+                                      "pull_threads": 3, **extra}})
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +94,59 @@ def test_decode_engine_matches_one_engine_and_computes_only_the_tail(
     assert _all_free(prefill) and decode.block_manager.reset_prefix_cache()
 
 
+def test_a_prefix_the_prefill_engine_had_cached(engines: tuple[LLMEngine, LLMEngine]) -> None:
+    prefill, decode = engines
+    shared = _prompt(61, 2 * BS)
+    prompt = [*shared, *_prompt(62, BS + 7)]
+    alone, _, _ = _run(decode, "cached-ref", prompt, GREEDY)
+    decode.block_manager.reset_prefix_cache()
+    _run(prefill, "cached-warm", shared, PREFILL)  # the prefill engine holds the first blocks
+    _, p_req, _ = _run(prefill, "cached", prompt, PREFILL, {"do_remote_decode": True})
+    assert p_req.num_cached_tokens == 2 * BS and p_req.kv_transfer_params["remote_num_blocks"] == 3
+    tokens, req, _ = _run(decode, "cached", prompt, GREEDY, dict(p_req.kv_transfer_params))
+    assert tokens == alone and req.num_cached_tokens == 3 * BS
+    assert _all_free(prefill)
+    decode.block_manager.reset_prefix_cache()
+
+
+def test_a_lora_adapter(engines: tuple[LLMEngine, LLMEngine], fast_model_dir: Path,
+                       tmp_path: Path) -> None:
+    """The adapter is in the chain: P/D under it equals one engine under it, and a pull under
+    the base model of a prompt held under the adapter is refused (recomputed)."""
+    from services.engine.lora.manager import STATIC
+    from tests.support.lora import write_adapter
+
+    prefill, decode = engines
+    adapter = write_adapter(fast_model_dir, tmp_path / "sql", seed=3, r=4)
+    for engine in engines:
+        engine.lora.load("sql", str(adapter), STATIC)
+    prompt = _prompt(71, 3 * BS + 5)
+    want = [decode.add_request("lora-ref", prompt, GREEDY, lora_request="sql")]
+    alone = []
+    while decode.has_unfinished_requests():
+        alone += [t for u in decode.step() for t in u.new_token_ids]
+    base, _, _ = _run(decode, "lora-base", prompt, GREEDY)
+    assert alone != base and want  # the adapter changes the output
+    decode.block_manager.reset_prefix_cache()
+    for rid, decode_lora in (("lora-pd", "sql"), ("lora-cross", None)):
+        prefill.add_request(rid, prompt, PREFILL, lora_request="sql",
+                            kv_transfer_params={"do_remote_decode": True})
+        params = None
+        while prefill.has_unfinished_requests():
+            params = next((u.kv_transfer_params for u in prefill.step() if u.finished), params)
+        req = decode.add_request(rid, prompt, GREEDY, lora_request=decode_lora,
+                                 kv_transfer_params=params)
+        tokens = []
+        while decode.has_unfinished_requests():
+            tokens += [t for u in decode.step() for t in u.new_token_ids]
+        if decode_lora:
+            assert tokens == alone and req.num_cached_tokens == 3 * BS
+        else:  # another chain: the server refuses, the base model's answer is computed
+            assert tokens == base and req.num_cached_tokens == 0
+        decode.block_manager.reset_prefix_cache()
+    assert _all_free(prefill)
+
+
 def test_two_tenants_salts_never_share(engines: tuple[LLMEngine, LLMEngine]) -> None:
     prefill, decode = engines
     prompt = _prompt(7, 3 * BS + 2)
@@ -105,6 +161,21 @@ def test_two_tenants_salts_never_share(engines: tuple[LLMEngine, LLMEngine]) -> 
     decode.block_manager.reset_prefix_cache()
 
 
+def _signed(params: dict, **edit: Any) -> dict:
+    """The params with ``edit`` applied and signed again under the test's token: what only a
+    holder of the credential can write."""
+    from services.common import internal_mac
+    from services.common.internal_auth import InternalCredential
+    from services.engine.kv_connector.pd import GRANT
+
+    p = {**params, **edit}
+    p["remote_signature"] = internal_mac.sign(
+        InternalCredential((TOKEN,)), GRANT, p["remote_engine_id"], p["remote_host"],
+        p["remote_port"], p["remote_transfer_id"], p["remote_num_blocks"], p["kv_layout"],
+        p["remote_expires"])
+    return p
+
+
 def test_a_failed_pull_recomputes(engines: tuple[LLMEngine, LLMEngine]) -> None:
     prefill, decode = engines
     prompt = _prompt(11, 3 * BS + 4)
@@ -113,13 +184,22 @@ def test_a_failed_pull_recomputes(engines: tuple[LLMEngine, LLMEngine]) -> None:
     with socket.socket() as dead:  # a port nobody listens on: the prefill engine is gone
         dead.bind(("127.0.0.1", 0))
         port = dead.getsockname()[1]
-    for rid, edit in (("gone", {"remote_port": port}),
-                      ("unknown", {"remote_transfer_id": "x" * 32}),
-                      ("layout", {"kv_layout": "another model"})):
-        tokens, req, _ = _pd(prefill, decode, rid, prompt, edit=edit)
+    before = decode.transfer_stats.snapshot().failures
+    for rid, edit, reason in (
+            ("gone", lambda p: _signed(p, remote_port=port), "connection"),
+            ("unknown", lambda p: _signed(p, remote_transfer_id="x" * 32), "refused"),
+            ("layout", lambda p: {**p, "kv_layout": "another model"}, "layout"),
+            ("unsigned", lambda p: {**p, "remote_port": port}, "unsigned"),
+            ("expired", lambda p: _signed(p, remote_expires=int(time.time()) - 1), "expired")):
+        _, p_req, _ = _run(prefill, rid, prompt, PREFILL, {"do_remote_decode": True})
+        tokens, req, _ = _run(decode, rid, prompt, GREEDY, edit(dict(p_req.kv_transfer_params)))
         assert tokens == alone and req.num_cached_tokens == 0, rid
+        after = decode.transfer_stats.snapshot().failures
+        assert after.get(reason, 0) == before.get(reason, 0) + 1, (rid, after)
+        before = after
         decode.block_manager.reset_prefix_cache()
     assert _all_free(prefill, timeout=3.0)  # the unpulled ones too, once expired
+    assert prefill.transfer_stats.snapshot().expired >= 5
 
 
 def test_held_blocks_are_freed_after_pulls_and_after_the_timeout(
@@ -148,7 +228,7 @@ def _frame(payload: bytes) -> bytes:
 def _answer(s: socket.socket) -> dict | None:
     try:
         head = s.recv(4)
-    except ConnectionResetError:
+    except (ConnectionResetError, TimeoutError):
         return None
     if len(head) < 4:
         return None  # closed without an answer
@@ -156,57 +236,117 @@ def _answer(s: socket.socket) -> dict | None:
     return json.loads(s.recv(n))
 
 
+def _hello(s: socket.socket, token: str) -> str:
+    """The puller's handshake by hand: checks the server's proof, returns the client's."""
+    from services.common import internal_mac
+    from services.common.internal_auth import InternalCredential
+
+    mine = "ab" * 16
+    s.sendall(_frame(json.dumps({"nonce": mine}).encode()))
+    theirs = _answer(s)
+    cred = InternalCredential((TOKEN,))
+    assert internal_mac.signed(cred, "pagoda-kv/2 server proof", theirs["proof"], mine,
+                               theirs["nonce"])
+    return internal_mac.sign(InternalCredential((token,)), "pagoda-kv/2 client proof", mine,
+                             theirs["nonce"])
+
+
 def test_the_transfer_port_refuses_attackers(engines: tuple[LLMEngine, LLMEngine]) -> None:
     prefill, _ = engines
-    _, p_req, _ = _run(prefill, "target", _prompt(9, 3 * BS), PREFILL,
-                       {"do_remote_decode": True})
+    prompt = _prompt(9, 3 * BS)
+    _, p_req, _ = _run(prefill, "target", prompt, PREFILL, {"do_remote_decode": True})
     tid = p_req.kv_transfer_params["remote_transfer_id"]
     layout = p_req.kv_transfer_params["kv_layout"]
-    ask = _frame(json.dumps({"transfer_id": tid, "first": 0, "count": 1,
-                             "layout": layout}).encode())
-    for auth in (b"", b"Bearer wrong-token-0123456789", TOKEN.encode()):  # token without scheme
+    last = p_req.block_hashes[0].hex()
+    ask = {"transfer_id": tid, "first": 0, "count": 1, "last_hash": last, "layout": layout}
+    for proof in (None, "0" * 64, TOKEN, f"Bearer {TOKEN}"):  # no proof; the token itself
         with _connect(prefill) as s:
-            s.sendall(_frame(auth) + ask)
+            _hello(s, TOKEN)
+            s.sendall(_frame(json.dumps({**ask, "proof": proof}).encode()))
             assert _answer(s) == {"ok": False, "error": "unauthorized"}
-    good = _frame(f"Bearer {TOKEN}".encode())
-    with _connect(prefill) as s:  # oversized: cut off unanswered
-        s.sendall(good + struct.pack(">I", 1 << 30))
+    with _connect(prefill) as s:  # a proof under another token
+        proof = _hello(s, "another-token-0123456789abcdef")
+        s.sendall(_frame(json.dumps({**ask, "proof": proof}).encode()))
+        assert _answer(s) == {"ok": False, "error": "unauthorized"}
+    with _connect(prefill) as s:  # oversized hello: cut off unanswered
+        s.sendall(struct.pack(">I", 1 << 30))
         assert _answer(s) is None
-    for body, error in (({"transfer_id": "guess", "first": 0, "count": 1, "layout": layout},
-                         "unknown transfer id"),
-                        ({"transfer_id": tid, "first": 0, "count": 99, "layout": layout},
-                         "blocks out of the transfer's range"),
-                        ({"transfer_id": tid, "first": 0, "count": 1, "layout": "x"},
-                         "KV layout mismatch"),
-                        ({"block_ids": [0, 1, 2]}, "transfer_id (string), first and count")):
+    wrong = p_req.block_hashes[1].hex()  # another prompt's (or tenant's) chain
+    for body, error in (({**ask, "transfer_id": "guess"}, "unknown transfer id"),
+                        ({**ask, "count": 99}, "blocks out of the transfer's range"),
+                        ({**ask, "layout": "x"}, "KV layout mismatch"),
+                        ({**ask, "last_hash": wrong}, "another prompt's blocks"),
+                        ({"block_ids": [0, 1, 2]}, "transfer_id, last_hash")):
         with _connect(prefill) as s:
-            s.sendall(good + _frame(json.dumps(body).encode()))
+            proof = _hello(s, TOKEN)
+            s.sendall(_frame(json.dumps({**body, "proof": proof}).encode()))
             answer = _answer(s)
             assert answer is not None and answer["ok"] is False
-            assert answer["error"].startswith(error)
+            assert answer["error"].startswith(error), answer
     started = time.monotonic()
-    with _connect(prefill) as s:  # slow: half a credential, then nothing
-        s.sendall(good[:6])
+    with _connect(prefill) as s:  # slow: half a hello, then nothing
+        s.sendall(_frame(b'{"nonce": "ab"}')[:6])
         assert _answer(s) is None
     assert time.monotonic() - started < 2.0  # read_timeout_s 0.5
     idle = [_connect(prefill) for _ in range(3)]  # max_connections 3: the fourth is refused
     try:
         time.sleep(0.1)
         with _connect(prefill) as s:
-            s.sendall(good + ask)
+            s.sendall(_frame(json.dumps({"nonce": "ab" * 16}).encode()))
             assert _answer(s) is None
     finally:
         for s in idle:
             s.close()
     time.sleep(0.7)  # the idle ones timed out: slots free again, a real pull still works
-    _, p_req, _ = _run(prefill, "target2", _prompt(9, 3 * BS), PREFILL,
-                       {"do_remote_decode": True})
-    ask = _frame(json.dumps({"transfer_id": p_req.kv_transfer_params["remote_transfer_id"],
-                             "first": 0, "count": 1, "layout": layout}).encode())
+    _, p_req, _ = _run(prefill, "target2", prompt, PREFILL, {"do_remote_decode": True})
     with _connect(prefill) as s:
-        s.sendall(good + ask)
+        proof = _hello(s, TOKEN)
+        s.sendall(_frame(json.dumps({**ask, "proof": proof, "transfer_id":
+                                     p_req.kv_transfer_params["remote_transfer_id"]}).encode()))
         assert _answer(s) == {"ok": True, "count": 1}
     assert _all_free(prefill)
+
+
+def test_a_puller_never_sends_the_credential(engines: tuple[LLMEngine, LLMEngine]) -> None:
+    """Exfiltration: params that name an attacker's server. Unsigned, the engine never
+    connects; signed (a leaked grant), it sends a nonce, gets no proof back, and stops: the
+    server never sees the token or anything derived from it alone."""
+    prefill, decode = engines
+    prompt = _prompt(21, 3 * BS + 1)
+    alone, _, _ = _run(decode, "exf-ref", prompt, GREEDY)
+    decode.block_manager.reset_prefix_cache()
+    heard: list[bytes] = []
+    with socket.create_server(("127.0.0.1", 0)) as fake:
+        fake.settimeout(0.05)
+        port = fake.getsockname()[1]
+        for rid, forge in (("exf1", lambda p: {**p, "remote_port": port}),
+                           ("exf2", lambda p: _signed(p, remote_port=port))):
+            _, p_req, _ = _run(prefill, rid, prompt, PREFILL, {"do_remote_decode": True})
+            decode.add_request(rid, prompt, GREEDY,
+                               kv_transfer_params=forge(dict(p_req.kv_transfer_params)))
+            tokens, deadline = [], time.monotonic() + 30
+            while decode.has_unfinished_requests():
+                assert time.monotonic() < deadline
+                tokens += [t for u in decode.step() for t in u.new_token_ids]
+                try:
+                    conn, _ = fake.accept()
+                except TimeoutError:
+                    continue
+                with conn:  # answers the hello with a made-up proof
+                    conn.settimeout(2)
+                    heard.append(conn.recv(65536))
+                    conn.sendall(_frame(json.dumps({"nonce": "cd" * 16,
+                                                    "proof": "0" * 64}).encode()))
+                    while chunk := conn.recv(65536):
+                        heard.append(chunk)
+            assert tokens == alone, rid
+            decode.block_manager.reset_prefix_cache()
+    wire = b"".join(heard)
+    assert wire and TOKEN.encode() not in wire and b"Bearer" not in wire
+    (n,) = struct.unpack(">I", wire[:4])
+    assert list(json.loads(wire[4:4 + n])) == ["nonce"] and len(wire) == 4 + n  # nothing more
+    assert decode.transfer_stats.snapshot().failures.get("unauthorized", 0) >= 1
+    assert _all_free(prefill, timeout=3.0)
 
 
 def test_the_connector_starts_only_with_a_credential(fast_model_dir: Path,
@@ -254,3 +394,133 @@ def test_kv_transfer_params_on_the_engine_api_are_checked_where_they_enter(
         updates = decode.step()
     assert updates[-1].finished and updates[-1].kv_transfer_params is None
     assert _all_free(prefill)
+
+
+class _FaultyServer:
+    """A transfer port that proves the credential, reads the ask, then stalls (``slow``) or
+    sends half a block and hangs up (``cut``)."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode, self.sock = mode, socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        from services.common.internal_auth import InternalCredential
+        from services.engine.kv_connector import pd_wire
+
+        with conn:
+            try:
+                deadline = time.monotonic() + 5
+                pd_wire.server_hello(conn, InternalCredential((TOKEN,)), deadline)
+                ask = pd_wire.recv_json(conn, deadline)
+                pd_wire.send_json(conn, {"ok": True, "count": ask["count"]})
+                if self.mode == "cut":
+                    conn.sendall(struct.pack(">I", 1 << 16) + b"\0" * 100)
+                else:
+                    conn.settimeout(5)
+                    conn.recv(1)  # until the puller gives up
+            except (OSError, pd_wire.WireError):
+                pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+WAVES = 63  # of 16 requests: 1,008
+
+
+def test_no_leak_after_a_thousand_requests_with_a_fifth_faulted(
+        engines: tuple[LLMEngine, LLMEngine]) -> None:
+    prefill, decode = engines
+    prompts = [_prompt(300 + i, 2 * BS + 1 + i % 3) for i in range(8)]
+    short = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    want = {}
+    for i, prompt in enumerate(prompts):
+        want[i] = _run(decode, f"leak-ref{i}", prompt, short)[0]
+    slow, cut = _FaultyServer("slow"), _FaultyServer("cut")
+    connector = decode.kv_connector
+    min_pull_s, connector.min_pull_s = connector.min_pull_s, 0.05
+    faults = {"refused": lambda p: _signed(p, remote_transfer_id="y" * 32),
+              "slow": lambda p: _signed(p, remote_port=slow.port),
+              "cut": lambda p: _signed(p, remote_port=cut.port),
+              "never pulled": lambda p: None}
+    kinds = list(faults)
+    try:
+        for wave in range(WAVES):
+            rids = [f"leak{wave}-{i}" for i in range(16)]
+            for i, rid in enumerate(rids):
+                prefill.add_request(rid, prompts[i % 8], PREFILL,
+                                    kv_transfer_params={"do_remote_decode": True})
+            params = {}
+            while prefill.has_unfinished_requests():
+                params.update({u.request_id: u.kv_transfer_params for u in prefill.step()
+                               if u.finished})
+            for i, rid in enumerate(rids):
+                n = wave * 16 + i
+                kv = params[rid] if n % 5 else faults[kinds[n // 5 % 4]](params[rid])
+                decode.add_request(rid, prompts[i % 8], short, kv_transfer_params=kv)
+            got: dict[str, list[int]] = {rid: [] for rid in rids}
+            deadline = time.monotonic() + 30
+            while decode.has_unfinished_requests():
+                assert time.monotonic() < deadline
+                for u in decode.step():
+                    got[u.request_id] += u.new_token_ids
+            assert [got[rid] for rid in rids] == [want[i % 8] for i in range(16)], wave
+            assert decode.block_manager.reset_prefix_cache()  # the next wave pulls again
+    finally:
+        connector.min_pull_s = min_pull_s
+        slow.close()
+        cut.close()
+    assert _all_free(prefill, timeout=5.0) and len(prefill.kv_connector.held) == 0
+    assert not prefill.scheduler._held and not decode.scheduler.loading
+    assert decode.block_manager.num_free_blocks == decode.block_manager.num_total_blocks
+    assert not connector._tried and connector._arrived.empty()
+    failures = decode.transfer_stats.snapshot().failures
+    # Every fault was met (a loaded machine may turn some into "expired" or "timeout").
+    assert failures.get("refused") and failures.get("slower_than_recompute")
+    assert failures.get("connection") or failures.get("protocol")  # cut mid-stream
+    assert sum(failures.values()) >= WAVES * 16 // 5 * 3 // 4  # the never-pulled aside
+
+
+def test_a_prefix_pulled_from_a_peer_matches_and_never_crosses_tenants(
+        engines: tuple[LLMEngine, LLMEngine]) -> None:
+    """The decode engine pulls by chain hash the prefix the other engine has cached from an
+    ordinary request: greedy output equal, only the tail computed; under another tenant's
+    salt the peer has none of it (the chain differs), so all is computed."""
+    peer, puller = engines
+    prompt = _prompt(41, 4 * BS + 3)
+    alone, _, _ = _run(puller, "peer-ref", prompt, GREEDY, salt="tenant-a")
+    puller.block_manager.reset_prefix_cache()
+    _run(peer, "peer-warm", prompt, PREFILL, salt="tenant-a")  # cached on the peer
+    ask = {"pull_prefix_from": {"engine_id": "peer", "blocks": 4,
+                                "address": f"127.0.0.1:{peer.kv_connector.server.port}"}}
+    stop = threading.Event()
+
+    def idle_peer() -> None:  # the server's core loop does this while idle
+        while not stop.wait(0.01):
+            peer.poll_kv_transfers()
+
+    threading.Thread(target=idle_peer, daemon=True).start()
+    try:
+        tokens, req, steps = _run(puller, "peer-pull", prompt, GREEDY, ask, salt="tenant-a")
+        assert tokens == alone and req.num_cached_tokens == 4 * BS and steps[0] == 3
+        puller.block_manager.reset_prefix_cache()
+        tokens, req, _ = _run(puller, "peer-other", prompt, GREEDY, ask, salt="tenant-b")
+        assert req.num_cached_tokens == 0  # tenant b's chain: the peer returned nothing
+        deadline = time.monotonic() + 2
+        while peer.kv_connector.peers.held and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert peer.kv_connector.peers.held == 0  # unpinned once read
+    finally:
+        stop.set()
+    puller.block_manager.reset_prefix_cache()
+    assert peer.block_manager.num_free_blocks == peer.block_manager.num_total_blocks

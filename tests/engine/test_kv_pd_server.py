@@ -1,7 +1,7 @@
 """P/D between two real engine server processes: the prefill leg's finished frame carries the
 kv_transfer_params, the decode leg with them answers as one engine would while its prompt was
 served from the pull (cached_tokens); with the prefill engine killed, the decode engine
-recomputes and still answers."""
+recomputes and still answers; both ends count the transfer on /metrics."""
 
 from __future__ import annotations
 
@@ -65,6 +65,14 @@ async def _generate(url: str, rid: str, prompt: list[int], max_tokens: int,
     raise AssertionError("no finished frame")
 
 
+async def _metric(url: str, name: str, label: str = "") -> float:
+    """The sum of the engine's /metrics samples named ``name`` with ``label`` (0: none)."""
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        text = await r.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and line[len(name)] in " {" and label in line)
+
+
 def test_two_engine_processes_serve_prefill_then_decode(
         pair: tuple[ServiceProcess, ServiceProcess]) -> None:
     prefill, decode = pair
@@ -78,6 +86,12 @@ def test_two_engine_processes_serve_prefill_then_decode(
         tokens, done = await _generate(decode.url, "d1", prompt, 8, params)
         assert tokens == alone and done.cached_tokens == 3 * BS
         assert done.kv_transfer_params is None
+        pulled = await _metric(decode.url, "pagoda:kv_transfer_bytes_total", "received")
+        assert pulled > 0 and pulled % 3 == 0  # three blocks
+        assert await _metric(prefill.url, "pagoda:kv_transfer_bytes_total", "sent") == pulled
+        assert await _metric(decode.url, "vllm:nixl_xfer_time_seconds_count") == 1
+        assert await _metric(decode.url, "vllm:nixl_bytes_transferred_sum") == pulled
+        assert await _metric(prefill.url, "pagoda:kv_transfer_seconds_count", "sent") == 1
         # Prefill done, then its engine is gone before the pull: the decode recomputes.
         other = [9 + (i * 7) % 800 for i in range(2 * BS + 3)]
         alone2, _ = await _generate(prefill.url, "alone2", other, 8, None)
@@ -85,5 +99,8 @@ def test_two_engine_processes_serve_prefill_then_decode(
         prefill.stop()
         tokens2, done2 = await _generate(decode.url, "d2", other, 8, first2.kv_transfer_params)
         assert tokens2 == alone2 and done2.cached_tokens == 0
+        assert await _metric(decode.url, "pagoda:kv_transfer_failures_total",
+                             'reason="connection"') == 1
+        assert await _metric(decode.url, "vllm:nixl_num_failed_transfers_total") == 1
 
     asyncio.run(main())

@@ -1,14 +1,18 @@
 """The gateway drives both legs (--pd-disaggregation): a prefill engine computes the prompt, a
-decode engine pulls its KV and generates, and the client sees one completion, the same as one
-engine computing it all."""
+decode engine pulls its KV and generates, and the client (the openai package, streamed and
+not) sees one completion, the same as one engine computing it all. With the prefill engine
+dead the answer is the same (the decode engine recomputes); with the decode engine killed
+mid-stream the stream ends with an error (an engine crash, as today)."""
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 import requests
 
@@ -55,3 +59,42 @@ def test_the_gateway_drives_prefill_then_decode(pagoda: PagodaStack) -> None:
               if line.startswith("data: {")]
     text = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
     assert text == alone["choices"][0]["text"]
+
+
+def _client(pagoda: PagodaStack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=pagoda.base_url, api_key="none", max_retries=0, timeout=60)
+
+
+def _stream_text(pagoda: PagodaStack, **fields: Any) -> str:
+    chunks = _client(pagoda).completions.create(
+        model=pagoda.model, temperature=0, stream=True, extra_body={"ignore_eos": True},
+        **fields)
+    return "".join(c.choices[0].text for c in chunks if c.choices)
+
+
+def test_the_openai_client_streamed_and_not_then_faults(pagoda: PagodaStack) -> None:
+    prompt = [13 + (i * 41) % 700 for i in range(3 * BS + 4)]
+    client = _client(pagoda)
+    plain = client.completions.create(model=pagoda.model, prompt=prompt, max_tokens=8,
+                                      temperature=0, extra_body={"ignore_eos": True})
+    assert plain.usage.prompt_tokens_details.cached_tokens == 3 * BS
+    text = _stream_text(pagoda, prompt=prompt, max_tokens=8)
+    assert text == plain.choices[0].text
+    other = [17 + (i * 43) % 700 for i in range(2 * BS + 5)]
+    # The prefill engine dies: the decode engine computes the prompt, the answer is the same.
+    pagoda.engines[0].kill()
+    again = client.completions.create(model=pagoda.model, prompt=prompt, max_tokens=8,
+                                      temperature=0, extra_body={"ignore_eos": True})
+    assert again.choices[0].text == plain.choices[0].text
+    # The decode engine dies mid-stream: the stream ends with an error after its tokens.
+    stream = client.completions.create(model=pagoda.model, prompt=other, max_tokens=2000,
+                                       temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    got = []
+    with pytest.raises(openai.APIError):
+        for chunk in stream:
+            got.append(chunk)
+            if len(got) == 2:
+                pagoda.engines[1].kill()
+                time.sleep(0.2)
+    assert got

@@ -90,6 +90,7 @@ class ConnectorContext:
     seed: bytes  # the block-hash chain's seed (model, block size, no salt)
     record_events: bool = False  # publish KV events of what the connector holds
     model_path: str | None = None  # the weights' directory (the shared store's namespace)
+    compute_rate: Any = None  # a ComputeRate the engine's steps feed (what a pull must beat)
 
 
 class KVConnector(Protocol):

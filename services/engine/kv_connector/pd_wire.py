@@ -2,15 +2,30 @@
 past a bound, JSON control messages (never pickle), and KV blocks as raw bytes behind an xxh3
 checksum.
 
-One connection, one pull::
+One connection, one pull; no token ever crosses the wire (a puller may have been pointed at
+any address, so it proves the credential only to a server that proved it first)::
 
-    client -> server   frame: the internal credential ("Bearer <token>")
-    client -> server   frame: JSON {"transfer_id", "first", "count", "layout"}
+    client -> server   frame: JSON {"nonce": cn}                       (16 random bytes, hex)
+    server -> client   frame: JSON {"nonce": sn, "proof": MAC(server, cn, sn)}
+    client             checks the server's proof: no credential, no ask (and no block trusted)
+    client -> server   frame: JSON {"proof": MAC(client, cn, sn), "transfer_id", "first",
+                                    "count", "last_hash", "layout"}
+                       or, a prefix pulled from a peer: {"proof", "hashes": [...], "layout"}
     server -> client   frame: JSON {"ok": true, "count": n} | {"ok": false, "error": "..."}
     server -> client   n frames: 8-byte xxh3-64 of the block, then the block's bytes
 
-A block's bytes are every layer's key block then value block, in layer order, as the pool holds
-them; both engines' layouts match (``layout_digest``) or nothing is pulled.
+MAC is ``internal_mac.sign`` (HMAC-SHA256 under an internal token, labelled by direction, so a
+server's proof is never a client's). ``last_hash`` is the block-hash chain's hash of the last
+block asked for: the chain covers the tenant's salt, the adapter and every token before it, so
+a pull for another prompt or another tenant than the held one is refused. A peer's pull names
+its own request's chain hashes and gets the leading run of them the server's cache holds
+(``n`` may be fewer, or 0): the same chain keeps tenants apart. A block's bytes are
+every layer's key block then value block, in layer order, as the pool holds them; both engines'
+layouts match (``layout_digest``) or nothing is pulled.
+
+Not covered: the connection is not encrypted and the blocks carry a checksum, not a MAC, so an
+attacker on the network path between two engines can read or alter KV in flight (as every
+plaintext hop listed in docs/deploy.md's security model); they cannot learn the credential.
 """
 
 from __future__ import annotations
@@ -25,13 +40,80 @@ from typing import Any
 import torch
 import xxhash
 
+from services.common import internal_mac
+from services.common.internal_auth import InternalCredential
+
 _LEN = struct.Struct(">I")
 _SUM = struct.Struct(">Q")
-MAX_CONTROL_BYTES = 4096  # a credential or a pull request: a few hundred bytes
+MAX_CONTROL_BYTES = 4096  # a hello or an answer: a few hundred bytes
+MAX_ASK_BYTES = 64 * 1024  # a pull request; a peer's names up to 1,024 block hashes
+_SERVER_PROOF, _CLIENT_PROOF = "pagoda-kv/2 server proof", "pagoda-kv/2 client proof"
 
 
 class WireError(Exception):
-    """The peer broke the protocol, was too slow, or went away."""
+    """The peer broke the protocol, was too slow, or went away; ``reason`` is the
+    ``pagoda:kv_transfer_failures_total`` label."""
+
+    reason = "protocol"
+
+
+class TooSlow(WireError):
+    reason = "timeout"
+
+
+class SlowerThanRecompute(TooSlow):
+    reason = "slower_than_recompute"
+
+
+class Closed(WireError):
+    reason = "connection"
+
+
+class Corrupt(WireError):
+    reason = "checksum"
+
+
+class Unauthorized(WireError):
+    reason = "unauthorized"
+
+
+class Refused(WireError):
+    reason = "refused"
+
+
+def client_hello(sock: socket.socket, credential: InternalCredential, deadline: float) -> str:
+    """The puller's half of the handshake: its proof to send with the ask, once the server
+    proved it holds the credential (``Unauthorized`` otherwise: nothing more is sent)."""
+    mine = internal_mac.nonce()
+    send_json(sock, {"nonce": mine})
+    answer = recv_json(sock, deadline)
+    theirs = answer.get("nonce")
+    if not _is_nonce(theirs) or not internal_mac.signed(credential, _SERVER_PROOF,
+                                                        answer.get("proof"), mine, theirs):
+        raise Unauthorized("the peer did not prove the internal credential")
+    return internal_mac.sign(credential, _CLIENT_PROOF, mine, theirs)
+
+
+def server_hello(sock: socket.socket, credential: InternalCredential,
+                 deadline: float) -> tuple[str, str]:
+    """The server's half: answers the puller's nonce with its own and its proof; returns both
+    nonces, which the ask's proof must cover (``client_proven``)."""
+    theirs = recv_json(sock, deadline).get("nonce")
+    if not _is_nonce(theirs):
+        raise WireError("a hello without a nonce")
+    mine = internal_mac.nonce()
+    send_json(sock, {"nonce": mine,
+                     "proof": internal_mac.sign(credential, _SERVER_PROOF, theirs, mine)})
+    return theirs, mine
+
+
+def client_proven(credential: InternalCredential, nonces: tuple[str, str], proof: object) -> bool:
+    return internal_mac.signed(credential, _CLIENT_PROOF, proof, *nonces)
+
+
+def _is_nonce(value: object) -> bool:
+    return isinstance(value, str) and len(value) == 2 * internal_mac.NONCE_BYTES and all(
+        c in "0123456789abcdef" for c in value)
 
 
 def layout_digest(model_name: str, block_size: int,
@@ -74,10 +156,10 @@ def checksummed(data: bytes) -> bytes:
 
 def verified(frame: bytes) -> bytes:
     if len(frame) < _SUM.size:
-        raise WireError("a block frame shorter than its checksum")
+        raise Corrupt("a block frame shorter than its checksum")
     (expected,), data = _SUM.unpack_from(frame), frame[_SUM.size:]
     if xxhash.xxh3_64_intdigest(data) != expected:
-        raise WireError("a block's checksum does not match")
+        raise Corrupt("a block's checksum does not match")
     return data
 
 
@@ -98,9 +180,10 @@ def recv_frame(sock: socket.socket, max_bytes: int, deadline: float) -> bytes:
     return _recv_exact(sock, n, deadline)
 
 
-def recv_json(sock: socket.socket, deadline: float) -> dict[str, Any]:
+def recv_json(sock: socket.socket, deadline: float,
+              max_bytes: int = MAX_CONTROL_BYTES) -> dict[str, Any]:
     try:
-        message = json.loads(recv_frame(sock, MAX_CONTROL_BYTES, deadline))
+        message = json.loads(recv_frame(sock, max_bytes, deadline))
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise WireError("a control frame that is not JSON") from None
     if not isinstance(message, dict):
@@ -113,13 +196,13 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
     while len(buf) < n:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise WireError("the peer was too slow")
+            raise TooSlow("the peer was too slow")
         sock.settimeout(left)
         try:
             chunk = sock.recv(min(n - len(buf), 1 << 20))
         except TimeoutError:
-            raise WireError("the peer was too slow") from None
+            raise TooSlow("the peer was too slow") from None
         if not chunk:
-            raise WireError("the peer closed the connection")
+            raise Closed("the peer closed the connection")
         buf += chunk
     return bytes(buf)

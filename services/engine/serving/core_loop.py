@@ -90,10 +90,11 @@ class CoreOutputs:
     step_tokens: int | None = None  # tokens the step computed; None: no step ran
     step_ms: float = 0.0  # median wall time of the recent steps
     adapter_replies: list[AdapterReply] = field(default_factory=list)  # to AdapterCommands
+    stats_changed: bool = False  # between steps (an idle engine freed KV held for a pull)
 
     def __bool__(self) -> bool:
         return bool(self.updates or self.errors or self.kv_events or self.adapter_replies
-                    or self.step_tokens is not None)
+                    or self.step_tokens is not None or self.stats_changed)
 
 
 class CoreLoop:
@@ -146,6 +147,8 @@ class CoreLoop:
                 if engine.has_unfinished_requests() and not self._stop.is_set():
                     self._step()
                     self._injected_crash()
+                elif engine.poll_kv_transfers():  # idle: pulled or expired blocks, new counts
+                    self._out.stats_changed = True
                 if self._out:
                     self._flush()
         finally:

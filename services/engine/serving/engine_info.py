@@ -37,6 +37,10 @@ class EngineInfo:
     enable_prefix_caching: bool
     hash_algorithm: str  # a HashAlgorithm value
     kv_role: str = "both"  # disaggregated serving (the heartbeat's): prefill, decode or both
+    # The KV transfer port ("host:port") and KV layout digest of a P/D connector that serves
+    # blocks (the heartbeat's: the router names this engine as a peer to pull a prefix from).
+    kv_transfer_address: str | None = None
+    kv_layout: str | None = None
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineInfo:
@@ -54,7 +58,18 @@ class EngineInfo:
             enable_prefix_caching=config.enable_prefix_caching,
             hash_algorithm=config.hash_algorithm.value,
             kv_role=_pd_role(config),
+            **_transfer_port(engine),
         )
+
+
+def _transfer_port(engine: LLMEngine) -> dict[str, str]:
+    connector = engine.kv_connector
+    parts = getattr(connector, "connectors", [connector] if connector is not None else [])
+    for part in parts:
+        address = getattr(part, "transfer_address", None)
+        if address is not None:
+            return {"kv_transfer_address": address, "kv_layout": part.layout}
+    return {}
 
 
 

@@ -7,11 +7,13 @@ import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from services.common.process_metrics import register_process_metrics
 from services.engine.engine import EngineStats
+from services.engine.kv_connector import transfer_stats
+from services.engine.kv_connector.transfer_stats import DIRECTIONS, TransferStats
 from services.engine.kv_offload.tiers import KVTierStats
 from services.engine.serving.request_metrics import (
     ENGINE_INDEX,
@@ -62,6 +64,59 @@ class _StatsCollector(Collector):
             yield from _spec_decode(self._model, s.spec_decode)
         if s.kv_tiers is not None:
             yield from _kv_tiers(self._model, s.kv_tiers)
+        if s.kv_transfer is not None:
+            yield from _kv_transfer(self._model, s.kv_transfer)
+
+
+def _histogram(family: HistogramMetricFamily, labels: list[str],
+               h: transfer_stats.Histogram) -> None:
+    running, buckets = 0, []
+    for bound, count in zip([*map(str, h.buckets), "+Inf"], h.counts, strict=True):
+        running += count
+        buckets.append((bound, running))
+    family.add_metric(labels, buckets, h.total)
+
+
+def _kv_transfer(model: str, t: TransferStats) -> Iterator:
+    """KV moved between engines, on both ends: Pagoda's names by direction, and vLLM's NIXL
+    connector's names (its transfers are the puller's: ``received``) for dashboards built on
+    them."""
+    labels = ["model_name", "direction"]
+    c = CounterMetricFamily("pagoda:kv_transfer_bytes", "KV bytes moved between engines.",
+                            labels=labels)
+    seconds = HistogramMetricFamily("pagoda:kv_transfer_seconds",
+                                    "Duration of KV transfers between engines.", labels=labels)
+    for direction in DIRECTIONS:
+        d = getattr(t, direction)
+        c.add_metric([model, direction], d.bytes)
+        _histogram(seconds, [model, direction], d.seconds)
+    yield c
+    yield seconds
+    failures = CounterMetricFamily("pagoda:kv_transfer_failures",
+                                   "KV transfers that failed (recomputed), by reason.",
+                                   labels=["model_name", "reason"])
+    for reason, count in sorted(t.failures.items()):
+        failures.add_metric([model, reason], count)
+    yield failures
+    engine = ["model_name", "engine"]
+    for name, doc, h in (
+        ("vllm:nixl_xfer_time_seconds", "Histogram of transfer duration for KV cache "
+         "transfers (pulled).", t.received.seconds),
+        ("vllm:nixl_bytes_transferred", "Histogram of bytes transferred per KV cache "
+         "transfer (pulled).", t.received.sizes),
+    ):
+        family = HistogramMetricFamily(name, doc, labels=engine)
+        _histogram(family, [model, ENGINE_INDEX], h)
+        yield family
+    for name, doc, value in (
+        ("vllm:nixl_num_failed_transfers", "Number of failed KV cache transfers.",
+         sum(t.failures.values())),
+        ("vllm:nixl_num_kv_expired_reqs", "Number of requests that had their KV expire "
+         "(held for a pull that never came; prefill side).", t.expired),
+    ):
+        c = CounterMetricFamily(name, doc, labels=engine)
+        c.add_metric([model, ENGINE_INDEX], value)
+        yield c
 
 
 def _kv_tiers(model: str, t: KVTierStats) -> Iterator:

@@ -77,6 +77,8 @@ class EnginePublisher:
             step_ms=round(core.step_ms, 3),
             adapters=_adapters(s.lora),
             kv_role=info.kv_role,
+            kv_transfer_address=info.kv_transfer_address,
+            kv_layout=info.kv_layout,
         )
         try:
             if self._pending:
