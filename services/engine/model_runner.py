@@ -20,7 +20,13 @@ import numpy as np
 import torch
 
 from services.common.version import package_version
-from services.engine import cpu_threads, prompt_logprobs, shard_sampling, spec_step
+from services.engine import (
+    cpu_threads,
+    memory_budget,
+    prompt_logprobs,
+    shard_sampling,
+    spec_step,
+)
 from services.engine.attention.base import AttentionMetadata
 from services.engine.attention.contract import check_kv_caches, check_step
 from services.engine.attention.metadata import (
@@ -32,6 +38,7 @@ from services.engine.attention.metadata import (
 from services.engine.attention.selector import get_attention_backend
 from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from services.engine.feature_warm_up import warm_up_features
 from services.engine.input_batch import InputBatch
 from services.engine.lora.layers import ModelLoRA, segment_kernels_wanted
 from services.engine.lora.manager import LoRAManager
@@ -152,6 +159,8 @@ class ModelRunner:
                                        identity)
             tp, config = self.workers.tp, replace(config, device=str(self.workers.device))
         self.tp = tp or SINGLE
+        # What the KV budget left to the features (None: kv_cache_memory or num_blocks given).
+        self.feature_memory: memory_budget.FeatureMemory | None = None
         # Tensor parallelism: sample on the vocabulary shards where a step allows it
         # (``shard_sampling``); False gathers every step's logits on rank 0, as before.
         self.sample_on_shards = True
@@ -211,6 +220,7 @@ class ModelRunner:
                                         max_len, self._draft_staging(max_len))
         self.sampler = Sampler()
         self.masker: TokenMasker | None = None
+        self.warmed_up: list[str] = []  # the features' paths the warm-up ran
         self.buffers: StepBuffers | None = None
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cpu":
@@ -264,14 +274,33 @@ class ModelRunner:
             per_token += draft_model.kv_bytes_per_token(self._draft_path(), self.dtype)
         bytes_per_block = per_token * self.block_size
         budget = self.config.kv_cache_memory
-        if budget is None:
-            budget = self._default_kv_budget()
+        if budget is None:  # the engine's memory less what its features hold back
+            held = self.feature_memory = self._feature_memory()
+            logger.info("KV budget: held back for the features %s", held)
+            budget = self._default_kv_budget() - held.total(self.device)
         num_blocks = budget // bytes_per_block
         if num_blocks < 1:
             raise ValueError(
-                f"kv_cache_memory={budget} bytes holds no block of {bytes_per_block} bytes"
+                f"a KV budget of {budget} bytes holds no block of {bytes_per_block} bytes "
+                "(--kv-cache-memory sets it)"
             )
         return self.tp.min_over_ranks(int(num_blocks))  # one pool size that fits every rank
+
+    def _feature_memory(self) -> memory_budget.FeatureMemory:
+        """What the largest step with every enabled feature holds besides the KV pool
+        (``memory_budget``): counted before the pool is allocated."""
+        c, mc = self.config, self.model_config
+        draft = self._draft_path()
+        verify_rows = c.max_num_seqs * (1 + self.num_spec_tokens)
+        return memory_budget.FeatureMemory(
+            activations=memory_budget.activation_bytes(mc, c.max_num_batched_tokens,
+                                                       self.tp.size, self.dtype),
+            sampler=memory_budget.sampler_bytes(verify_rows, mc.vocab_size),
+            draft_weights=0 if draft is None else memory_budget.weight_bytes(draft, self.dtype),
+            draft_probs=0 if draft is None else memory_budget.draft_probs_bytes(
+                c.max_num_seqs, self.num_spec_tokens, mc.vocab_size),
+            lora_slots=memory_budget.lora_slot_bytes(self.lora),
+        )
 
     def _default_kv_budget(self) -> int:
         if self.device.type != "cuda":
@@ -319,9 +348,9 @@ class ModelRunner:
             hidden = self.model(ids, positions, self.kv_caches, meta)
             if n <= self.config.max_num_seqs * (1 + self.num_spec_tokens):  # logits rows
                 self.model.compute_logits(hidden)
-        logger.info("warmed up in %.1fs", time.perf_counter() - start)
-        if self.draft is not None:
-            self.draft.warm_up(self.config.max_num_batched_tokens, self.config.max_num_seqs, room)
+        self.warmed_up = warm_up_features(self, grammar_masks=False)
+        logger.info("warmed up in %.1fs (and %s)", time.perf_counter() - start,
+                    ", ".join(self.warmed_up))
 
     # -- GPU: staging buffers, warm-up, graphs ---------------------------------------------
 
@@ -384,6 +413,7 @@ class ModelRunner:
             if logits is not None:  # rank 0 samples; the other ranks only join the gather
                 self.sampler(logits[:1], greedy)
                 self.sampler(logits[:1], sampled)
+        self.warmed_up = warm_up_features(self, grammar_masks=True)
         torch.cuda.synchronize()
 
     # -- one step ---------------------------------------------------------------------------
