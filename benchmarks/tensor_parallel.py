@@ -12,8 +12,8 @@
 
 3. ``--sampling``: sampling on the vocabulary shards against gathering the logits, in one
    engine at TP=2 and at TP=3 (SmolLM2-sized, vocabulary 49,152), alternating: the bytes rank 0
-   receives from the other ranks' logits per decode step, and the decode step's mean time,
-   for seeded Gumbel-max rows and for top-k 50 rows.
+   receives from the other ranks' logits or candidates per step (every step samples each
+   request), and the decode step's mean time, for seeded Gumbel-max rows and top-k 50 rows.
 
 On a 2-core machine TP=N is slower than TP=1: every layer adds two all-reduces (o_proj and
 down_proj) across processes that share the same cores, and this model is small. TP is for
@@ -217,37 +217,40 @@ def _bench_sampling(path: str, label: str, ranks: int, requests: int, max_tokens
 
     torch.distributed.gather = counting_gather
     step_times: list[float] = []
+    all_steps = [0]
     forward = runner.forward_logits
 
     def timed(batch, *args, **kwargs):
         start = time.perf_counter()
         out = forward(batch, *args, **kwargs)
+        all_steps[0] += 1
         if len(batch.input_ids) == len(batch.seq_lens):  # a decode step
             step_times.append(time.perf_counter() - start)
         return out
 
     runner.forward_logits = timed
     print(f"\n{label}, fp32, TP={ranks}, {requests} requests x {max_tokens} tokens, "
-          f"{rounds} alternating rounds (bytes: received by rank 0 per decode step)")
+          f"{rounds} alternating rounds (bytes: received by rank 0 per step)")
     for kind, params in kinds.items():
-        figures = {False: [0.0, 0, 0, None], True: [0.0, 0, 0, None]}
+        figures = {False: [0.0, 0, 0, None, 0], True: [0.0, 0, 0, None, 0]}
         for _ in range(rounds):
             for on_shards in (False, True):
                 runner.sample_on_shards = on_shards
                 step_times.clear()
-                received[0] = 0
+                received[0] = all_steps[0] = 0
                 outs = llm.generate(prompts, params, use_tqdm=False)
                 tokens = [o.outputs[0].token_ids for o in outs]
                 f = figures[on_shards]
                 f[0] += sum(step_times)
                 f[1] += len(step_times)
                 f[2] += received[0]
+                f[4] += all_steps[0]
                 assert f[3] in (None, tokens), "the same seeds gave other tokens"
                 f[3] = tokens
         same = "identical" if figures[False][3] == figures[True][3] else "DIFFERENT"
         for on_shards, name in ((False, "gathered"), (True, "on shards")):
-            total, steps, nbytes, _ = figures[on_shards]
-            print(f"  {kind:<18} {name:<10} {nbytes / max(1, steps) / 1024:9.1f} KiB/step "
+            total, steps, nbytes, _, every = figures[on_shards]
+            print(f"  {kind:<18} {name:<10} {nbytes / max(1, every) / 1024:9.1f} KiB/step "
                   f"{1000 * total / max(1, steps):8.2f} ms/decode step")
         print(f"  {kind:<18} tokens gathered vs on shards: {same}")
     torch.distributed.gather = real_gather

@@ -3,7 +3,9 @@
 Logits of tiny random Llama / Qwen2 / Qwen3 models over 2 ranks equal one rank's within fp32
 tolerance (GQA with fewer KV heads than ranks too); the default model (9 query, 3 KV heads) over
 3 ranks generates exactly one rank's greedy tokens through chunked prefill, prefix caching and
-preemption; a rank's loader reads only its slices of the checkpoint; a dead worker ends the
+preemption; seeded, top-k and greedy rows sampled on the vocabulary shards over 2 and 3 ranks
+give one rank's tokens (and a step with a logprobs row gathers); a rank's loader reads only its
+slices of the checkpoint; a dead worker ends the
 engine process within seconds; sizes that cannot be split are refused before anything starts;
 a user's script read from standard input, or without a ``__main__`` guard, starts its workers
 (they never re-import it) and exits cleanly.
