@@ -34,6 +34,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -45,9 +46,19 @@ from services.engine.models.config import ModelConfig
 from services.engine.models.loader import load_model
 from services.engine.models.onednn import FULL_PASS_ROWS, ROW_BUCKETS, warm_up_products
 from services.engine.parallel.group import SINGLE, building
-from services.engine.step_buffers import StepBuffers
 
 logger = logging.getLogger(__name__)
+
+
+class PassStaging(Protocol):
+    """Where a pass's inputs cross to the device in one copy: the core's ``StepBuffers``
+    (named by this shape only: the core imports this package, not the other way round)."""
+
+    def fits(self, num_tokens: int, num_seqs: int, width: int) -> bool: ...
+
+    def stage(self, input_ids: np.ndarray, block_tables: np.ndarray, num_blocks: np.ndarray,
+              seq_lens: np.ndarray, query_lens: np.ndarray, logits_rows: np.ndarray) -> Any:
+        """Returns the staged step: ``input_ids``, ``positions``, ``meta``, ``logits_rows``."""
 
 
 @dataclass(slots=True)
@@ -94,7 +105,7 @@ def kv_bytes_per_token(path: str | Path, dtype: torch.dtype) -> int:
 class DraftModel:
     def __init__(self, path: str, dtype: torch.dtype, device: torch.device,
                  backend: AttentionBackend, num_blocks: int, block_size: int,
-                 max_model_len: int, staging: StepBuffers | None = None) -> None:
+                 max_model_len: int, staging: PassStaging | None = None) -> None:
         """``staging``: the pinned buffers the passes cross in (a GPU's; None: the CPU's
         views of the host arrays)."""
         config = ModelConfig.from_hf_dir(path)
