@@ -144,7 +144,7 @@ def test_draft_passes_staged_in_one_copy_give_the_same_tokens(target, bad_draft,
         real = staging.stage
         staging.stage = lambda *a, **k: staged.append(1) or real(*a, **k)
         runner.draft.staging = staging
-        assert sd.run(eng, prompts, sd.greedy()) == reference
+        assert sd.run(eng, prompts[:4], sd.greedy()) == reference[:4]
     finally:
         eng.close()
     assert len(staged) > 20  # every pass of every drafting step
