@@ -10,6 +10,11 @@
 2. The default model (SmolLM2-135M, fp32) generating ``--requests`` greedy requests at TP=1
    and TP=N, ``--max-tokens`` each: output tokens/s and the mean time of a decode step.
 
+3. ``--sampling``: sampling on the vocabulary shards against gathering the logits, in one
+   engine at TP=2 and at TP=3 (SmolLM2-sized, vocabulary 49,152), alternating: the bytes rank 0
+   receives from the other ranks' logits or candidates per step (every step samples each
+   request), and the decode step's mean time, for seeded Gumbel-max rows and top-k 50 rows.
+
 On a 2-core machine TP=N is slower than TP=1: every layer adds two all-reduces (o_proj and
 down_proj) across processes that share the same cores, and this model is small. TP is for
 models that do not fit one GPU; the overhead figure is the point here.
@@ -179,13 +184,92 @@ def _bench_generate(path: str, label: str, ranks: int, requests: int, max_tokens
     print(f"  greedy outputs TP=1 vs TP={ranks}: {same}")
 
 
+def bench_sampling(requests: int, max_tokens: int, rounds: int) -> None:
+    """Gathered logits against sampling on the shards, same engine, alternating rounds."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for ranks in (2, 3):
+            path, label = model_for(ranks, Path(tmp) / str(ranks))
+            _bench_sampling(path, label, ranks, requests, max_tokens, rounds)
+
+
+def _bench_sampling(path: str, label: str, ranks: int, requests: int, max_tokens: int,
+                    rounds: int) -> None:
+    import torch
+
+    prompts = [f"Question {i}: what is the capital of country number {i}? Answer:"
+               for i in range(requests)]
+    kinds = {
+        "seeded Gumbel-max": [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i,
+                                             ignore_eos=True) for i in range(requests)],
+        "top-k 50, seeded": [SamplingParams(max_tokens=max_tokens, temperature=0.8, top_k=50,
+                                            seed=i, ignore_eos=True) for i in range(requests)],
+    }
+    llm = LLM(path, tensor_parallel_size=ranks, num_blocks=256, max_num_seqs=requests)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm
+    runner = llm.engine.runner
+    received = [0]
+    real_gather = dist.gather
+
+    def counting_gather(tensor, gather_list=None, *args, **kwargs):
+        if gather_list is not None:  # rank 0: what the other ranks send it
+            received[0] += tensor.nbytes * (len(gather_list) - 1)
+        return real_gather(tensor, gather_list, *args, **kwargs)
+
+    torch.distributed.gather = counting_gather
+    step_times: list[float] = []
+    all_steps = [0]
+    forward = runner.forward_logits
+
+    def timed(batch, *args, **kwargs):
+        start = time.perf_counter()
+        out = forward(batch, *args, **kwargs)
+        all_steps[0] += 1
+        if len(batch.input_ids) == len(batch.seq_lens):  # a decode step
+            step_times.append(time.perf_counter() - start)
+        return out
+
+    runner.forward_logits = timed
+    print(f"\n{label}, fp32, TP={ranks}, {requests} requests x {max_tokens} tokens, "
+          f"{rounds} alternating rounds (bytes: received by rank 0 per step)")
+    for kind, params in kinds.items():
+        figures = {False: [0.0, 0, 0, None, 0], True: [0.0, 0, 0, None, 0]}
+        for _ in range(rounds):
+            for on_shards in (False, True):
+                runner.sample_on_shards = on_shards
+                step_times.clear()
+                received[0] = all_steps[0] = 0
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                tokens = [o.outputs[0].token_ids for o in outs]
+                f = figures[on_shards]
+                f[0] += sum(step_times)
+                f[1] += len(step_times)
+                f[2] += received[0]
+                f[4] += all_steps[0]
+                assert f[3] in (None, tokens), "the same seeds gave other tokens"
+                f[3] = tokens
+        same = "identical" if figures[False][3] == figures[True][3] else "DIFFERENT"
+        for on_shards, name in ((False, "gathered"), (True, "on shards")):
+            total, steps, nbytes, _, every = figures[on_shards]
+            print(f"  {kind:<18} {name:<10} {nbytes / max(1, every) / 1024:9.1f} KiB/step "
+                  f"{1000 * total / max(1, steps):8.2f} ms/decode step")
+        print(f"  {kind:<18} tokens gathered vs on shards: {same}")
+    torch.distributed.gather = real_gather
+    llm.engine.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--sampling", action="store_true",
+                        help="only: sampling on the shards against the gather, TP=2 and 3")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    if args.sampling:
+        bench_sampling(args.requests, args.max_tokens, args.rounds)
+        return
     bench_broadcast(args.ranks, args.steps)
     bench_generate(args.ranks, args.requests, args.max_tokens)
 

@@ -44,7 +44,8 @@ class EngineConfig:
         None, help="KV blocks in the pool (default: sized from --kv-cache-memory)"
     )
     kv_cache_memory: int | None = flag(
-        None, help="bytes for the KV pool (default: 2 GiB on the CPU, 85% of free GPU memory)"
+        None, help="bytes for the KV pool (default: 2 GiB on the CPU, 85% of free GPU memory, "
+        "less what the enabled features hold back)"
     )
     max_num_seqs: int = flag(128, help="requests in one batch")
     max_num_batched_tokens: int | None = flag(

@@ -20,7 +20,13 @@ import numpy as np
 import torch
 
 from services.common.version import package_version
-from services.engine import cpu_threads, prompt_logprobs, spec_step
+from services.engine import (
+    cpu_threads,
+    memory_budget,
+    prompt_logprobs,
+    shard_sampling,
+    spec_step,
+)
 from services.engine.attention.base import AttentionMetadata
 from services.engine.attention.contract import check_kv_caches, check_step
 from services.engine.attention.metadata import (
@@ -32,6 +38,7 @@ from services.engine.attention.metadata import (
 from services.engine.attention.selector import get_attention_backend
 from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from services.engine.feature_warm_up import warm_up_features
 from services.engine.input_batch import InputBatch
 from services.engine.lora.layers import ModelLoRA, segment_kernels_wanted
 from services.engine.lora.manager import LoRAManager
@@ -152,6 +159,11 @@ class ModelRunner:
                                        identity)
             tp, config = self.workers.tp, replace(config, device=str(self.workers.device))
         self.tp = tp or SINGLE
+        # What the KV budget left to the features (None: kv_cache_memory or num_blocks given).
+        self.feature_memory: memory_budget.FeatureMemory | None = None
+        # Tensor parallelism: sample on the vocabulary shards where a step allows it
+        # (``shard_sampling``); False gathers every step's logits on rank 0, as before.
+        self.sample_on_shards = True
         try:
             self._load(config, model_path)
         except BaseException:
@@ -205,9 +217,10 @@ class ModelRunner:
             if self._draft_path() is not None:
                 self.draft = DraftModel(self._draft_path(), self.dtype, self.device,
                                         self.attn_backend, self.num_blocks, self.block_size,
-                                        max_len)
+                                        max_len, self._draft_staging(max_len))
         self.sampler = Sampler()
         self.masker: TokenMasker | None = None
+        self.warmed_up: list[str] = []  # the features' paths the warm-up ran
         self.buffers: StepBuffers | None = None
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cpu":
@@ -242,6 +255,15 @@ class ModelRunner:
             return None
         return spec.model
 
+    def _draft_staging(self, max_len: int) -> StepBuffers | None:
+        """The draft's passes cross in pinned buffers of their own on a GPU (one copy each)."""
+        if self.device.type != "cuda":
+            return None
+        c = self.config
+        width = min(-(-max_len // self.block_size), self.num_blocks)
+        return StepBuffers(c.max_num_batched_tokens, c.max_num_seqs, width, self.block_size,
+                           self.device)
+
     def _decide_num_blocks(self) -> int:
         if self.config.num_blocks is not None:
             return self.config.num_blocks
@@ -252,14 +274,33 @@ class ModelRunner:
             per_token += draft_model.kv_bytes_per_token(self._draft_path(), self.dtype)
         bytes_per_block = per_token * self.block_size
         budget = self.config.kv_cache_memory
-        if budget is None:
-            budget = self._default_kv_budget()
+        if budget is None:  # the engine's memory less what its features hold back
+            held = self.feature_memory = self._feature_memory()
+            logger.info("KV budget: held back for the features %s", held)
+            budget = self._default_kv_budget() - held.total(self.device)
         num_blocks = budget // bytes_per_block
         if num_blocks < 1:
             raise ValueError(
-                f"kv_cache_memory={budget} bytes holds no block of {bytes_per_block} bytes"
+                f"a KV budget of {budget} bytes holds no block of {bytes_per_block} bytes "
+                "(--kv-cache-memory sets it)"
             )
         return self.tp.min_over_ranks(int(num_blocks))  # one pool size that fits every rank
+
+    def _feature_memory(self) -> memory_budget.FeatureMemory:
+        """What the largest step with every enabled feature holds besides the KV pool
+        (``memory_budget``): counted before the pool is allocated."""
+        c, mc = self.config, self.model_config
+        draft = self._draft_path()
+        verify_rows = c.max_num_seqs * (1 + self.num_spec_tokens)
+        return memory_budget.FeatureMemory(
+            activations=memory_budget.activation_bytes(mc, c.max_num_batched_tokens,
+                                                       self.tp.size, self.dtype),
+            sampler=memory_budget.sampler_bytes(verify_rows, mc.vocab_size),
+            draft_weights=0 if draft is None else memory_budget.weight_bytes(draft, self.dtype),
+            draft_probs=0 if draft is None else memory_budget.draft_probs_bytes(
+                c.max_num_seqs, self.num_spec_tokens, mc.vocab_size),
+            lora_slots=memory_budget.lora_slot_bytes(self.lora),
+        )
 
     def _default_kv_budget(self) -> int:
         if self.device.type != "cuda":
@@ -307,9 +348,9 @@ class ModelRunner:
             hidden = self.model(ids, positions, self.kv_caches, meta)
             if n <= self.config.max_num_seqs * (1 + self.num_spec_tokens):  # logits rows
                 self.model.compute_logits(hidden)
-        logger.info("warmed up in %.1fs", time.perf_counter() - start)
-        if self.draft is not None:
-            self.draft.warm_up(self.config.max_num_batched_tokens, self.config.max_num_seqs, room)
+        self.warmed_up = warm_up_features(self, grammar_masks=False)
+        logger.info("warmed up in %.1fs (and %s)", time.perf_counter() - start,
+                    ", ".join(self.warmed_up))
 
     # -- GPU: staging buffers, warm-up, graphs ---------------------------------------------
 
@@ -372,6 +413,7 @@ class ModelRunner:
             if logits is not None:  # rank 0 samples; the other ranks only join the gather
                 self.sampler(logits[:1], greedy)
                 self.sampler(logits[:1], sampled)
+        self.warmed_up = warm_up_features(self, grammar_masks=True)
         torch.cuda.synchronize()
 
     # -- one step ---------------------------------------------------------------------------
@@ -484,12 +526,16 @@ class ModelRunner:
         if step.draft is not None:  # before the target: its drafts are the target's inputs
             spec_step.propose_drafts(self.draft, step.draft, step.spec, step.batch.input_ids)
         scorer = step.scorer
+        shards = self._shard_plan(step)
         logits = self.forward_logits(
             step.batch, None if scorer is None else scorer.add, step.cpu_inputs, fill
         )
         scored = [] if scorer is None else scorer.results()
         if logits is None:
             return StepResult(SamplerOutput(token_ids=[], logprobs=[]), scored)
+        if shards is not None:  # the ranks sampled: these are the tokens
+            return StepResult(SamplerOutput(logits.tolist(), [None] * len(logits), logits),
+                              scored)
         if step.grammars is not None:  # structured outputs: before sampling
             if step.spec is None:
                 self._token_masker().apply(logits, step.grammars)
@@ -500,6 +546,16 @@ class ModelRunner:
             return StepResult(out, scored, spec)
         return StepResult(self.sampler(logits, step.sampling), scored)
 
+    def _shard_plan(self, step: PreparedStep) -> shard_sampling.ShardPlan | None:
+        """Rank 0: the step's plan for sampling on the shards, set on its batch (None: the
+        logits are gathered). Grammar masks and drafts need whole rows."""
+        if (self.workers is None or not self.sample_on_shards or step.grammars is not None
+                or step.spec is not None or not len(step.batch.rows)):
+            return None
+        plan = shard_sampling.plan(step.sampling, self.device)
+        step.batch.shard_sampling = None if plan is None else plan.encode()
+        return plan
+
     @torch.inference_mode()
     def forward_logits(
         self,
@@ -509,12 +565,13 @@ class ModelRunner:
         fill: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
         """Runs the model over ``batch``; returns the logits of its ``rows`` (float32), or None
-        without rows or on a tensor-parallel rank other than 0. The logits of each hidden-row
-        slice in ``batch.scored`` go to ``score`` first (rank 0; every rank computes them, as
-        the LM head is a collective). ``cpu_inputs``: the batch's tensors if ``prepare`` built
-        them; ``fill``: (positions, token ids) that replace placeholder input ids. Rank 0
-        sends the batch to the other ranks first, and a failure after that is fatal
-        (``WorkerGroup.abort``): the ranks would be out of step."""
+        without rows or on a tensor-parallel rank other than 0; with ``batch.shard_sampling``
+        the rows' sampled token ids instead (the ranks sample their shards). The logits of
+        each hidden-row slice in ``batch.scored`` go to ``score`` first (rank 0; every rank
+        computes them, as the LM head is a collective). ``cpu_inputs``: the batch's tensors
+        if ``prepare`` built them; ``fill``: (positions, token ids) that replace placeholder
+        input ids. Rank 0 sends the batch to the other ranks first, and a failure after that
+        is fatal (``WorkerGroup.abort``): the ranks would be out of step."""
         if self.workers is None:
             return self._logits(batch, score, cpu_inputs, fill)
         try:
@@ -545,7 +602,16 @@ class ModelRunner:
                 score(logits)
         if not len(batch.rows):
             return None
-        return self.model.compute_logits(hidden if last is None else hidden.index_select(0, last))
+        rows = hidden if last is None else hidden.index_select(0, last)
+        if batch.shard_sampling is not None:
+            return self._sample_shards(rows, shard_sampling.ShardPlan.decode(batch.shard_sampling))
+        return self.model.compute_logits(rows)
+
+    def _sample_shards(self, hidden: torch.Tensor,
+                       plan: shard_sampling.ShardPlan) -> torch.Tensor | None:
+        head = self.model.lm_head  # its vocabulary rows: [vocab_start, + vocab_real)
+        logits = self.model.shard_logits(hidden)[:, : head.vocab_real].contiguous()
+        return shard_sampling.sample(logits, plan, self.tp, head.vocab_start)
 
     def _token_masker(self) -> TokenMasker:
         if self.masker is None:  # only engines that meet a constrained request pay for it

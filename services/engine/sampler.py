@@ -286,7 +286,7 @@ def gumbel_argmax(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     kernels = kernels_for(logits)
     if kernels is None:
         return (logits + _gumbel_noise(logits, batch)).argmax(-1)
-    return kernels.gumbel_argmax(logits.contiguous(), _noise_keys(batch))
+    return kernels.gumbel_argmax(logits.contiguous(), noise_keys(batch))
 
 
 def _seeded_rows(batch: SamplingBatch) -> list[int]:
@@ -297,7 +297,7 @@ def _seeded_rows(batch: SamplingBatch) -> list[int]:
     return [i for i, g in enumerate(gens) if g is not None and not greedy[i]]
 
 
-def _noise_keys(batch: SamplingBatch) -> torch.Tensor:
+def noise_keys(batch: SamplingBatch) -> torch.Tensor:
     """One 64-bit key per row for the kernel's noise: a seeded row draws its key from its own
     generator (so the batch never changes its tokens), the others from torch's global one."""
     keys = torch.randint(_KEY_LOW, _KEY_HIGH, (batch.num_rows,), dtype=torch.int64)

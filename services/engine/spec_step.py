@@ -214,19 +214,16 @@ def _draft_inputs(draft: DraftModel, ib: InputBatch, sched: SchedulerOutput, bat
         return inputs
     idx = np.array(members)
     seen_a, q_a = np.array(seen, np.int64), np.array(q_lens, np.int64)
-    ids_t, pos, meta = draft.pass_inputs(batch.block_tables[idx], batch.num_blocks[idx],
-                                         np.array(ids, np.int64), seen_a, q_a)
     last = np.cumsum(q_a) - 1
     where = np.searchsorted(idx, drafting)  # every drafting request is a member
-    device = pos.device
-    inputs.passes.append(DraftPass(ids_t, pos, meta, torch.from_numpy(last[where]).to(device)))
+    inputs.passes.append(DraftPass(batch.block_tables[idx], batch.num_blocks[idx], seen_a, q_a,
+                                   np.array(ids, np.int64), last[where]))
     ends = seen_a[where]
     for j in range(1, int(inputs.num_drafts.max(initial=0))):
         take = np.flatnonzero(inputs.num_drafts > j)
         sel = drafting[take]
-        _, pos, meta = draft.pass_inputs(batch.block_tables[sel], batch.num_blocks[sel], None,
-                                         ends[take] + j, np.ones(len(take), np.int64))
-        inputs.passes.append(DraftPass(None, pos, meta, torch.from_numpy(take).to(device)))
+        inputs.passes.append(DraftPass(batch.block_tables[sel], batch.num_blocks[sel],
+                                       ends[take] + j, np.ones(len(take), np.int64), None, take))
     return inputs
 
 

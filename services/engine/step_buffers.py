@@ -108,6 +108,11 @@ class StepBuffers:
 
     # -- staging ----------------------------------------------------------------------------
 
+    def fits(self, num_tokens: int, num_seqs: int, width: int) -> bool:
+        """Whether an eager step of these sizes fits the buffers."""
+        return (num_seqs <= self.max_num_seqs and width <= self.max_blocks_per_seq
+                and make_layout(num_tokens, num_seqs, width).nbytes <= self.device_bytes.numel())
+
     def stage(
         self,
         input_ids: np.ndarray,

@@ -19,6 +19,7 @@ from scipy.stats import chi2_contingency
 from services.engine.config import EngineConfig
 from services.engine.spec_decode.config import SpeculativeConfig
 from services.engine.spec_decode.metrics import SpecDecodeStats
+from services.engine.step_buffers import StepBuffers
 from services.protocol.sampling_params import SamplingParams
 from tests.support import spec_decode as sd
 
@@ -126,6 +127,27 @@ def test_greedy_equals_speculation_off_and_transformers(kind, target, bad_draft,
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_total_blocks
     assert sd.hf_speculative(target, prompts[:4], spec) == reference[:4]
+
+
+def test_draft_passes_staged_in_one_copy_give_the_same_tokens(target, bad_draft, prompts,
+                                                              reference) -> None:
+    """A GPU's way for the draft's passes (``DraftModel.staging``: each pass put on the device
+    in one copy from the step buffers, on the step thread), run over the CPU's step buffers:
+    the same greedy tokens, and every pass went through them."""
+    eng = sd.engine(target, sd.draft(bad_draft), num_blocks=256)
+    try:
+        runner, c = eng.runner, eng.runner.config
+        width = runner.input_batch.block_table.shape[1]
+        staging = StepBuffers(c.max_num_batched_tokens, c.max_num_seqs, width, c.block_size,
+                              runner.device)
+        staged = []
+        real = staging.stage
+        staging.stage = lambda *a, **k: staged.append(1) or real(*a, **k)
+        runner.draft.staging = staging
+        assert sd.run(eng, prompts[:4], sd.greedy()) == reference[:4]
+    finally:
+        eng.close()
+    assert len(staged) > 20  # every pass of every drafting step
 
 
 # -- the sampling law ----------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 Logits of tiny random Llama / Qwen2 / Qwen3 models over 2 ranks equal one rank's within fp32
 tolerance (GQA with fewer KV heads than ranks too); the default model (9 query, 3 KV heads) over
 3 ranks generates exactly one rank's greedy tokens through chunked prefill, prefix caching and
-preemption; a rank's loader reads only its slices of the checkpoint; a dead worker ends the
+preemption; seeded, top-k and greedy rows sampled on the vocabulary shards over 2 and 3 ranks
+give one rank's tokens (and a step with a logprobs row gathers); a rank's loader reads only its
+slices of the checkpoint; a dead worker ends the
 engine process within seconds; sizes that cannot be split are refused before anything starts;
 a user's script read from standard input, or without a ``__main__`` guard, starts its workers
 (they never re-import it) and exits cleanly.
@@ -27,12 +29,14 @@ import torch
 
 from services.engine import LLM, SamplingParams
 from services.engine.config import EngineConfig
+from services.engine.engine import LLMEngine
 from services.engine.model_runner import ModelRunner
 from services.engine.models import loader
 from services.engine.models.loader import load_model
 from services.engine.parallel.group import TPGroup, building
 from services.engine.parallel.step_broadcast import StepBatch, decode, encode
 from services.protocol import engine_api
+from tests.support import spec_decode as sd
 from tests.support.services import REPO, ServiceProcess, internal_headers
 
 ATOL = 1e-5
@@ -106,6 +110,59 @@ def test_default_model_over_three_ranks_is_greedy_identical(default_model_path) 
         assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0, stats
         assert sum(o.num_cached_tokens for o in outs) > 0
     assert runs[3] == runs[1]
+
+
+# Seeded Gumbel-max, top-k and greedy rows: sampled on the shards (``shard_sampling``).
+SHARD_SAMPLED = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                 SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True),
+                 SamplingParams(max_tokens=8, temperature=0.8, top_k=20, seed=8,
+                                ignore_eos=True),
+                 SamplingParams(max_tokens=8, temperature=1.5, seed=9, ignore_eos=True)]
+# A row with logprobs needs the whole vocabulary: its steps gather the logits.
+GATHERED = SamplingParams(max_tokens=8, temperature=1.0, seed=10, logprobs=2, ignore_eos=True)
+
+
+def _sample(engine: LLMEngine, params: list[SamplingParams]) -> list[list[int]]:
+    prompts = [[5, 6, 7, 8, 9][: 2 + i] for i in range(len(params))]
+    return sd.run(engine, prompts, params)
+
+
+# Small steps: the warm-up meets few row counts.
+SMALL = {"num_blocks": 32, "max_num_batched_tokens": 32, "max_num_seqs": 8}
+
+
+@pytest.fixture(scope="module")
+def shard_sampled(tiny_model_dir) -> tuple[Path, list[list[int]]]:
+    """A model that 2 and 3 ranks split (6 heads; a vocabulary of 256: 86/86/84 over 3), and
+    one rank's tokens for ``SHARD_SAMPLED + [GATHERED]``."""
+    path = tiny_model_dir("LlamaForCausalLM", num_attention_heads=6, num_key_value_heads=6,
+                          hidden_size=96, head_dim=16, intermediate_size=192)
+    one = sd.engine(path, **SMALL)
+    try:
+        return path, _sample(one, SHARD_SAMPLED + [GATHERED])
+    finally:
+        one.close()
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_sampling_on_shards_gives_one_ranks_tokens(shard_sampled, ranks) -> None:
+    """Over 2 ranks and over 3, seeded and greedy rows give one rank's tokens, sampled on the
+    shards or gathered; a step with a logprobs row is gathered, and so gives them too."""
+    path, expected = shard_sampled
+    engine = sd.engine(path, tensor_parallel_size=ranks, **SMALL)
+    try:
+        runner = engine.runner
+        sampled_on_shards = []
+        real = runner._sample_shards
+        runner._sample_shards = lambda *a: sampled_on_shards.append(1) or real(*a)
+        assert _sample(engine, SHARD_SAMPLED) == expected[:-1]
+        assert len(sampled_on_shards) == 8  # every step of that batch
+        assert _sample(engine, SHARD_SAMPLED + [GATHERED]) == expected
+        assert len(sampled_on_shards) == 8  # none: a row needs the whole vocabulary
+        runner.sample_on_shards = False
+        assert _sample(engine, SHARD_SAMPLED) == expected[:-1]
+    finally:
+        engine.close()
 
 
 def test_a_rank_reads_only_its_slices(tiny_model_dir, monkeypatch) -> None:

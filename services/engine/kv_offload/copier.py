@@ -6,7 +6,11 @@ learns of each job's end from ``done`` before it lets go of them. So the copy th
 step touch disjoint memory, and the step never waits for a copy.
 
 On CUDA the copies run on a side stream, into and out of pinned host memory, and a job is
-reported done only after its stream synchronized.
+reported done only after its stream synchronized. A block crosses between the device and the
+host store straight from or into its pinned slot (``_copy_rows``: a view of the pinned store,
+so ``non_blocking`` is truly asynchronous); an ``index_select`` of the store would first make a
+pageable copy, which CUDA copies synchronously through a bounce buffer. On the CPU the same
+code runs as plain copies.
 
 ``close`` returns only once the thread has ended: the runner's caches and the host store are
 freed after it, so a copy must never still be writing into them. Closing tells the thread to
@@ -130,14 +134,14 @@ class KVCopier:
         return torch.cuda.stream(self.stream)
 
     def _gather(self, pool_ids: list[int]) -> torch.Tensor:
-        """The pool blocks, host-side: [n, layers, 2, block_size, kv_heads, head_dim]."""
+        """The pool blocks, on the device: [n, layers, 2, block_size, kv_heads, head_dim]."""
         ids = torch.tensor(pool_ids, dtype=torch.long, device=self.device)
         out = torch.empty((len(pool_ids), *self.block_shape), dtype=self.dtype,
                           device=self.device)
         for layer, (k, v) in enumerate(self.kv_caches):
             out[:, layer, 0] = k.index_select(0, ids)
             out[:, layer, 1] = v.index_select(0, ids)
-        return out.to("cpu", non_blocking=False) if self.device.type != "cpu" else out
+        return out
 
     def _scatter(self, blocks: torch.Tensor, pool_ids: list[int]) -> None:
         ids = torch.tensor(pool_ids, dtype=torch.long, device=self.device)
@@ -150,23 +154,31 @@ class KVCopier:
         blocks = self._gather(job.pool_ids)
         to_host = [(j, s) for j, s in enumerate(job.host_slots) if s is not None]
         if to_host and self.host is not None:
-            rows = torch.tensor([j for j, _ in to_host], dtype=torch.long)
-            slots = torch.tensor([s for _, s in to_host], dtype=torch.long)
-            self.host.index_copy_(0, slots, blocks.index_select(0, rows))
+            _copy_rows(self.host, [s for _, s in to_host], blocks, [j for j, _ in to_host])
         if self.remote is not None:
+            if self.stream is not None:
+                self.stream.synchronize()  # the host slots are written before they are read
             for j, wanted in enumerate(job.upload):
                 if wanted:
-                    payload = blocks[j].contiguous().view(torch.uint8).numpy().tobytes()
+                    payload = self._host_block(blocks, j, job.host_slots[j])
                     self.remote.put(job.hashes[j],
                                     self.remote.encode(job.hashes[j], job.token_ids[j], payload))
         return SaveDone(job)
+
+    def _host_block(self, blocks: torch.Tensor, j: int, slot: int | None) -> bytes:
+        """Block ``j`` of a save as bytes: from its host slot when it has one (already on the
+        host), else copied off the device."""
+        block = self.host[slot] if slot is not None and self.host is not None else blocks[j]
+        return block.cpu().contiguous().view(torch.uint8).numpy().tobytes()
 
     def _load(self, job: LoadJob) -> LoadDone:
         n_host = len(job.host_slots)
         if n_host:
             assert self.host is not None
-            slots = torch.tensor(job.host_slots, dtype=torch.long)
-            self._scatter(self.host.index_select(0, slots), job.pool_ids[:n_host])
+            staged = torch.empty((n_host, *self.block_shape), dtype=self.dtype,
+                                 device=self.device)
+            _copy_rows(staged, list(range(n_host)), self.host, job.host_slots)
+            self._scatter(staged, job.pool_ids[:n_host])
         if not job.remote_hashes or self.remote is None:
             return LoadDone(job, n_host, 0)
         values = self.remote.get_many(job.remote_hashes)
@@ -189,3 +201,20 @@ class KVCopier:
             blocks = raw.view(self.dtype).view(len(payloads), *self.block_shape)
             self._scatter(blocks, job.pool_ids[n_host:n_host + len(payloads)])
         return LoadDone(job, n_host, len(payloads), corrupt)
+
+
+def _copy_rows(dst: torch.Tensor, dst_rows: list[int], src: torch.Tensor,
+               src_rows: list[int]) -> None:
+    """``dst[dst_rows[i]] = src[src_rows[i]]``, one copy per run of consecutive rows on both
+    sides: slices of the tensors themselves, so a pinned side stays pinned and the copy is
+    ``non_blocking`` (asynchronous between pinned host memory and a GPU)."""
+    assert len(dst_rows) == len(src_rows)
+    i = 0
+    while i < len(dst_rows):
+        n = 1
+        while (i + n < len(dst_rows) and dst_rows[i + n] == dst_rows[i] + n
+               and src_rows[i + n] == src_rows[i] + n):
+            n += 1
+        d, s = dst_rows[i], src_rows[i]
+        dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
+        i += n

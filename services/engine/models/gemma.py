@@ -176,10 +176,11 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     model_class = GemmaModel
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        logits = super().compute_logits(hidden)  # None on tensor-parallel ranks other than 0
+    def shard_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # Element-wise, so capping each rank's columns equals capping the gathered row.
+        logits = super().shard_logits(hidden)
         cap = self.config.final_logit_softcap
-        return logits if cap is None or logits is None else soft_cap(logits, cap)
+        return logits if cap is None else soft_cap(logits, cap)
 
     def reset_buffers(self) -> None:
         self.model.reset_cache()

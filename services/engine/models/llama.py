@@ -227,13 +227,18 @@ class LlamaForCausalLM(CausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """``hidden``: ``[N, hidden]`` (only the rows that need logits); returns float32, on
         rank 0 (None on the other tensor-parallel ranks)."""
+        return self.lm_head.gather_logits(self.shard_logits(hidden))
+
+    def shard_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary columns of the logits, float32 ``[N, rows]`` (the shard's
+        padding included): every rank, no collective (``shard_sampling``)."""
         if self._tied_head is not None:
             logits = packed_linear(hidden, self._tied_head)
         elif isinstance(self.lm_head, ParallelLMHead):
             logits = self.lm_head(hidden)
         else:
             logits = F.linear(hidden, self.lm_head.weight)
-        return self.lm_head.gather_logits(logits.float())
+        return logits.float()
 
     def pack_weights(self) -> None:
         super().pack_weights()

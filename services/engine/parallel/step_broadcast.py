@@ -50,6 +50,9 @@ class StepBatch:
     lora_slots: np.ndarray | None = None
     lora_installs: list[tuple[int, np.ndarray, Any]] = field(default_factory=list)
     draft_lens: np.ndarray | None = None  # [R] int64
+    # Sampling on the shards (``shard_sampling.ShardPlan``, encoded): the ranks sample their
+    # vocabulary columns and rank 0 merges; None: rank 0 gathers the logits.
+    shard_sampling: np.ndarray | None = None  # int64
 
     def logits_rows(self) -> np.ndarray:
         """The hidden rows that get logits, in order: each of ``rows``' last new token, or with
@@ -85,8 +88,9 @@ class StepBatch:
 def encode(batch: StepBatch) -> np.ndarray:
     num_seqs, width = batch.block_tables.shape
     drafts = batch.draft_lens if batch.draft_lens is not None else np.zeros(0, np.int64)
+    plan = batch.shard_sampling if batch.shard_sampling is not None else np.zeros(0, np.int64)
     sizes = [len(batch.input_ids), num_seqs, width, len(batch.rows), len(batch.scored),
-             len(drafts)]
+             len(drafts), len(plan)]
     return np.concatenate(
         [
             np.asarray(sizes, dtype=np.int64),
@@ -96,6 +100,7 @@ def encode(batch: StepBatch) -> np.ndarray:
             batch.rows.astype(np.int64, copy=False),
             np.asarray(batch.scored, dtype=np.int64),
             drafts.astype(np.int64, copy=False),
+            plan.astype(np.int64, copy=False),
             batch.num_blocks.astype(np.int64, copy=False),
             batch.block_tables.reshape(-1).astype(np.int64),
             *_encode_lora(batch),
@@ -104,8 +109,9 @@ def encode(batch: StepBatch) -> np.ndarray:
 
 
 def decode(data: np.ndarray) -> StepBatch:
-    num_tokens, num_seqs, width, num_rows, num_scored, num_drafts = (int(v) for v in data[:6])
-    at = 6
+    num_tokens, num_seqs, width, num_rows, num_scored, num_drafts, num_plan = (
+        int(v) for v in data[:7])
+    at = 7
 
     def take(n: int) -> np.ndarray:
         nonlocal at
@@ -114,6 +120,7 @@ def decode(data: np.ndarray) -> StepBatch:
 
     input_ids, seq_lens, query_lens = take(num_tokens), take(num_seqs), take(num_seqs)
     rows, scored, drafts = take(num_rows), take(num_scored), take(num_drafts)
+    plan = take(num_plan)
     num_blocks = take(num_seqs)
     tables = take(num_seqs * width).reshape(num_seqs, width).astype(np.int32)
     batch = StepBatch(
@@ -125,6 +132,7 @@ def decode(data: np.ndarray) -> StepBatch:
         rows=rows.copy(),
         scored=scored.tolist(),
         draft_lens=drafts.copy() if num_drafts else None,
+        shard_sampling=plan.copy() if num_plan else None,
     )
     if at < len(data):
         _decode_lora(batch, data[at:])

@@ -21,8 +21,11 @@ rejects it, the next step's pass 1 overwrites it. The draft model samples its dr
 own distribution at the request's temperature (greedy requests take the argmax), and returns
 those distributions (``q``) for the rejection sampler.
 
-Everything a pass needs but the draft tokens themselves is built on the engine thread
-(``DraftInputs``, from the step's gathered block tables); the draft tokens stay on the device.
+Everything a pass needs but the draft tokens themselves is planned on the engine thread as host
+arrays (``DraftInputs``, from the step's gathered block tables); the step thread puts each pass
+on the device just before running it: on a GPU through the draft's own ``StepBuffers`` (one
+pinned buffer, one ``non_blocking`` copy per pass, instead of six pageable copies on the engine
+thread), on the CPU as views of the arrays. The draft tokens stay on the device.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -46,15 +50,39 @@ from services.engine.parallel.group import SINGLE, building
 logger = logging.getLogger(__name__)
 
 
+class PassStaging(Protocol):
+    """Where a pass's inputs cross to the device in one copy: the core's ``StepBuffers``
+    (named by this shape only: the core imports this package, not the other way round)."""
+
+    def fits(self, num_tokens: int, num_seqs: int, width: int) -> bool: ...
+
+    def stage(self, input_ids: np.ndarray, block_tables: np.ndarray, num_blocks: np.ndarray,
+              seq_lens: np.ndarray, query_lens: np.ndarray, logits_rows: np.ndarray) -> Any:
+        """Returns the staged step: ``input_ids``, ``positions``, ``meta``, ``logits_rows``."""
+
+
 @dataclass(slots=True)
 class DraftPass:
-    """One forward pass of the draft model."""
+    """One forward pass of the draft model, as host arrays (``metadata.plan_step``'s
+    arguments); ``DraftModel.on_device`` makes its tensors on the step thread."""
 
-    input_ids: torch.Tensor | None  # pass 1: the catch-up tokens; later: the previous drafts
-    positions: torch.Tensor
-    meta: AttentionMetadata
+    block_tables: np.ndarray
+    num_blocks: np.ndarray
+    seq_lens: np.ndarray
+    query_lens: np.ndarray
+    token_ids: np.ndarray | None  # pass 1: the catch-up tokens; later: the previous drafts
     # pass 1: hidden rows whose logits propose draft 1 (one per drafting request); later
     # passes: which drafting requests (indices) take part, each one row
+    rows: np.ndarray
+
+
+@dataclass(slots=True)
+class DevicePass:
+    """A ``DraftPass`` on the device (valid until the next pass is put there)."""
+
+    input_ids: torch.Tensor | None
+    positions: torch.Tensor
+    meta: AttentionMetadata
     rows: torch.Tensor
 
 
@@ -77,7 +105,9 @@ def kv_bytes_per_token(path: str | Path, dtype: torch.dtype) -> int:
 class DraftModel:
     def __init__(self, path: str, dtype: torch.dtype, device: torch.device,
                  backend: AttentionBackend, num_blocks: int, block_size: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, staging: PassStaging | None = None) -> None:
+        """``staging``: the pinned buffers the passes cross in (a GPU's; None: the CPU's
+        views of the host arrays)."""
         config = ModelConfig.from_hf_dir(path)
         if config.max_position_embeddings < max_model_len:
             raise ValueError(
@@ -92,6 +122,7 @@ class DraftModel:
         self.config = self.model.config
         self.device = device
         self.block_size = block_size
+        self.staging = staging
         mc = self.config
         self.kv_caches = [
             backend.allocate_kv_cache(num_blocks, block_size, mc.num_kv_heads, mc.head_dim, dtype,
@@ -101,18 +132,26 @@ class DraftModel:
         check_kv_caches(self.kv_caches, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
                         head_dim=mc.head_dim, dtype=dtype)
 
-    # -- the engine thread ------------------------------------------------------------------
-
-    def pass_inputs(self, tables: np.ndarray, num_blocks: np.ndarray, token_ids: np.ndarray,
-                    seq_lens: np.ndarray, query_lens: np.ndarray) -> tuple:
-        """(input ids, positions, metadata) of one pass: ``plan_step``'s arguments."""
-        step = plan_step(tables, num_blocks, seq_lens, query_lens, self.block_size)
-        meta, positions = to_metadata(step, self.block_size, self.device)
-        check_step(meta, len(step.positions), self.kv_caches[0][0])
-        ids = None if token_ids is None else torch.from_numpy(token_ids).to(self.device)
-        return ids, positions, meta
-
     # -- the step thread --------------------------------------------------------------------
+
+    def on_device(self, p: DraftPass) -> DevicePass:
+        """The pass's tensors: staged in one pinned copy (``staging``), else (the CPU, or a
+        pass too big for the buffers) made from the host arrays."""
+        num_tokens = int(p.query_lens.sum())
+        if self.staging is not None and self.staging.fits(num_tokens, len(p.seq_lens),
+                                                          p.block_tables.shape[1]):
+            ids = p.token_ids if p.token_ids is not None else np.zeros(num_tokens, np.int64)
+            staged = self.staging.stage(ids, p.block_tables, p.num_blocks, p.seq_lens,
+                                        p.query_lens, p.rows)
+            check_step(staged.meta, num_tokens, self.kv_caches[0][0])
+            return DevicePass(None if p.token_ids is None else staged.input_ids,
+                              staged.positions, staged.meta, staged.logits_rows)
+        step = plan_step(p.block_tables, p.num_blocks, p.seq_lens, p.query_lens,
+                         self.block_size)
+        meta, positions = to_metadata(step, self.block_size, self.device)
+        check_step(meta, num_tokens, self.kv_caches[0][0])
+        ids = None if p.token_ids is None else torch.from_numpy(p.token_ids).to(self.device)
+        return DevicePass(ids, positions, meta, torch.from_numpy(p.rows).to(self.device))
 
     @torch.inference_mode()
     def propose(self, inputs: DraftInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -125,7 +164,7 @@ class DraftModel:
         probs = None
         if not inputs.passes:
             return drafts, probs
-        first = inputs.passes[0]
+        first = self.on_device(inputs.passes[0])
         hidden = self._forward(first.input_ids, first)
         if not num:
             return drafts, probs
@@ -136,7 +175,7 @@ class DraftModel:
         logits = self.model.compute_logits(hidden.index_select(0, first.rows))
         for j in range(width):
             if j:
-                p = inputs.passes[j]
+                p = self.on_device(inputs.passes[j])
                 rows = p.rows
                 logits = self.model.compute_logits(
                     self._forward(drafts[rows, j - 1], p))
@@ -146,7 +185,7 @@ class DraftModel:
                 probs[rows, j] = q
         return drafts, probs
 
-    def _forward(self, input_ids: torch.Tensor, p: DraftPass) -> torch.Tensor:
+    def _forward(self, input_ids: torch.Tensor, p: DevicePass) -> torch.Tensor:
         self.model.plan_attention(p.meta)
         return self.model(input_ids, p.positions, self.kv_caches, p.meta)
 
@@ -184,7 +223,7 @@ class DraftModel:
             meta, positions = build_attention_metadata([table], [n], [n], self.block_size,
                                                        self.device)
             ids = torch.zeros(n, dtype=torch.long, device=self.device)
-            hidden = self._forward(ids, DraftPass(None, positions, meta, ids))
+            hidden = self._forward(ids, DevicePass(None, positions, meta, ids))
             if n <= max_rows:
                 self.model.compute_logits(hidden)
         logger.info("draft model warmed up in %.1fs", time.perf_counter() - start)

@@ -24,6 +24,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -1026,9 +1027,21 @@ PAGODA_INLINE float fast_log(float x) {
   return m + y + 0.693359375f * e;
 }
 
-// The best (score, index) of tokens [begin, end) of one row; the first of equal scores.
-PAGODA_CLONES void gumbel_best(const float* logits, uint64_t key, int64_t begin, int64_t end,
-                               float* best_score, int64_t* best_index) {
+// One token's Gumbel score, logit + G: the row scan and the candidate scoring (tensor
+// parallelism's top-k merge) share it, so both round alike. ``position``: the token's id in the
+// whole vocabulary, whichever rank holds it.
+#pragma omp declare simd
+PAGODA_INLINE float gumbel_score(float logit, uint64_t key, uint64_t position) {
+  const uint64_t h = mix64(key + (position + 1) * kGamma);
+  // The top 24 bits, centred in their interval: U in (0, 1), never 0 or 1.
+  const float u = (static_cast<float>(static_cast<int32_t>(h >> 40)) + 0.5f) * 0x1p-24f;
+  return logit - fast_log(-fast_log(u));
+}
+
+// The best (score, index) of tokens [begin, end) of one row; the first of equal scores. The
+// row's token j is token ``offset + j`` of the whole vocabulary (its noise is that token's).
+PAGODA_CLONES void gumbel_best(const float* logits, uint64_t key, uint64_t offset, int64_t begin,
+                               int64_t end, float* best_score, int64_t* best_index) {
   constexpr int64_t kBlock = 512;
   float score[kBlock];
   float best = -std::numeric_limits<float>::infinity();
@@ -1038,10 +1051,7 @@ PAGODA_CLONES void gumbel_best(const float* logits, uint64_t key, int64_t begin,
     float top = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : top)
     for (int64_t j = 0; j < n; ++j) {
-      const uint64_t h = mix64(key + static_cast<uint64_t>(start + j + 1) * kGamma);
-      // The top 24 bits, centred in their interval: U in (0, 1), never 0 or 1.
-      const float u = (static_cast<float>(static_cast<int32_t>(h >> 40)) + 0.5f) * 0x1p-24f;
-      score[j] = logits[start + j] - fast_log(-fast_log(u));
+      score[j] = gumbel_score(logits[start + j], key, offset + static_cast<uint64_t>(start + j));
       top = std::max(top, score[j]);
     }
     if (top > best) {  // rare after the first blocks: the scan for the index runs only then
@@ -1058,16 +1068,18 @@ PAGODA_CLONES void gumbel_best(const float* logits, uint64_t key, int64_t begin,
   *best_index = at;
 }
 
-// logits [N, V] float32 with contiguous rows (temperature, top-k/top-p masks already applied:
-// -inf never wins unless the whole row is -inf, then token 0, as torch's argmax), keys [N]
-// int64 -> [N] int64 tokens.
-torch::Tensor gumbel_argmax(const torch::Tensor& logits, const torch::Tensor& keys) {
+void check_gumbel_inputs(const torch::Tensor& logits, const torch::Tensor& keys) {
   check_cpu(logits, "logits");
   TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1,
               "logits must be float32 [N, V] with contiguous rows");
   TORCH_CHECK(keys.scalar_type() == at::kLong && keys.dim() == 1 &&
                   keys.size(0) == logits.size(0) && keys.is_contiguous() && keys.device().is_cpu(),
               "keys must be a contiguous int64 CPU tensor with one key per row");
+}
+
+// Per row, the best (score, index) over the whole row: ``scores`` and ``index`` [N].
+void gumbel_rows(const torch::Tensor& logits, const torch::Tensor& keys, int64_t offset,
+                 float* scores_out, int64_t* index_out) {
   const int64_t rows = logits.size(0), vocab = logits.size(1), stride = logits.stride(0);
   constexpr int64_t kChunk = 8192;  // tokens per task: a batch of one still uses every thread
   const int64_t chunks = std::max<int64_t>(1, (vocab + kChunk - 1) / kChunk);
@@ -1078,18 +1090,70 @@ torch::Tensor gumbel_argmax(const torch::Tensor& logits, const torch::Tensor& ke
   at::parallel_for(0, rows * chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t r = t / chunks, lo = (t % chunks) * kChunk;
-      gumbel_best(lp + r * stride, kp[r], lo, std::min(vocab, lo + kChunk), &scores[t],
-                  &index[t]);
+      gumbel_best(lp + r * stride, kp[r], static_cast<uint64_t>(offset), lo,
+                  std::min(vocab, lo + kChunk), &scores[t], &index[t]);
     }
   });
-  auto out = torch::empty({rows}, keys.options());
-  int64_t* op = out.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r) {
     int64_t t = r * chunks;
     for (int64_t c = 1; c < chunks; ++c) {
       if (scores[r * chunks + c] > scores[t]) t = r * chunks + c;  // ties: the earlier chunk
     }
-    op[r] = vocab ? index[t] : 0;
+    scores_out[r] = vocab ? scores[t] : -std::numeric_limits<float>::infinity();
+    index_out[r] = vocab ? index[t] : 0;
+  }
+}
+
+// logits [N, V] float32 with contiguous rows (temperature, top-k/top-p masks already applied:
+// -inf never wins unless the whole row is -inf, then token 0, as torch's argmax), keys [N]
+// int64 -> [N] int64 tokens.
+torch::Tensor gumbel_argmax(const torch::Tensor& logits, const torch::Tensor& keys) {
+  check_gumbel_inputs(logits, keys);
+  auto out = torch::empty({logits.size(0)}, keys.options());
+  std::vector<float> scores(logits.size(0));
+  gumbel_rows(logits, keys, 0, scores.data(), out.data_ptr<int64_t>());
+  return out;
+}
+
+// A vocabulary shard's half of gumbel_argmax (tensor parallelism): logits [N, V_shard] are
+// tokens [offset, offset + V_shard) of the vocabulary. Returns (scores [N] float32, tokens [N]
+// int64, ids in the whole vocabulary): the shards' best by score (ties: the lower id) is
+// gumbel_argmax of the whole row.
+std::tuple<torch::Tensor, torch::Tensor> gumbel_best_of_shard(const torch::Tensor& logits,
+                                                               const torch::Tensor& keys,
+                                                               int64_t offset) {
+  check_gumbel_inputs(logits, keys);
+  TORCH_CHECK(offset >= 0, "offset must be >= 0");
+  auto scores = torch::empty({logits.size(0)}, logits.options());
+  auto index = torch::empty({logits.size(0)}, keys.options());
+  int64_t* ip = index.data_ptr<int64_t>();
+  gumbel_rows(logits, keys, offset, scores.data_ptr<float>(), ip);
+  for (int64_t r = 0; r < logits.size(0); ++r) ip[r] += offset;
+  return {scores, index};
+}
+
+// gumbel_score of chosen tokens: values [N, K] float32 (their logits), ids [N, K] int64 (in the
+// whole vocabulary), keys [N] -> [N, K] float32, the very numbers gumbel_argmax compares.
+PAGODA_CLONES void gumbel_scores_row(const float* values, const int64_t* ids, uint64_t key,
+                                     int64_t n, float* out) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    out[j] = gumbel_score(values[j], key, static_cast<uint64_t>(ids[j]));
+  }
+}
+
+torch::Tensor gumbel_scores(const torch::Tensor& values, const torch::Tensor& ids,
+                            const torch::Tensor& keys) {
+  check_gumbel_inputs(values, keys);
+  TORCH_CHECK(values.is_contiguous() && ids.is_contiguous() && ids.scalar_type() == at::kLong &&
+                  ids.sizes() == values.sizes(),
+              "values and ids must be contiguous, [N, K], float32 and int64");
+  auto out = torch::empty_like(values);
+  const int64_t rows = values.size(0), k = values.size(1);
+  const uint64_t* kp = reinterpret_cast<const uint64_t*>(keys.data_ptr<int64_t>());
+  for (int64_t r = 0; r < rows; ++r) {
+    gumbel_scores_row(values.data_ptr<float>() + r * k, ids.data_ptr<int64_t>() + r * k, kp[r],
+                      k, out.data_ptr<float>() + r * k);
   }
   return out;
 }
@@ -1321,4 +1385,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Per row, the index of the largest value (the first of equals; NaN wins), as torch");
   m.def("gumbel_argmax", &gumbel_argmax, release(),
         "Per row, argmax(logits + counter-based Gumbel noise keyed by the row's key)");
+  m.def("gumbel_best_of_shard", &gumbel_best_of_shard, release(),
+        "A vocabulary shard's best (Gumbel score, token id) per row, its noise the whole "
+        "vocabulary's");
+  m.def("gumbel_scores", &gumbel_scores, release(),
+        "The Gumbel scores gumbel_argmax compares, of the given tokens");
 }

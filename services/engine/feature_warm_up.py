@@ -1,0 +1,116 @@
+"""The warm-up's pass through every enabled feature's step path, before the engine serves.
+
+The runner's warm-up runs the model's shapes (``ModelRunner._warm_up`` on the CPU, oneDNN's
+row counts; ``_warm_up_gpu`` on a GPU, the Triton kernels' variants). A feature's own kernels
+would otherwise first run, and on a GPU compile, inside a user's request. Here, once each:
+
+    LoRA layout      a forward with every token on adapter slot 0 (zeros: no effect), so the
+                     shrink/expand products (Triton with ``PAGODA_LORA_TRITON``) run
+    sampler          greedy rows, and rows with every sampling feature (top-k, top-p, min-p,
+                     penalties, logprobs)
+    verification     the rejection sampler over drafts at every verified position, with the
+                     draft's distributions when there is a draft model (rank 0)
+    draft model      its own warm-up (``DraftModel.warm_up``; rank 0)
+    grammar masks    the bitmask applied to every row (a GPU's way; on the CPU the masks are
+                     element-wise torch ops with nothing to build, and xgrammar's import is
+                     left to the first constrained request)
+
+Every forward writes into the first KV blocks only, which hold nothing yet. ``warm_up_features``
+returns the names of the paths it ran (what the tests check).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from services.engine import spec_step
+from services.engine.attention.metadata import build_attention_metadata
+from services.engine.sampling_batch import SamplingBatch, SamplingRequest
+from services.protocol.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from services.engine.model_runner import ModelRunner
+
+# Every sampling feature at once: what the heaviest step's sampler runs.
+_EVERYTHING = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, logprobs=2,
+                             repetition_penalty=1.1, frequency_penalty=0.1, max_tokens=1)
+
+
+@torch.inference_mode()
+def warm_up_features(runner: ModelRunner, grammar_masks: bool) -> list[str]:
+    """Runs each enabled feature's path once (every rank calls it: the LoRA forward is a
+    collective); returns the names of the paths run."""
+    ran: list[str] = []
+    if runner.lora is not None:
+        _lora_forward(runner)
+        ran.append("LoRA layout")
+    if not runner.tp.is_first:
+        return ran
+    rows = min(runner.config.max_num_seqs, 4)
+    logits = torch.zeros(rows * (1 + runner.num_spec_tokens), runner.model_config.vocab_size,
+                         device=runner.device)
+    ran += _sampler(runner, logits[:rows])
+    if runner.spec is not None:
+        _verify(runner, logits, rows)
+        ran.append("verification")
+    if runner.draft is not None:
+        c = runner.config
+        runner.draft.warm_up(c.max_num_batched_tokens, c.max_num_seqs,
+                             runner.num_blocks * runner.block_size)
+        ran.append("draft model")
+    if grammar_masks:
+        masker = runner._token_masker()
+        masker.bitmask[: len(logits)] = -1  # every token allowed: the logits stay as they are
+        masker.mask(logits, list(range(len(logits))))
+        ran.append("grammar masks")
+    return ran
+
+
+def _lora_forward(runner: ModelRunner) -> None:
+    n = min(16, runner.config.max_num_batched_tokens, runner.num_blocks * runner.block_size)
+    table = list(range(-(-n // runner.block_size)))
+    meta, positions = build_attention_metadata([table], [n], [n], runner.block_size,
+                                               runner.device)
+    runner._plan(meta, n)
+    runner.lora.state.step = runner.lora.layout(np.zeros(1, np.int64), np.array([n]))
+    try:
+        ids = torch.zeros(n, dtype=torch.long, device=runner.device)
+        runner.model(ids, positions, runner.kv_caches, meta)
+    finally:
+        runner.lora.state.step = None
+
+
+def _batch(runner: ModelRunner, params: SamplingParams, rows: int) -> SamplingBatch:
+    requests = [SamplingRequest(params, [0, 1], [1]) for _ in range(rows)]
+    return SamplingBatch.from_requests(requests, runner.model_config.vocab_size, runner.device)
+
+
+def _sampler(runner: ModelRunner, logits: torch.Tensor) -> list[str]:
+    rows = len(logits)
+    runner.sampler(logits, _batch(runner, SamplingParams(temperature=0.0), rows))
+    runner.sampler(logits, _batch(runner, _EVERYTHING, rows))
+    return ["sampler: greedy", "sampler: every feature"]
+
+
+def _verify(runner: ModelRunner, logits: torch.Tensor, rows: int) -> None:
+    """Every request verifying ``num_spec_tokens`` drafts (token 0), as sampling rows."""
+    k = runner.num_spec_tokens
+    num_drafts = np.full(rows, k, np.int64)
+    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, max_tokens=1)
+    q = None
+    if runner.draft is not None:
+        vocab = logits.shape[1]
+        q = torch.full((rows, k, vocab), 1.0 / vocab, device=runner.device)
+    spec = spec_step.SpecInputs(
+        num_drafts=num_drafts,
+        drafts=torch.zeros((rows, k), dtype=torch.long, device=runner.device),
+        draft_at=np.zeros(0, np.int64),
+        positions=_batch(runner, params, rows * (1 + k)),
+        owner=np.repeat(np.arange(rows), 1 + k),
+        ahead=np.tile(np.arange(1 + k), rows),
+        q=q,
+    )
+    spec_step.verify(logits, spec, _batch(runner, params, rows))

@@ -1,0 +1,96 @@
+"""The memory the KV pool must leave to the engine's features, held back before it is sized.
+
+vLLM sizes its KV cache after a profiling run: a dummy forward at the largest batch, the
+sampler at the most rows, every feature on; what that run needed is held back and the pool
+gets the rest. Here the same items are counted from their shapes, once, before the pool is
+allocated (``FeatureMemory``):
+
+    activations          the largest step (max_num_batched_tokens): hidden states, this rank's
+                         q/k/v, MLP rows and the attention output, in the model's dtype
+    sampler              the largest batch's logits rows (max_num_seqs, times 1 + the drafts
+                         verified per request) of the whole vocabulary, float32, times the
+                         copies one step can hold at once (``SAMPLER_COPIES``)
+    draft weights        the draft model's parameters, loaded after the pool (rank 0)
+    draft probabilities  the draft's distributions [rows, k, vocab] and their race noise
+    LoRA slots           every slot of every adapted projection (allocated before the pool)
+
+With no explicit ``kv_cache_memory`` the pool's budget is the engine's memory (2 GiB on the
+CPU, 85% of free memory on a GPU) less these; an explicit ``kv_cache_memory`` is the pool's
+own size, as vLLM's ``kv_cache_memory_bytes``. On a GPU the LoRA slots already left the free
+memory the budget is read from, so they are not counted twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from services.engine.models.config import ModelConfig
+
+# float32 [rows, vocab] one sampling step can hold at once: the logits, the adjusted copy
+# (bias, bans, penalties), the scaled and truncated one, and the noise (torch's path) or the
+# log-softmax of logprobs rows.
+SAMPLER_COPIES = 4
+# The largest step's rows, in hidden-size units besides q/k/v and the MLP: the residual, the
+# normed input, the attention output and the projection's output.
+_HIDDEN_COPIES = 4
+_F32 = 4
+
+
+@dataclass(frozen=True, slots=True)
+class FeatureMemory:
+    """Bytes held back from the KV pool's budget, by item (0: the feature is off)."""
+
+    activations: int = 0
+    sampler: int = 0
+    draft_weights: int = 0
+    draft_probs: int = 0
+    lora_slots: int = 0
+
+    def __post_init__(self) -> None:
+        assert all(getattr(self, f.name) >= 0 for f in fields(self)), self
+
+    def total(self, device: torch.device) -> int:
+        """What comes off the budget on ``device`` (a GPU's free memory already lacks the
+        LoRA slots)."""
+        lora = 0 if device.type == "cuda" else self.lora_slots
+        return self.activations + self.sampler + self.draft_weights + self.draft_probs + lora
+
+
+def activation_bytes(mc: ModelConfig, tokens: int, tp_size: int, dtype: torch.dtype) -> int:
+    """The largest step's rows in flight through one layer, on one rank."""
+    element = torch.empty((), dtype=dtype).element_size()
+    qkv = (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim // tp_size
+    mlp = 3 * mc.intermediate_size // tp_size  # gate and up, then their product
+    return tokens * (_HIDDEN_COPIES * mc.hidden_size + qkv + mlp) * element
+
+
+def sampler_bytes(rows: int, vocab: int) -> int:
+    return rows * vocab * _F32 * SAMPLER_COPIES
+
+
+def draft_probs_bytes(rows: int, num_drafts: int, vocab: int) -> int:
+    """The draft's distributions [rows, k, vocab] float32 and one row of race noise per pass."""
+    return rows * num_drafts * vocab * _F32 + rows * vocab * _F32
+
+
+def weight_bytes(path: str | Path, dtype: torch.dtype) -> int:
+    """A checkpoint's parameters in ``dtype``, from the safetensors headers (nothing loaded)."""
+    element = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 -- safe_open is not a dict
+                shape = f.get_slice(name).get_shape()
+                total += int(torch.Size(shape).numel()) * element
+    return total
+
+
+def lora_slot_bytes(lora: object | None) -> int:
+    """Every slot tensor of a ``ModelLoRA`` (None: LoRA off)."""
+    if lora is None:
+        return 0
+    return sum(p.a.nbytes + p.b.nbytes for p in lora.projections.values())
