@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.redis_server import RedisServer
-from tests.support.services import ServiceProcess
+from tests.support.services import ServiceProcess, stop_all
 
 MODEL = "SmolLM2-135M-Instruct"
 ENGINE_BLOCKS = 384  # 6,144 tokens of KV per engine: small, so the suite stays light
@@ -60,5 +60,4 @@ def stack(default_model_path: Path) -> Iterator[Stack]:
         try:
             yield s
         finally:
-            for p in (gateway, router, *engines):
-                p.stop()
+            stop_all((gateway, router, *engines))

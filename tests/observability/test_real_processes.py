@@ -22,7 +22,7 @@ import pytest
 
 from tests.observability.otlp_receiver import OtlpGrpcReceiver, OtlpHttpReceiver, Span
 from tests.support.redis_server import RedisServer
-from tests.support.services import REPO, ServiceProcess
+from tests.support.services import REPO, ServiceProcess, stop_all
 
 MODEL = "SmolLM2-135M-Instruct"
 SECRET = "zebra-umbrella-7731 is my secret passphrase"
@@ -73,7 +73,7 @@ def wait_live(gateway_url: str, timeout_s: float = 60.0) -> None:
         status, body = get(gateway_url + "/ready")
         if status == 200 and MODEL in json.loads(body).get("live_models", []):
             return
-        time.sleep(0.3)
+        time.sleep(0.05)
     raise AssertionError("the gateway never saw a live engine")
 
 
@@ -113,8 +113,7 @@ def stack(default_model_path: Path) -> Iterator[Stack]:
             wait_live(gateway.url)
             yield Stack(http, grpc, engine, router, gateway)
         finally:
-            for proc in reversed(procs):
-                proc.stop()
+            stop_all(reversed(procs))
 
 
 def test_one_trace_spans_gateway_router_and_engine(stack: Stack) -> None:

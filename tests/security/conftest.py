@@ -104,7 +104,7 @@ def wait_until_served(stack: PagodaStack, key: str | None = None, timeout: float
         r = http("GET", f"{stack.base_url}/models", key=key)
         if r.status == 200 and any(m["id"] == stack.model for m in r.body["data"]):
             return
-        time.sleep(0.3)
+        time.sleep(0.05)
     pytest.fail(f"{stack.model} never appeared in the gateway's /v1/models")
 
 

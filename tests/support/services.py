@@ -9,6 +9,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -46,6 +47,7 @@ class ServiceProcess:
         self.health_path = health_path
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
+        self._terminated = False  # SIGTERM sent once: a second one would cut its shutdown short
         # stderr goes to a file, not a pipe: nobody drains a pipe during a long test, and a
         # full pipe would block the service on its next log line.
         self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 -- lives as long as the service
@@ -63,6 +65,7 @@ class ServiceProcess:
     def launch(self) -> Self:
         """Starts the process without waiting for it (several start side by side, then each
         ``wait_healthy()``)."""
+        self._terminated = False
         self.proc = subprocess.Popen(
             [sys.executable, "-m", self.module, *self.args],
             cwd=REPO,
@@ -84,7 +87,7 @@ class ServiceProcess:
                         return
             except OSError:
                 pass
-            time.sleep(0.3)
+            time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"{self.module} not healthy after {self.startup_timeout_s}s")
 
@@ -102,10 +105,17 @@ class ServiceProcess:
             self.proc.kill()
             self.proc.wait(10)
 
+    def terminate(self) -> None:
+        """Sends SIGTERM without waiting (several shut down side by side, then each
+        ``stop()``, which then only waits)."""
+        if self.proc is not None and self.proc.poll() is None and not self._terminated:
+            self.proc.send_signal(signal.SIGTERM)
+            self._terminated = True
+
     def stop(self, timeout: float = 20.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
-        self.proc.send_signal(signal.SIGTERM)
+        self.terminate()
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -121,3 +131,13 @@ class ServiceProcess:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def stop_all(procs: Iterable[ServiceProcess | None]) -> None:
+    """Stops several services side by side: SIGTERM to each in the order given, then waits for
+    each (their shutdowns overlap instead of adding up)."""
+    live = [p for p in procs if p is not None]
+    for p in live:
+        p.terminate()
+    for p in live:
+        p.stop()
