@@ -245,7 +245,8 @@ class LlamaForCausalLM(CausalLM):
         super().pack_weights()
         # A tied head shares the embedding table, which lookups still need as it is: the head
         # gets a packed copy of its own.
-        if self.config.tie_word_embeddings and can_pack(self.lm_head.weight):
+        # (a pipeline stage before the last has no head: ``pipeline_stage``)
+        if isinstance(self.lm_head, VocabParallelEmbedding) and can_pack(self.lm_head.weight):
             self._tied_head = pack(self.lm_head.weight)
 
     def stacked_params(self) -> dict[str, tuple[str, ...]]:
