@@ -3,7 +3,7 @@ generate exactly one rank's greedy tokens.
 
 The layer split follows vLLM's rule; a stage loads only its layers' weights and holds only their
 KV; the default model over 2 stages and tiny models of several families over 2 stages and
-2 x 2 ranks (an uneven 3-layer split, GQA, tied and untied heads, Gemma's scaled embedding and
+2 x 2 ranks (an uneven 3-layer split with a tied head over 2 x 2, Gemma's scaled embedding and
 soft-caps, experts) give one rank's greedy tokens while the engine keeps two batches in flight.
 The LWS environment path and a killed stage are in ``test_node_group.py``.
 """
@@ -22,7 +22,6 @@ from services.engine.parallel.pipeline import PipelineRank
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [3, 4, 5, 6, 7, 8, 9, 10, 11], [40, 41], [7] * 11,
            [100, 7, 9, 13]]
-GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
 
 
 def test_layers_split_by_vllms_rule() -> None:
@@ -69,32 +68,35 @@ def test_unsupported_combinations_are_refused() -> None:
         EngineConfig(pipeline_parallel_size=0, device="cpu")
 
 
-def _greedy(path, **kwargs) -> tuple[list[list[int]], int]:
+def _greedy(path, prompts: list[list[int]] = PROMPTS, max_tokens: int = 5,
+            **kwargs) -> tuple[list[list[int]], int]:
     """Every prompt's greedy tokens, and the most steps the engine had in flight."""
     engine = LLMEngine(EngineConfig(model=str(path), num_blocks=64, block_size=4,
                                     max_num_seqs=8, device="cpu", **kwargs))
     try:
-        for i, ids in enumerate(PROMPTS):
-            engine.add_request(f"r{i}", ids, GREEDY)
-        out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        for i, ids in enumerate(prompts):
+            engine.add_request(f"r{i}", ids, params)
+        out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
         while engine.has_unfinished_requests():
             for update in engine.step():
                 out[update.request_id].extend(update.new_token_ids)
         peak = 0 if engine.batches is None else engine.batches.peak
     finally:
         engine.close()
-    return [out[f"r{i}"] for i in range(len(PROMPTS))], peak
+    return [out[f"r{i}"] for i in range(len(prompts))], peak
 
 
 # (id, architecture, overrides, pipeline stages, tensor-parallel ranks per stage)
 LAYOUTS = [
-    ("llama-3-layers-uneven", "LlamaForCausalLM", {"num_hidden_layers": 3}, 2, 1),
-    ("llama-tied-pp2-tp2", "LlamaForCausalLM", {"tie_word_embeddings": True}, 2, 2),
+    # 3 layers as 2 + 1, the tied head on the last stage, each stage over 2 ranks
+    ("llama-3-layers-tied-pp2-tp2", "LlamaForCausalLM",
+     {"num_hidden_layers": 3, "tie_word_embeddings": True}, 2, 2),
     ("gemma2-pp2", "Gemma2ForCausalLM",
      {"sliding_window": 6, "attn_logit_softcapping": 1.5, "final_logit_softcapping": 3.0}, 2, 1),
-    ("qwen3-moe-pp2-tp2", "Qwen3MoeForCausalLM",
+    ("qwen3-moe-pp2", "Qwen3MoeForCausalLM",
      {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-      "norm_topk_prob": True, "mlp_only_layers": [1], "tie_word_embeddings": False}, 2, 2),
+      "norm_topk_prob": True, "mlp_only_layers": [1], "tie_word_embeddings": False}, 2, 1),
 ]
 
 
@@ -109,7 +111,8 @@ def test_stages_generate_one_ranks_greedy_tokens(tiny_model_dir, layout) -> None
 
 
 def test_default_model_over_two_stages(default_model_path) -> None:
-    """SmolLM2-135M's 30 layers as 15 + 15, short prompts, a few tokens."""
-    one, _ = _greedy(default_model_path, dtype="float32")
-    two, _ = _greedy(default_model_path, dtype="float32", pipeline_parallel_size=2)
-    assert two == one
+    """SmolLM2-135M's 30 layers as 15 + 15: short prompts, a few tokens."""
+    one, _ = _greedy(default_model_path, dtype="float32", prompts=PROMPTS[:3], max_tokens=3)
+    two, peak = _greedy(default_model_path, dtype="float32", prompts=PROMPTS[:3], max_tokens=3,
+                        pipeline_parallel_size=2)
+    assert two == one and peak == 2
