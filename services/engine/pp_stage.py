@@ -25,7 +25,12 @@ from services.engine.models.pipeline_stage import (
     stage_of,
 )
 from services.engine.parallel.group import TPGroup
-from services.engine.parallel.pipeline import PipelineRank, StageLink, stage_group
+from services.engine.parallel.pipeline import (
+    PipelineRank,
+    StageLink,
+    payload_limit,
+    stage_group,
+)
 from services.engine.parallel.step_broadcast import StepBatch
 from services.engine.parallel.worker_main import RankLoop
 
@@ -44,9 +49,12 @@ def join(world: TPGroup, config: EngineConfig, model_path: str) -> tuple[StageLi
     """This rank's link to its neighbour stages and its stage's tensor-parallel group (every
     rank calls it once the world's group stands)."""
     where = PipelineRank(world.rank, config.pipeline_parallel_size, config.tensor_parallel_size)
-    hidden = ModelConfig.from_hf_dir(model_path).hidden_size
+    mc = ModelConfig.from_hf_dir(model_path)
+    max_len = config.max_model_len or mc.max_position_embeddings
+    limit = payload_limit(config.max_num_batched_tokens, config.max_num_seqs,
+                          -(-max_len // config.block_size))
     tp = stage_group(world, where, config.torch_device())
-    return StageLink(where, world, hidden, config.torch_dtype()), tp
+    return StageLink(where, world, mc.hidden_size, config.torch_dtype(), limit), tp
 
 
 def stage_of_rank(link: StageLink, model_path: str) -> PipelineStage:

@@ -18,7 +18,8 @@ from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.models.loader import load_model
 from services.engine.models.pipeline_stage import MissingLayer, layer_ranges, stage_of
-from services.engine.parallel.pipeline import PipelineRank
+from services.engine.parallel.pipeline import PipelineRank, check_payload, payload_limit
+from services.engine.parallel.step_broadcast import StepBatch, encode
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [3, 4, 5, 6, 7, 8, 9, 10, 11], [40, 41], [7] * 11,
            [100, 7, 9, 13]]
@@ -43,6 +44,17 @@ def test_rank_zeros_group_runs_the_last_stage() -> None:
     assert [p.prev for p in ranks] == [2, 3, 0, 0]
     three = [PipelineRank(r, 3, 1) for r in range(3)]
     assert [(p.stage, p.prev, p.next) for p in three] == [(2, 2, None), (0, 0, 2), (1, 1, 0)]
+
+
+def test_a_step_bigger_than_the_engines_limits_is_refused() -> None:
+    """A peer's header is checked before anything is allocated for it: the biggest step the
+    limits allow fits (4 tokens, 2 requests of 3 blocks, prompt logprobs), one word more not."""
+    limit = payload_limit(max_tokens=4, max_seqs=2, max_blocks=3)
+    biggest = StepBatch.of([1, 2, 3, 4], [[0, 1, 2], [3, 4, 5]], [12, 12], [2, 2], [0, 1],
+                           [0, 2, 2, 2])
+    check_payload(len(encode(biggest)), limit)
+    with pytest.raises(RuntimeError, match="announced a step of"):
+        check_payload(limit + 1, limit)
 
 
 def test_a_stage_loads_only_its_layers(tiny_model_dir) -> None:

@@ -36,6 +36,19 @@ from services.engine.parallel.step_broadcast import StepBatch, decode, encode
 _STEP, _STOP = 1, 0
 
 
+def payload_limit(max_tokens: int, max_seqs: int, max_blocks: int) -> int:
+    """The most int64 words an encoded step can hold (``step_broadcast.encode``): its header,
+    ids, per-request lengths, logits rows, prompt-logprob slices and block tables. A peer's
+    header announcing more is refused before anything is allocated for it."""
+    return 6 + max_tokens + 7 * max_seqs + max_seqs * max_blocks
+
+
+def check_payload(length: int, limit: int) -> None:
+    if not 0 <= length <= limit:
+        raise RuntimeError(f"a pipeline peer announced a step of {length} words; at most "
+                           f"{limit} fit this engine's limits")
+
+
 @dataclass(frozen=True, slots=True)
 class PipelineRank:
     """Where global ``rank`` stands among ``pp`` stages of ``tp`` ranks each."""
@@ -133,6 +146,7 @@ class StageLink:
     world: TPGroup  # every rank; its gloo step group carries the hand-offs
     hidden_size: int
     dtype: torch.dtype
+    max_words: int  # ``payload_limit`` of this engine: a bigger announced step is refused
     _sending: list[Any] = field(default_factory=list)  # the isends in flight, with their data
     _submitted: deque[StepBatch] = field(default_factory=deque)  # rank 0: in flight, in order
     idle: StageIdle = field(default_factory=StageIdle)
@@ -189,6 +203,7 @@ class StageLink:
                 self._wait_sends()
             return None
         self.idle.record(start)
+        check_payload(length, self.max_words)  # before allocating what a peer announced
         payload = torch.empty(length, dtype=torch.int64)
         dist.recv(payload, self.where.prev, group=self.world.step_group)
         batch = decode(payload.numpy())
