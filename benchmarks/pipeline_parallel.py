@@ -105,8 +105,9 @@ def run(pp: int, requests: int, max_tokens: int) -> dict:
     if not lines:
         raise RuntimeError(f"PP={pp} failed:\n{out.stderr[-3000:]}")
     result = json.loads(lines[0][7:])
-    result["stages"] = {int(m[1]): {"batches": int(m[3]), "idle_s": float(m[4]),
-                                    "span_s": float(m[5])} for m in _IDLE.findall(out.stderr)}
+    # findall's groups: stage, rank, batches, idle seconds, span seconds
+    result["stages"] = {int(m[0]): {"batches": int(m[2]), "idle_s": float(m[3]),
+                                    "span_s": float(m[4])} for m in _IDLE.findall(out.stderr)}
     return result
 
 
