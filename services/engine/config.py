@@ -97,12 +97,14 @@ class EngineConfig:
         "over NCCL on GPUs (gloo on the CPU)",
     )
     pipeline_parallel_size: int = flag(
-        1, help="pipeline stages (vLLM's flag); only 1 is supported yet")
+        1, help="pipeline stages the layers are split over (vLLM's flag): one process each "
+        "(times tensor_parallel_size), activations passed over gloo; CPU only for now")
     # A node group: ranks in several pods, each started on its own (``parallel.node_group``);
     # in a LeaderWorkerSet these come from its environment (LWS_GROUP_SIZE, ...).
     nnodes: int = flag(
         1, help="pods (nodes) the engine's ranks span, one rank each for now: "
-        "tensor_parallel_size must equal it (default: $LWS_GROUP_SIZE, else 1)")
+        "pipeline_parallel_size x tensor_parallel_size must equal it (default: "
+        "$LWS_GROUP_SIZE, else 1)")
     node_rank: int = flag(
         0, help="this pod's place in its node group: 0 is the leader (serves HTTP, joins the "
         "router), others are workers that join it (default: $LWS_WORKER_INDEX, else 0)")
@@ -187,7 +189,8 @@ class EngineConfig:
         # Refused here, not at the first request's hasher: a bad name would start cleanly and
         # then fail every request with a 500.
         self.hash_algorithm = _enum(HashAlgorithm, self.hash_algorithm, "hash_algorithm")
-        for name in ("block_size", "max_num_seqs", "tensor_parallel_size"):
+        for name in ("block_size", "max_num_seqs", "tensor_parallel_size",
+                     "pipeline_parallel_size"):
             _require_positive(name, getattr(self, name))
         self._check_nodes()
         for name in ("num_blocks", "kv_cache_memory", "max_model_len", "cpu_threads",
@@ -217,23 +220,42 @@ class EngineConfig:
                                  "draft model yet (its KV is not offloaded); ngram works")
 
     def _check_nodes(self) -> None:
-        if self.pipeline_parallel_size != 1:
-            raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} is not "
-                             "supported yet (only 1)")
+        if self.pipeline_parallel_size > 1:
+            self._check_pipeline()
         _require_positive("nnodes", self.nnodes)
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in 0..{self.nnodes - 1} (nnodes={self.nnodes}), "
                              f"got {self.node_rank!r}")
         if not 0 < self.master_port < 65536:
             raise ValueError(f"master_port must be in 1..65535, got {self.master_port!r}")
-        if self.nnodes > 1 and self.tensor_parallel_size != self.nnodes:
-            raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) must equal "
-                             f"nnodes ({self.nnodes}): one rank per pod for now")
+        if self.nnodes > 1 and self.world_size != self.nnodes:
+            raise ValueError(f"pipeline_parallel_size x tensor_parallel_size "
+                             f"({self.pipeline_parallel_size} x {self.tensor_parallel_size}) "
+                             f"must equal nnodes ({self.nnodes}): one rank per pod for now")
+
+    def _check_pipeline(self) -> None:
+        """What pipeline stages cannot serve yet: refused at start, naming the flag."""
+        if self.torch_device().type == "cuda":
+            raise ValueError("pipeline_parallel_size > 1 runs on the CPU only for now "
+                             "(--device cpu)")
+        refused = {"enable_lora": self.enable_lora,
+                   "speculative_config": self.speculative_config is not None,
+                   "kv_transfer_config": self.kv_transfer_config is not None,
+                   "kv_offloading_size": self.kv_offloading_size is not None,
+                   "kv_store_url": self.kv_store_url is not None}
+        for name, on in refused.items():
+            if on:
+                raise ValueError(f"{name} is not supported with pipeline_parallel_size > 1 yet")
+
+    @property
+    def world_size(self) -> int:
+        """Every model rank of the engine: each pipeline stage's tensor-parallel ranks."""
+        return self.pipeline_parallel_size * self.tensor_parallel_size
 
     @property
     def ranks_per_node(self) -> int:
         """The ranks in this pod (they share its cores)."""
-        return self.tensor_parallel_size // self.nnodes
+        return self.world_size // self.nnodes
 
     def _check_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank"):

@@ -25,6 +25,7 @@ from services.engine.lora import manager as lora_manager
 from services.engine.lora.manager import LoRAStats
 from services.engine.lora.request import LoRARequest
 from services.engine.model_runner import ModelRunner, StepResult
+from services.engine.pipeline_batches import BatchQueue
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import make_generator
 from services.engine.scheduler import Scheduler, SchedulerOutput
@@ -123,6 +124,10 @@ class LLMEngine:
             self.max_model_len,
             config.max_loras if config.enable_lora else 0,
         )
+        # Pipeline stages: up to one step in flight per stage (``pipeline_batches``).
+        self.batches = None if config.pipeline_parallel_size == 1 else BatchQueue(
+            config.pipeline_parallel_size, self.scheduler, self._schedule, self.runner.prepare,
+            self.runner.launch, self.runner.run, self._apply)
         # What moves KV in and out of the pool (--kv-transfer-config, the tier flags): the
         # scheduler and the step reach it only through the connector contract.
         self.compute_rate = ComputeRate()  # prompt tokens a second: what a KV pull must beat
@@ -161,10 +166,11 @@ class LLMEngine:
         wanted = self.config.async_scheduling
         if wanted is None:  # measured per device: see README, "Async scheduling"
             wanted = self.config.torch_device().type == "cuda"
-        if wanted and self.config.tensor_parallel_size > 1:
+        if wanted and self.config.world_size > 1:
             # The other ranks get a step's input ids in its broadcast, before its placeholders
-            # are known: tensor-parallel engines step synchronously.
-            logger.info("async scheduling is off with tensor_parallel_size > 1")
+            # are known: tensor-parallel engines step synchronously (pipelines keep several
+            # steps in flight their own way: ``pipeline_batches``).
+            logger.info("async scheduling is off with tensor or pipeline parallelism")
             return False
         return wanted
 
@@ -295,7 +301,8 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         # A step in flight is unfinished work even when all its requests are gone.
         return self.scheduler.has_unfinished() or (
-            self.pipeline is not None and self.pipeline.in_flight is not None)
+            self.pipeline is not None and self.pipeline.in_flight is not None) or (
+            self.batches is not None and self.batches.in_flight > 0)
 
     # -- stepping ---------------------------------------------------------------------------
 
@@ -316,6 +323,8 @@ class LLMEngine:
         With async scheduling the step applied is the one in flight, and the next one is
         already running when this returns."""
         self.last_step_tokens = 0  # vllm:iteration_tokens_total: the applied step's (_apply)
+        if self.batches is not None:
+            return self.batches.step()
         if self.pipeline is None:
             sched = self._schedule()
             if sched.is_empty:

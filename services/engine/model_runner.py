@@ -23,6 +23,7 @@ from services.common.version import package_version
 from services.engine import (
     cpu_threads,
     memory_budget,
+    pp_stage,
     prompt_logprobs,
     shard_sampling,
     spec_step,
@@ -47,9 +48,15 @@ from services.engine.models.config import ModelConfig
 from services.engine.models.loader import load_model
 from services.engine.models.onednn import FULL_PASS_ROWS, ROW_BUCKETS, warm_up_products
 from services.engine.models.partition import check_sizes, local_kv_heads
+from services.engine.models.pipeline_stage import (
+    IntermediateTensors,
+    PipelineStage,
+    warm_up_input,
+)
 from services.engine.models.weights_digest import weights_digest
 from services.engine.parallel.group import SINGLE, TPGroup, building
 from services.engine.parallel.node_group import NodeGroup
+from services.engine.parallel.pipeline import StageLink
 from services.engine.parallel.step_broadcast import StepBatch, send_step
 from services.engine.parallel.workers import WorkerGroup
 from services.engine.request import Request
@@ -140,24 +147,33 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path: str, tp: TPGroup | None = None) -> None:
+    def __init__(self, config: EngineConfig, model_path: str, tp: TPGroup | None = None,
+                 pipeline: StageLink | None = None) -> None:
         """``tp``: this rank's group in a tensor-parallel worker. Without it, a runner with
         ``tensor_parallel_size`` > 1 is rank 0: it starts the other ranks (``parallel.workers``)
-        and sends them every step; only rank 0 samples."""
+        and sends them every step; only rank 0 samples. ``pipeline``: a pipeline stage's link
+        (``pp_stage``; rank 0 joins its own below)."""
         self.workers: WorkerGroup | None = None
+        self.pipeline = pipeline
         if tp is None and config.node_rank != 0:
             raise ValueError(f"node_rank={config.node_rank}: a worker node joins its leader "
                              "through `python -m services.engine.serving.server` (it serves "
                              "no requests itself)")
-        if tp is None and config.tensor_parallel_size > 1:
+        if tp is None and config.world_size > 1:
             # before anything starts: a model whose heads do not split is an error at once
             check_sizes(ModelConfig.from_hf_dir(model_path), config.tensor_parallel_size)
+            if config.pipeline_parallel_size > 1:
+                pp_stage.check_layers(config, model_path)
             nodes = node_group(config)
             identity = None if nodes is None else group_identity(config, model_path)
-            self.workers = WorkerGroup(TP_WORKER_MODULE, config.tensor_parallel_size,
+            self.workers = WorkerGroup(TP_WORKER_MODULE, config.world_size,
                                        config.torch_device(), (config, model_path), nodes,
                                        identity)
             tp, config = self.workers.tp, replace(config, device=str(self.workers.device))
+            if config.pipeline_parallel_size > 1:
+                self.pipeline, tp = pp_stage.join(tp, config, model_path)
+        self.stage: PipelineStage | None = None if self.pipeline is None else (
+            pp_stage.stage_of_rank(self.pipeline, model_path))
         self.tp = tp or SINGLE
         # What the KV budget left to the features (None: kv_cache_memory or num_blocks given).
         self.feature_memory: memory_budget.FeatureMemory | None = None
@@ -182,7 +198,7 @@ class ModelRunner:
                                                   self.dtype)
         with building(self.tp):
             self.model = load_model(model_path, self.dtype, self.device, self.attn_backend,
-                                    config.quantization)
+                                    config.quantization, self.stage)
         if config.max_model_len is not None:
             self.model.limit_context(config.max_model_len)
         self.lora: ModelLoRA | None = None  # before packing: it reads the weights' shapes
@@ -204,7 +220,7 @@ class ModelRunner:
         self.input_batch: InputBatch | None = None
         self.lora_manager: LoRAManager | None = None  # rank 0's adapters (engine thread)
         self.draft: DraftModel | None = None  # rank 0 runs it whole
-        if self.tp.rank == 0:
+        if self.tp.rank == 0 and (self.pipeline is None or self.pipeline.where.rank == 0):
             if self.lora is not None:
                 self.lora_manager = LoRAManager(self.lora.targets, config.max_loras,
                                                 config.max_lora_rank, config.max_cpu_loras,
@@ -241,7 +257,10 @@ class ModelRunner:
         )
 
     def close(self) -> None:
-        """Stops a tensor-parallel engine's workers (a no-op without them)."""
+        """Stops a tensor-parallel engine's workers (a no-op without them); a pipeline's
+        stages first finish what is in flight and leave their loop."""
+        if self.pipeline is not None and self.workers is not None:
+            pp_stage.stop(self)
         if self.workers is not None:
             self.workers.close()
             self.workers = None
@@ -263,6 +282,10 @@ class ModelRunner:
         width = min(-(-max_len // self.block_size), self.num_blocks)
         return StepBuffers(c.max_num_batched_tokens, c.max_num_seqs, width, self.block_size,
                            self.device)
+    @property
+    def num_local_layers(self) -> int:
+        """The layers whose KV this rank holds: its pipeline stage's (all without one)."""
+        return self.model_config.num_layers if self.stage is None else self.stage.num_layers
 
     def _decide_num_blocks(self) -> int:
         if self.config.num_blocks is not None:
@@ -270,6 +293,7 @@ class ModelRunner:
         # Per rank: each holds its own KV heads of every block (rank 0 the draft's too).
         mc = self.model_config
         per_token = mc.kv_bytes_per_token(self.dtype) // mc.num_kv_heads * self.num_kv_heads
+        per_token = per_token * self.num_local_layers // mc.num_layers  # a stage's layers
         if self._draft_path() is not None:
             per_token += draft_model.kv_bytes_per_token(self._draft_path(), self.dtype)
         bytes_per_block = per_token * self.block_size
@@ -284,7 +308,9 @@ class ModelRunner:
                 f"a KV budget of {budget} bytes holds no block of {bytes_per_block} bytes "
                 "(--kv-cache-memory sets it)"
             )
-        return self.tp.min_over_ranks(int(num_blocks))  # one pool size that fits every rank
+        # one pool size that fits every rank (of every stage)
+        ranks = self.tp if self.pipeline is None else self.pipeline.world
+        return ranks.min_over_ranks(int(num_blocks))
 
     def _feature_memory(self) -> memory_budget.FeatureMemory:
         """What the largest step with every enabled feature holds besides the KV pool
@@ -315,7 +341,7 @@ class ModelRunner:
                 num_blocks, self.block_size, self.num_kv_heads, mc.head_dim, self.dtype,
                 self.device
             )
-            for _ in range(mc.num_layers)
+            for _ in range(self.num_local_layers)
         ]
         # The caches' half of the attention contract, once (no layer checks it again).
         check_kv_caches(
@@ -345,8 +371,9 @@ class ModelRunner:
                                                        self.device)
             self._plan(meta, n)
             ids = torch.zeros(n, dtype=torch.long, device=self.device)
-            hidden = self.model(ids, positions, self.kv_caches, meta)
-            if n <= self.config.max_num_seqs * (1 + self.num_spec_tokens):  # logits rows
+            hidden = self.model(ids, positions, self.kv_caches, meta, warm_up_input(self.model, n))
+            if isinstance(hidden, torch.Tensor) and (  # a pipeline's last stage makes logits
+                    n <= self.config.max_num_seqs * (1 + self.num_spec_tokens)):  # logits rows
                 self.model.compute_logits(hidden)
         self.warmed_up = warm_up_features(self, grammar_masks=False)
         logger.info("warmed up in %.1fs (and %s)", time.perf_counter() - start,
@@ -511,6 +538,24 @@ class ModelRunner:
         return PreparedStep(batch, ib.sampling_batch(sampled_rows), ib.grammars(sampled_rows),
                             scorer, fill, cpu, needs_host, spec, draft)
 
+    def launch(self, step: PreparedStep) -> None:
+        """Pipeline parallelism: starts ``step`` down the stages before the last (rank 0's),
+        so that several steps are in flight (``pipeline_batches``); ``run`` finishes it."""
+        assert self.pipeline is not None and step.fill is None
+        pp_stage.launch(self, step.batch)
+
+    @torch.inference_mode()
+    def run_stage(self, batch: StepBatch, received: IntermediateTensors | None) -> None:
+        """A pipeline rank other than 0: its stage of ``batch``, handed on to the next stage
+        (the last stage's ranks join rank 0's LM head instead)."""
+        assert self.stage is not None and self.pipeline is not None
+        if self.stage.is_last:
+            self._logits(batch, None, None, None, received)
+            return
+        out, _ = self._forward_cpu(self._cpu_inputs(batch), None, received)
+        assert isinstance(out, IntermediateTensors)
+        self.pipeline.send(batch, out.hidden, out.residual)
+
     @torch.inference_mode()
     def run(
         self, step: PreparedStep, in_flight_tokens: torch.Tensor | None = None
@@ -575,8 +620,12 @@ class ModelRunner:
         if self.workers is None:
             return self._logits(batch, score, cpu_inputs, fill)
         try:
-            send_step(self.tp, batch)
-            return self._logits(batch, score, cpu_inputs, fill)
+            received = None
+            if self.pipeline is None:
+                send_step(self.tp, batch)
+            else:  # the last stage: from the one before it (``launch`` may have sent it)
+                received = pp_stage.last_stage_input(self.pipeline, batch)
+            return self._logits(batch, score, cpu_inputs, fill, received)
         except Exception as exc:  # any failure here leaves the ranks apart
             logger.exception("tensor-parallel step failed on rank 0")
             self.workers.abort(f"a step failed on rank 0 ({type(exc).__name__}: {exc})")
@@ -588,11 +637,12 @@ class ModelRunner:
         score: Callable[[torch.Tensor], None] | None,
         cpu_inputs: CpuInputs | None = None,
         fill: tuple[torch.Tensor, torch.Tensor] | None = None,
+        received: IntermediateTensors | None = None,
     ) -> torch.Tensor | None:
         if batch.lora_installs:  # on the step thread, after the steps that read those slots
             self.lora.apply_installs(batch.lora_installs, self.tp)
         if self.buffers is None:
-            hidden, last = self._forward_cpu(cpu_inputs or self._cpu_inputs(batch), fill)
+            hidden, last = self._forward_cpu(cpu_inputs or self._cpu_inputs(batch), fill, received)
         else:
             hidden, last = self._forward_gpu(batch, fill)
         # hidden holds every new token's row (a decode graph's: one per request)
@@ -636,7 +686,7 @@ class ModelRunner:
         check_step(meta, num_tokens, self.kv_caches[0][0])
         self.model.plan_attention(meta)
 
-    def _forward_cpu(self, inputs: CpuInputs, fill):
+    def _forward_cpu(self, inputs: CpuInputs, fill, received=None):
         """Returns the hidden states and the rows of them that get logits. The attention plan
         is built here, on the thread that runs the model: its torch ops may go parallel, and
         a second OpenMP team (the engine thread's, under async scheduling) would throttle the
@@ -646,7 +696,8 @@ class ModelRunner:
         self.model.plan_attention(inputs.meta)
         if self.lora is not None:  # read by every LoRA projection of this step
             self.lora.state.step = inputs.lora
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
+                            received)
         return hidden, inputs.logits_rows
 
     def _forward_gpu(self, batch: StepBatch, fill):

@@ -113,6 +113,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_steps_in_flight = 0  # scheduled, not applied yet (async scheduling: up to 2)
+        # Pipeline parallelism's batch queue (``pipeline_batches``): a request in a step in
+        # flight is not scheduled again before that step is applied, and a step takes at most
+        # ``max_batch_seqs`` requests (None: as many as fit).
+        self.one_batch_per_request = False
+        self.max_batch_seqs: int | None = None
         # Requests that left the running set (finished, aborted, preempted) since the last
         # ``take_left``: the engine gives their input-batch rows back.
         self._left: list[Request] = []
@@ -234,8 +239,12 @@ class Scheduler:
         bm = self.block_manager
         allocate, block_ids, bs = bm.allocate_slots, bm.block_ids, bm.block_size
         i = 0
-        while i < len(running) and budget > 0:
+        cap, exclusive = self.max_batch_seqs or self.max_num_seqs, self.one_batch_per_request
+        while i < len(running) and budget > 0 and len(scheduled) < cap:
             req = running[i]
+            if exclusive and req.num_scheduled_tokens:
+                i += 1  # in a step in flight (a pipeline's): its next step waits for it
+                continue
             placeholders = req.num_placeholders
             if placeholders and self._surely_finishes(req):
                 i += 1  # its last token is on its way: nothing more to compute for it
@@ -284,7 +293,8 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         loras = AdapterAdmission([*self.running, *(w.request for w in self.loading.values())],
                                  self.max_loras) if self.max_loras else None  # loading: to run
-        while self.waiting and budget > 0 and (
+        cap = self.max_batch_seqs or self.max_num_seqs
+        while self.waiting and budget > 0 and len(out.scheduled) < cap and (
                 len(self.running) + len(self.loading) < self.max_num_seqs):
             req = self.waiting[0]
             if loras is not None and not loras.admits(req):

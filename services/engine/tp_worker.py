@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from services.engine import pp_stage
 from services.engine.config import EngineConfig
 from services.engine.model_runner import ModelRunner
 from services.engine.parallel.group import TPGroup
@@ -17,10 +18,14 @@ from services.engine.parallel.worker_main import StepFn, WorkerArgs, run_worker
 
 
 def build(args: WorkerArgs, tp: TPGroup) -> StepFn:
-    """This rank's runner, on its own device; its steps are rank 0's batches."""
+    """This rank's runner, on its own device; its steps are rank 0's batches (a pipeline
+    stage's come down the pipeline instead: ``pp_stage``)."""
     config, model_path = args.payload
     assert isinstance(config, EngineConfig)
-    runner = ModelRunner(replace(config, device=args.device), model_path, tp=tp)
+    config = replace(config, device=args.device)
+    if config.pipeline_parallel_size > 1:
+        return pp_stage.worker(config, model_path, tp)
+    runner = ModelRunner(config, model_path, tp=tp)
     return runner.forward_logits
 
 

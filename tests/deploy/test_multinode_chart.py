@@ -88,9 +88,25 @@ def test_the_engine_reads_each_pods_flags_and_lws_environment(chart) -> None:
         assert engine.master_addr == "big-0.big.llm" and engine.max_model_len == 4096
 
 
+def test_pipeline_stages_across_pods(chart) -> None:
+    """pipelineParallel 2 x tensorParallel 2 over 4 CPU pods: every pod gets both flags, and
+    each reads its place (a rank of 4) from the LWS environment."""
+    values = {**VALUES, "models": [{**VALUES["models"][1], "gpus": 0,
+                                    "multiNode": {"size": 4, "pipelineParallel": 2}}]}
+    template = render(chart, values).get("LeaderWorkerSet", NAME)["spec"]["leaderWorkerTemplate"]
+    assert template["size"] == 4
+    lws = {"LWS_LEADER_ADDRESS": "big-0.big.llm", "LWS_GROUP_SIZE": "4", "LWS_WORKER_INDEX": "3"}
+    args = [a.replace("$(POD_NAME)", "p").replace("$(POD_IP)", "10.0.0.1")
+            for a in _container(template["workerTemplate"])["args"]]
+    engine, _ = configs_from_args(args, env=lws)
+    assert (engine.pipeline_parallel_size, engine.tensor_parallel_size, engine.node_rank) == (
+        2, 2, 3)
+
+
 @pytest.mark.parametrize(("group", "message"), [
     ({"size": 2, "tensorParallel": 4}, r"must equal size \(2\): one model rank per pod"),
-    ({"size": 2, "pipelineParallel": 2}, "pipelineParallel"),
+    ({"size": 4, "pipelineParallel": 2, "tensorParallel": 3}, r"\(2 x 3\) must equal size"),
+    ({"size": 2, "pipelineParallel": 2}, "runs on the CPU only"),  # the model has gpus: 1
 ])
 def test_what_a_group_cannot_do_yet_is_refused(chart, group, message) -> None:
     values = {**VALUES, "models": [{**VALUES["models"][1], "multiNode": group}]}

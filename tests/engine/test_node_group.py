@@ -1,5 +1,6 @@
 """Ranks in separate pods (a node group, as a LeaderWorkerSet starts them): a leader and a worker
-node started as separate processes on loopback from the LWS environment alone.
+node started as separate processes on loopback from the LWS environment alone, the two ranks
+being two tensor-parallel shards or two pipeline stages (the worker stage 0, the leader the last).
 
 The group serves through the router and the gateway the tokens a single-process engine
 gives; a worker with another dtype is refused with the difference named; a worker SIGKILLed or
@@ -40,19 +41,25 @@ def _lws(index: int) -> dict[str, str]:
             "LWS_WORKER_INDEX": str(index), "OMP_NUM_THREADS": "1"}
 
 
-def _group_args(port: int) -> list[str]:
-    return ["--tensor-parallel-size", "2", "--master-port", str(port), "--dtype", "float32"]
+# How the group's two ranks split the model: two tensor-parallel shards, or two pipeline stages
+# (the leader runs the last: it samples).
+LAYOUTS = {"tp": ["--tensor-parallel-size", "2"], "pp": ["--pipeline-parallel-size", "2"]}
+
+
+def _group_args(port: int, layout: str = "tp") -> list[str]:
+    return [*LAYOUTS[layout], "--master-port", str(port), "--dtype", "float32"]
 
 
 def _session_token() -> str:
     return os.environ["PAGODA_INTERNAL_TOKENS"].split(",")[0]  # tests/conftest.py sets it
 
 
-def _worker(model: Path, port: int, *extra: str, token: str | None = None) -> ServiceProcess:
+def _worker(model: Path, port: int, *extra: str, token: str | None = None,
+            layout: str = "tp") -> ServiceProcess:
     env = {**_lws(1), "PAGODA_INTERNAL_TOKENS": token or _session_token()}
     return ServiceProcess("services.engine.serving.server",
-                          ["--model", str(model), "--num-blocks", "64", *_group_args(port),
-                           *extra], env=env)
+                          ["--model", str(model), "--num-blocks", "64",
+                           *_group_args(port, layout), *extra], env=env)
 
 
 @contextlib.contextmanager
@@ -66,8 +73,8 @@ def _launched(proc: ServiceProcess):
         proc.stop()
 
 
-def _stack(model: Path, port: int) -> PagodaStack:
-    return PagodaStack(model, engines=1, num_blocks=64, engine_args=[_group_args(port)],
+def _stack(model: Path, port: int, layout: str = "tp") -> PagodaStack:
+    return PagodaStack(model, engines=1, num_blocks=64, engine_args=[_group_args(port, layout)],
                        env=_lws(0))
 
 
@@ -97,8 +104,12 @@ def test_lws_environment_sets_the_node_group() -> None:
     with pytest.raises(SystemExit) as exit_info:  # LWS_GROUP_SIZE=2 without TP=2
         configs_from_args([], env=_lws(0))
     assert exit_info.value.code == 2
-    with pytest.raises(SystemExit):
-        configs_from_args(["--pipeline-parallel-size", "2"], env={})
+    engine, _ = configs_from_args(_group_args(4000, "pp"), env=_lws(1))
+    assert (engine.nnodes, engine.pipeline_parallel_size, engine.world_size) == (2, 2, 2)
+    with pytest.raises(SystemExit) as exit_info:  # 2 x 2 ranks in a group of 2 pods
+        configs_from_args([*_group_args(4000, "pp"), "--tensor-parallel-size", "2"],
+                          env=_lws(0))
+    assert exit_info.value.code == 2
 
 
 def test_a_worker_with_another_dtype_is_refused(fast_model_dir) -> None:
@@ -164,26 +175,29 @@ def _lose_worker(stack: PagodaStack, worker: ServiceProcess, sig: signal.Signals
     assert worker.proc.wait(10) != 0
 
 
-def _slow_stack(model: Path, port: int) -> PagodaStack:
-    stack = _stack(model, port)  # slow steps: a stream is still decoding when the worker goes
-    stack.options.engine_args = [[*_group_args(port), "--debug-step-delay-s", "0.05"]]
+def _slow_stack(model: Path, port: int, layout: str = "tp") -> PagodaStack:
+    stack = _stack(model, port, layout)  # slow steps: a stream still decodes when the worker goes
+    stack.options.engine_args = [[*_group_args(port, layout), "--debug-step-delay-s", "0.05"]]
     return stack
 
 
-def test_a_group_serves_one_engines_tokens_and_a_killed_worker_ends_it(fast_model_dir) -> None:
+@pytest.mark.parametrize("layout", ["tp", "pp"])
+def test_a_group_serves_one_engines_tokens_and_a_killed_worker_ends_it(fast_model_dir,
+                                                                       layout) -> None:
     """From the LWS environment alone: the tokens of a single-process engine through the
     router and gateway; SIGKILL on the worker takes the leader out of routing; the group,
-    started again (as LWS recreates it), serves the same tokens."""
+    started again (as LWS recreates it), serves the same tokens. ``pp``: the worker pod is
+    pipeline stage 0 (the leader the last stage)."""
     expected = _reference(fast_model_dir)
     port = free_port()
-    stack = _slow_stack(fast_model_dir, port)
-    with _launched(_worker(fast_model_dir, port)) as worker, stack:
+    stack = _slow_stack(fast_model_dir, port, layout)
+    with _launched(_worker(fast_model_dir, port, layout=layout)) as worker, stack:
         worker.wait_healthy()  # joined, its shard loaded
         assert _complete(stack.base_url, stack.model) == expected
         with urllib.request.urlopen(worker.url + "/health", timeout=5) as r:
             assert json.loads(r.read())["role"] == "worker"
         _lose_worker(stack, worker, signal.SIGKILL)
-        with _launched(_worker(fast_model_dir, port)) as again:
+        with _launched(_worker(fast_model_dir, port, layout=layout)) as again:
             stack.restart_engine(0)
             again.wait_healthy()
             wait_for(lambda: stack.engine_id(0) in router_engines(stack.routers[0].url), 10,

@@ -33,6 +33,7 @@ from services.engine.models.layers import (
 )
 from services.engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from services.engine.models.parallel_layers import VocabParallelEmbedding
+from services.engine.models.pipeline_stage import IntermediateTensors, stage_output
 
 if TYPE_CHECKING:
     from services.engine.models.config import ModelConfig
@@ -154,16 +155,19 @@ class GemmaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
         rope = self.rotary(positions)
         local = rope if self.rotary_local is None else self.rotary_local(positions)
-        h = self.embed_tokens(input_ids) * self.normalizer
         residual: torch.Tensor | None = None
+        if intermediate is None:
+            h = self.embed_tokens(input_ids) * self.normalizer
+        else:  # a later pipeline stage (``LlamaModel.forward``)
+            h, residual = intermediate.hidden, intermediate.residual
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             layer_rope = rope if layer.self_attn.window is None else local
             h, residual = layer(h, residual, layer_rope, kv_cache, meta)
-        h, _ = self.norm(h, residual)
-        return h
+        return stage_output(self.norm, h, residual)
 
     def reset_cache(self) -> None:
         self.rotary.reset_cache()

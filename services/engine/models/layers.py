@@ -27,6 +27,7 @@ from services.engine.quantization.base import LinearMethod
 
 if TYPE_CHECKING:
     from services.engine.models.config import ModelConfig, RopeConfig
+    from services.engine.models.pipeline_stage import IntermediateTensors, PipelineStage
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [blocks, bs, kv_heads, d]
 
@@ -40,6 +41,10 @@ class CausalLM(nn.Module):
     """What the model runner calls: a decoder over a flattened batch, plus the LM head."""
 
     config: ModelConfig
+    # Pipeline parallelism (``pipeline_stage``): the stage this model is, and the checkpoint
+    # name prefixes of the modules other stages hold (the loader skips them).
+    stage: PipelineStage | None = None
+    elsewhere: tuple[str, ...] = ()
 
     def forward(
         self,
@@ -47,7 +52,10 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """The final hidden states; a pipeline stage starts from ``intermediate`` (all but
+        the first) and, unless it is the last, returns what the next stage continues from."""
         raise NotImplementedError
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,7 @@ from services.engine.models.parallel_layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from services.engine.models.pipeline_stage import IntermediateTensors, stage_output
 
 if TYPE_CHECKING:
     from services.engine.models.config import ModelConfig
@@ -164,16 +165,19 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
         rope = self.rotary(positions)  # once per step, shared by all layers
-        h = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
+        if intermediate is None:
+            h = self.embed_tokens(input_ids)
+        else:  # a later pipeline stage: where the previous one stopped
+            h, residual = intermediate.hidden, intermediate.residual
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h, residual = layer(h, residual, rope, kv_cache, meta)
-        h, _ = self.norm(h, residual)
-        return h
+        return stage_output(self.norm, h, residual)
 
 
 class LlamaForCausalLM(CausalLM):
@@ -220,9 +224,11 @@ class LlamaForCausalLM(CausalLM):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """``input_ids``/``positions``: ``[T]``; returns the final hidden states ``[T, hidden]``."""
-        return self.model(input_ids, positions, kv_caches, meta)
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """``input_ids``/``positions``: ``[T]``; returns the final hidden states ``[T, hidden]``
+        (a pipeline stage: see ``CausalLM.forward``)."""
+        return self.model(input_ids, positions, kv_caches, meta, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """``hidden``: ``[N, hidden]`` (only the rows that need logits); returns float32, on
@@ -244,7 +250,8 @@ class LlamaForCausalLM(CausalLM):
         super().pack_weights()
         # A tied head shares the embedding table, which lookups still need as it is: the head
         # gets a packed copy of its own.
-        if self.config.tie_word_embeddings and can_pack(self.lm_head.weight):
+        # (a pipeline stage before the last has no head: ``pipeline_stage``)
+        if isinstance(self.lm_head, VocabParallelEmbedding) and can_pack(self.lm_head.weight):
             self._tied_head = pack(self.lm_head.weight)
 
     def stacked_params(self) -> dict[str, tuple[str, ...]]:

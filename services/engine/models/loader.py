@@ -25,6 +25,7 @@ from services.engine.models.config import ModelConfig
 from services.engine.models.layer_kernels import select_kernels
 from services.engine.models.layers import CausalLM, Linear
 from services.engine.models.parallel_layers import ShardRange
+from services.engine.models.pipeline_stage import PipelineStage, keep_local, prune
 from services.engine.models.registry import get_model_class
 from services.engine.quantization import quant_config_for
 from services.engine.quantization.base import ParamLayout, QuantConfig
@@ -54,8 +55,11 @@ def load_model(
     device: torch.device | str = "cpu",
     attn_backend: AttentionBackend | None = None,
     quantization: str | None = None,
+    stage: PipelineStage | None = None,
 ) -> CausalLM:
     """Builds the model for the HF directory ``path`` and loads its safetensors weights.
+
+    ``stage``: a pipeline stage's share only (its layers, and their weights alone are read).
 
     ``attn_backend`` defaults to the torch (CPU reference) backend. The checkpoint's
     ``quantization_config`` decides how each linear layer holds its weight; ``quantization``
@@ -73,10 +77,14 @@ def load_model(
         model = get_model_class(config.architecture)(config, attn_backend, dtype)
         if quant is not None:
             _assign_methods(model, quant)
+        if stage is not None:
+            prune(model, stage)
     model = model.to_empty(device=torch.device(device))
     model.reset_buffers()
     model.use_kernels(select_kernels(device, dtype))  # once: layers never check the device
     num_tensors = load_weights(model, path)
+    if stage is not None:
+        keep_local(model, stage)
     for module in model.modules():
         if isinstance(module, Linear):
             module.method.process_weights_after_loading(module)
@@ -133,6 +141,8 @@ def load_weights(model: CausalLM, path: Path) -> int:
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue  # some tied checkpoints store the head anyway; ours is the embedding
         slot = slots.get(name)
+        if slot is None and name.startswith(model.elsewhere):
+            continue  # another pipeline stage's
         if slot is None:
             raise ValueError(f"checkpoint tensor {name!r} has no matching model parameter")
         target = params[slot.param].narrow(slot.dim, slot.offset, slot.rows)

@@ -12,6 +12,9 @@ where each pod stands, ``node_join`` is the leader's door (the join handshake) a
 ``node_links`` the heartbeats that turn a lost or hung pod into the group's end, as the pidfd
 watch does for local workers.
 
+Pipeline parallelism (``pipeline``) reuses all of this for P x T ranks: which ranks form which
+stage, and the point-to-point hand-offs that carry a step from stage to stage.
+
 This package imports nothing else of the engine: the models and the core build on it, and the
 core names its workers' entry module (``services.engine.tp_worker``) when it starts them.
 """

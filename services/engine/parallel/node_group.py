@@ -8,8 +8,9 @@ its place from vLLM's flags (``--nnodes``, ``--node-rank``, ``--master-addr``,
 every pod of a group (``LWS_LEADER_ADDRESS``, ``LWS_GROUP_SIZE``, ``LWS_WORKER_INDEX``, the
 leader's index being 0). Flags given win over the environment.
 
-For now each pod holds one rank, so ``tensor_parallel_size`` equals the group size; ranks
-0..N-1 are the nodes in order.
+For now each pod holds one rank, so ``pipeline_parallel_size x tensor_parallel_size`` equals
+the group size; ranks 0..N-1 are the nodes in order (with pipeline stages the leader's ranks run
+the last stage: ``pipeline``).
 """
 
 from __future__ import annotations

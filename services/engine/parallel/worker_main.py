@@ -19,6 +19,7 @@ import logging
 import os
 import pickle
 import sys
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -39,8 +40,22 @@ logger = logging.getLogger(__name__)
 
 EXIT_CODE = 1  # a worker that fails, or whose engine is gone
 
+
+
+class RankLoop(ABC):
+    """What ``build`` returns for a rank whose steps do not come by the step broadcast (a
+    pipeline stage's come from the stage before it): ``run`` receives and runs them until its
+    own stop comes; the broadcast's stop then ends the rank as any other."""
+
+    @abstractmethod
+    def run(self) -> None: ...
+
+    def __call__(self, batch: StepBatch) -> None:
+        raise AssertionError("a pipeline rank receives no broadcast step")
+
+
 # A rank's step: runs the model over the batch (its results stay on rank 0).
-StepFn = Callable[[StepBatch], object]
+StepFn = Callable[[StepBatch], object] | RankLoop
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +120,8 @@ def _serve(args: WorkerArgs, store: dist.Store, build: Callable[[WorkerArgs, TPG
     step = build(args, tp)
     if on_ready is not None:
         on_ready()
+    if isinstance(step, RankLoop):
+        step.run()
     while (batch := receive_step(tp)) is not None:
         step(batch)
     tp_group.leave()

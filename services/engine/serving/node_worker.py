@@ -62,7 +62,7 @@ def run(engine_config: EngineConfig, server_config: ServerConfig, model_path: st
                 nodes.node_rank, nodes.nnodes, nodes.master_addr, nodes.master_port,
                 server_config.port)
     device = rank_device(engine_config.torch_device(), 0)
-    args = WorkerArgs(nodes.node_rank, engine_config.tensor_parallel_size, 0, 0, str(device),
+    args = WorkerArgs(nodes.node_rank, engine_config.world_size, 0, 0, str(device),
                       logging.getLogger().getEffectiveLevel(), (engine_config, model_path))
     run_node_worker(args, nodes, group_identity(engine_config, model_path), build,
                     _Health.ready.set)
