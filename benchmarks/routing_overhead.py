@@ -253,7 +253,7 @@ async def _measure(args, http, engine_url, router_url, gateway_url, RouteRequest
         ) as r:
             dec = engine_api.FrameDecoder()
             async for chunk in r.content.iter_any():
-                if any(f["type"] == "finished" for f in dec.feed(chunk)):
+                if any(isinstance(f, engine_api.FinishedFrame) for f in dec.feed(chunk)):
                     break
 
     async def route(i: int) -> None:
