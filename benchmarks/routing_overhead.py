@@ -144,7 +144,7 @@ class Proc:
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
 
-    async def wait_healthy(self, http: aiohttp.ClientSession, timeout_s: float = 90) -> None:
+    async def wait_healthy(self, http: aiohttp.ClientSession, timeout_s: float = 300) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.p.poll() is not None:
