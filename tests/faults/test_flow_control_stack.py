@@ -126,29 +126,23 @@ def test_two_tenants_share_the_engine_whatever_their_rates(stack: PagodaStack) -
 def test_sheddable_is_429_within_shed_after_s_non_sheddable_is_served(stack: PagodaStack) -> None:
     async def run() -> tuple[Result, float, Result]:
         async with session_() as session, \
-                flood(session, stack.base_url, "a", workers=8):
+                flood(session, stack.base_url, "a", workers=4):
             start = time.monotonic()
-            shed, kept = await asyncio.gather(
-                complete(session, stack.base_url, "b", priority=2),
-                complete(session, stack.base_url, "c", priority=0))
-            return shed, time.monotonic() - start, kept
 
-    shed, _, kept = asyncio.run(run())
+            async def sheddable() -> tuple[Result, float]:
+                r = await complete(session, stack.base_url, "b", priority=2)
+                return r, time.monotonic() - start
+
+            (shed, took), kept = await asyncio.gather(
+                sheddable(), complete(session, stack.base_url, "c", priority=0))
+            # Within the bound, plus a loaded machine's HTTP round trip.
+            assert took < SHED_AFTER_S + 2.0
+            return shed, took, kept
+
+    shed, took, kept = asyncio.run(run())
     assert shed.status == 429 and shed.retry_after is not None
+    assert took >= SHED_AFTER_S  # it waited for room first
     assert kept.status == 200
-
-
-def test_sheddable_429_comes_within_shed_after_s(stack: PagodaStack) -> None:
-    async def run() -> tuple[Result, float]:
-        async with session_() as session, \
-                flood(session, stack.base_url, "a", workers=8):
-            start = time.monotonic()
-            shed = await complete(session, stack.base_url, "b", priority=3)
-            return shed, time.monotonic() - start
-
-    shed, took = asyncio.run(run())
-    assert shed.status == 429
-    assert took < SHED_AFTER_S + 2.0  # the bound plus a loaded machine's HTTP round trip
 
 
 def test_priority_0_ttft_under_a_priority_1_flood_within_2x_idle(stack: PagodaStack) -> None:
