@@ -11,6 +11,10 @@ at a time (``--requests`` each):
 
     direct            POST /internal/generate to the fake engine (msgpack, what the gateway does)
     router /route     POST /route to the router (msgpack RouteRequest, Redis lookup + write-back)
+    ext_proc pick     the router's endpoint picker as Envoy asks it: one gRPC ext_proc stream,
+                      request headers then the OpenAI body (FULL_DUPLEX_STREAMED), until the
+                      headers' answer carrying the pick (it also parses the body and hashes
+                      the prompt, which /route's caller does itself)
     gateway           POST /v1/completions, token-id prompt, non-streaming
     gateway stream    the same with stream=true (SSE)
     gateway text      a text prompt (adds tokenization), non-streaming
@@ -140,7 +144,7 @@ class Proc:
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
 
-    async def wait_healthy(self, http: aiohttp.ClientSession, timeout_s: float = 90) -> None:
+    async def wait_healthy(self, http: aiohttp.ClientSession, timeout_s: float = 300) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.p.poll() is not None:
@@ -205,7 +209,7 @@ async def overhead(args: argparse.Namespace) -> dict[str, list[float]]:
     # The router and gateway started here require and send it (the fake engine ignores it).
     internal = ensure_tokens(os.environ).headers()
     with RedisServer() as redis:
-        e_port, r_port, g_port = free_port(), free_port(), free_port()
+        e_port, r_port, g_port, x_port = free_port(), free_port(), free_port(), free_port()
         engine_url = f"http://127.0.0.1:{e_port}"
         router_url = f"http://127.0.0.1:{r_port}"
         gateway_url = f"http://127.0.0.1:{g_port}"
@@ -214,7 +218,8 @@ async def overhead(args: argparse.Namespace) -> dict[str, list[float]]:
                                  "--redis-url", redis.url], f"{engine_url}/health"),
             Proc("router", [sys.executable, "-m", "services.router", "--host", "127.0.0.1",
                             "--port", str(r_port), "--redis-url", redis.url, "--engines",
-                            engine_url, "--log-level", "WARNING"], f"{router_url}/ready"),
+                            engine_url, "--log-level", "WARNING", "--ext-proc-port", str(x_port),
+                            "--tokenizer", f"{MODEL}={model_dir}"], f"{router_url}/ready"),
             Proc("gateway", [sys.executable, "-m", "services.gateway", "--host", "127.0.0.1",
                              "--port", str(g_port), "--router-url", router_url,
                              "--model", f"{MODEL}={model_dir}", "--engines-refresh", "1",
@@ -226,7 +231,7 @@ async def overhead(args: argparse.Namespace) -> dict[str, list[float]]:
                 for p in procs:
                     await p.wait_healthy(http)
                 results = await _measure(
-                    args, http, engine_url, router_url, gateway_url, RouteRequest
+                    args, http, engine_url, router_url, gateway_url, RouteRequest, x_port
                 )
         finally:
             for p in reversed(procs):
@@ -234,7 +239,7 @@ async def overhead(args: argparse.Namespace) -> dict[str, list[float]]:
     return results
 
 
-async def _measure(args, http, engine_url, router_url, gateway_url, RouteRequest):
+async def _measure(args, http, engine_url, router_url, gateway_url, RouteRequest, x_port):
     n = args.requests
     ps = prompts(n + 64)
     hasher = BlockHasher(MODEL, BLOCK_SIZE)
@@ -248,7 +253,7 @@ async def _measure(args, http, engine_url, router_url, gateway_url, RouteRequest
         ) as r:
             dec = engine_api.FrameDecoder()
             async for chunk in r.content.iter_any():
-                if any(f["type"] == "finished" for f in dec.feed(chunk)):
+                if any(isinstance(f, engine_api.FinishedFrame) for f in dec.feed(chunk)):
                     break
 
     async def route(i: int) -> None:
@@ -284,6 +289,7 @@ async def _measure(args, http, engine_url, router_url, gateway_url, RouteRequest
 
     results["direct"] = await timed(n, direct)
     results["router /route"] = await timed(n, route)
+    results["ext_proc pick"] = await _picks(n, ps, x_port)
     results["gateway"] = await timed(n, gateway)
     results["gateway stream"] = await timed(n, lambda i: gateway(i, stream=True))
     results["gateway text"] = await timed(n, lambda i: gateway(i, text=True))
@@ -304,6 +310,25 @@ async def _measure(args, http, engine_url, router_url, gateway_url, RouteRequest
     await asyncio.gather(*(client(k) for k in range(args.concurrency)))
     results["_throughput"] = [done / (time.perf_counter() - start)]
     return results
+
+
+async def _picks(n: int, ps: list[list[int]], port: int) -> list[float]:
+    """The picker's latency per request: a stream's headers and body in, the pick out."""
+    import json
+
+    from tests.router import ext_proc_client as ep
+
+    async with ep.ext_proc_stub(port) as stub:
+
+        async def pick(i: int) -> None:
+            body = json.dumps({"model": MODEL, "prompt": ps[i], "max_tokens": 1}).encode()
+            async with ep.stream(stub) as s:
+                await s.send(ep.headers("/v1/completions"), ep.body(body, True))
+                answer = await s.read()
+                if answer.WhichOneof("response") != "request_headers":
+                    raise RuntimeError(f"the picker answered {answer}")
+
+        return await timed(n, pick)
 
 
 def _params():

@@ -16,6 +16,7 @@ from services.engine.kv_connector.registry import TIERS
 from services.engine.kv_offload.secret import load_store_secret
 from services.engine.lora.request import LoRAModule
 from services.engine.quantization import SCHEMES
+from services.engine.scheduler import SchedulingPolicy
 from services.engine.spec_decode.config import SpecMethod, SpeculativeConfig, check_draft_matches
 from services.protocol.block_hash import HashAlgorithm
 
@@ -48,6 +49,10 @@ class EngineConfig:
         "less what the enabled features hold back)"
     )
     max_num_seqs: int = flag(128, help="requests in one batch")
+    scheduling_policy: SchedulingPolicy = flag(
+        SchedulingPolicy.FCFS, help="fcfs (arrival order) or priority (a request's priority: "
+        "lower first, ties by arrival; preemption takes the least urgent), as vLLM's"
+    )
     max_num_batched_tokens: int | None = flag(
         None,
         help="tokens per step; longer prompts are prefilled in chunks (default: 1024 on a GPU; "
@@ -189,6 +194,8 @@ class EngineConfig:
         # Refused here, not at the first request's hasher: a bad name would start cleanly and
         # then fail every request with a 500.
         self.hash_algorithm = _enum(HashAlgorithm, self.hash_algorithm, "hash_algorithm")
+        self.scheduling_policy = _enum(SchedulingPolicy, self.scheduling_policy,
+                                       "scheduling_policy")
         for name in ("block_size", "max_num_seqs", "tensor_parallel_size",
                      "pipeline_parallel_size"):
             _require_positive(name, getattr(self, name))

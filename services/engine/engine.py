@@ -28,7 +28,7 @@ from services.engine.model_runner import ModelRunner, StepResult
 from services.engine.pipeline_batches import BatchQueue
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import make_generator
-from services.engine.scheduler import Scheduler, SchedulerOutput
+from services.engine.scheduler import Scheduler, SchedulerOutput, SchedulingPolicy
 from services.engine.spec_decode.config import check_draft_matches
 from services.engine.spec_decode.metrics import SpecDecodeStats
 from services.engine.spec_step import Speculator
@@ -123,6 +123,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             self.max_model_len,
             config.max_loras if config.enable_lora else 0,
+            config.scheduling_policy,
         )
         # Pipeline stages: up to one step in flight per stage (``pipeline_batches``).
         self.batches = None if config.pipeline_parallel_size == 1 else BatchQueue(
@@ -210,12 +211,15 @@ class LLMEngine:
         cache_salt: str | None = None,
         lora_request: LoRARequest | str | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        priority: int = 0,
     ) -> Request:
         """``lora_request``: the adapter to run under, a ``LoRARequest`` (the offline API: read
         on first use) or the name of a loaded adapter (the server); None: the base model.
         ``kv_transfer_params``: vLLM's, for the KV connector (P/D: hold the prompt's blocks
-        for a decode engine, or pull them from a prefill engine)."""
+        for a decode engine, or pull them from a prefill engine). ``priority``: vLLM's (lower
+        first), only with ``--scheduling-policy priority``; else non-zero is refused."""
         kv_transfer_params = kv_params.check(kv_transfer_params)
+        check_priority(priority, self.config.scheduling_policy)
         if request_id in self.requests or self.scheduler.holds_blocks_of(request_id):
             raise BadRequest(f"request_id {request_id!r} is already in the engine", "request_id")
         max_tokens = self.check_request(prompt_token_ids, params)
@@ -242,6 +246,7 @@ class LLMEngine:
             grammar=grammar,
             lora=adapter,
             kv_transfer_params=kv_transfer_params,
+            priority=priority,
         )
         self.requests[request_id] = req
         self.scheduler.add(req)
@@ -494,6 +499,13 @@ def _release(pipeline: StepPipeline | None, runner: ModelRunner,
     if pipeline is not None:
         pipeline.close()
     runner.close()
+
+
+def check_priority(priority: int, policy: SchedulingPolicy) -> None:
+    """vLLM's rule: a non-zero priority needs the priority policy (a 400 naming the field)."""
+    if priority != 0 and policy is not SchedulingPolicy.PRIORITY:
+        raise BadRequest(f"Got priority {priority} but Priority scheduling is not enabled "
+                         "(start the engine with --scheduling-policy priority)", "priority")
 
 
 def check_request(

@@ -52,6 +52,7 @@ class Request:
     max_tokens: int  # resolved: params.max_tokens, or what the context leaves
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # vLLM's: with --scheduling-policy priority a lower value goes first
     # prompt + output; the runner reads slices of it, so it is one list appended in place.
     token_ids: list[int] = field(init=False)
     output_token_ids: list[int] = field(default_factory=list)

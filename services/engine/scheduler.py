@@ -38,10 +38,21 @@ cached in the pool), at the start of a later ``schedule``. An abort while it loa
 blocks only once the load is reported. A finished request whose blocks the connector holds for
 sending keeps them until the connector reports them sent, or ``kv_transfer_timeout_s`` has
 passed.
+
+Scheduling policy (``SchedulingPolicy``, vLLM's ``--scheduling-policy``): FCFS as above, or
+PRIORITY: the waiting queue is kept in (priority, arrival) order (a lower value first, ties by
+arrival, as vLLM's ``Request.__lt__``) and so is the running set, so that its last entry is the
+one preemption takes: the least urgent (largest value), latest arrival among running requests,
+which is vLLM's ``max(running, key=(priority, arrival_time))``. A preempted request goes back
+into the queue at its rank (vLLM's priority queue has no front). The running set's order also
+means a more urgent request gets the step's budget first, and a victim is never one already
+scheduled this step (everything scheduled before it is more urgent than the request asking).
 """
 
 from __future__ import annotations
 
+import bisect
+import enum
 import logging
 import time
 from collections import deque
@@ -57,6 +68,18 @@ from services.engine.prompt_logprobs import reads_prefix_cache
 from services.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
+
+
+class SchedulingPolicy(enum.Enum):
+    """vLLM's ``--scheduling-policy`` values."""
+
+    FCFS = "fcfs"
+    PRIORITY = "priority"
+
+
+def _rank(req: Request) -> tuple[int, float]:
+    """PRIORITY's order: lower value first, then earlier arrival."""
+    return req.priority, req.arrival_time
 
 
 @dataclass(slots=True)
@@ -102,8 +125,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         max_loras: int = 0,
+        policy: SchedulingPolicy = SchedulingPolicy.FCFS,
     ) -> None:
         self.block_manager = block_manager
+        self.by_priority = policy is SchedulingPolicy.PRIORITY
         self.max_loras = max_loras  # distinct adapters running at a time (0: LoRA is off)
         self.num_lora_deferrals = 0  # admissions an adapter limit deferred (tests, metrics)
         self.max_num_seqs = max_num_seqs
@@ -133,7 +158,11 @@ class Scheduler:
     # -- queue management -------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        assert self.by_priority or request.priority == 0, "the engine refuses it (a 400)"
+        if self.by_priority:
+            bisect.insort(self.waiting, request, key=_rank)
+        else:
+            self.waiting.append(request)
 
     def set_connector(self, connector: KVConnector, timeout_s: float) -> None:
         self.connector, self.kv_transfer_timeout_s = connector, timeout_s
@@ -269,8 +298,8 @@ class Scheduler:
         return budget
 
     def _preempt_for(self, req: Request, total: int, out: SchedulerOutput) -> bool:
-        """Preempts the newest running requests until ``req`` gets blocks for ``total`` tokens;
-        False if ``req`` itself had to go."""
+        """Preempts the newest running requests (PRIORITY: the least urgent) until ``req`` gets
+        blocks for ``total`` tokens; False if ``req`` itself had to go."""
         while not self.block_manager.allocate_slots(req.request_id, total):
             victim = self.running[-1]
             self._preempt(victim, out)
@@ -286,7 +315,10 @@ class Scheduler:
         req.num_draft_tokens = 0  # its drafts go with its row
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        if self.by_priority:  # back at its rank: vLLM's priority queue has no front
+            bisect.insort(self.waiting, req, key=_rank)
+        else:
+            self.waiting.appendleft(req)
         out.preempted.append(req)
         logger.debug("preempted request_id=%s", req.request_id)
 
@@ -340,7 +372,10 @@ class Scheduler:
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.monotonic()
         req.status = RequestStatus.RUNNING
-        self.running.append(req)
+        if self.by_priority:  # running[-1] stays the one preemption takes
+            bisect.insort(self.running, req, key=_rank)
+        else:
+            self.running.append(req)
 
     def _start_load(self, req: Request, blocks: list, num_cached: int) -> bool | None:
         """Starts loading the KV the connector has after the pool's hit, if any: True (it

@@ -19,6 +19,7 @@ from aiohttp import web
 from opentelemetry import trace
 
 from services.common import tracing
+from services.common.flow_control import Shed
 from services.gateway.admission import HoldCost
 from services.gateway.auth import TENANT_KEY, cache_salt_for
 from services.gateway.errors import read_json_body
@@ -87,12 +88,14 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     share = -(-len(await request.read()) // len(plan.jobs))
     gen = Generation(state.upstreams, model, plan.rid, plan.jobs, plan.salt,
                      None if adapter is None else adapter.name,
-                     HoldCost(request.get(TENANT_KEY), share), req.kv_transfer_params)
+                     HoldCost(request.get(TENANT_KEY), share), req.kv_transfer_params,
+                     req.priority)
     timer: asyncio.TimerHandle | None = None
     state.metrics.in_flight.labels(endpoint, model.name).inc()
     try:
         try:
             async with asyncio.timeout_at(deadline):
+                await _admit(state, model, request.get(TENANT_KEY), req.priority)
                 await gen.start()
         except TimeoutError:
             raise timed_out from None
@@ -111,6 +114,16 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
         state.metrics.in_flight.labels(endpoint, model.name).dec()
         if span.is_recording():
             _trace_usage(span, plan, gen)
+
+
+async def _admit(state: GatewayState, model: ServedModel, tenant: str | None,
+                 priority: int) -> None:
+    """Flow control: waits while the model's engines are saturated (a 429 to shed)."""
+    try:
+        await state.flow.admit(model.name, tenant, priority)
+    except Shed as shed:
+        raise oa.OpenAIError(shed.message, status=429, code="overloaded",
+                             retry_after=shed.retry_after) from None
 
 
 async def _plan(

@@ -88,12 +88,15 @@ class Generation:
         lora_name: str | None = None,
         hold: HoldCost = FREE,
         kv_transfer_params: dict | None = None,
+        priority: int = 0,
     ) -> None:
         """``lora_name``: the LoRA adapter every choice runs under (None: the base model).
         ``hold``: what each choice costs while it waits for an engine (``EngineWait``).
-        ``kv_transfer_params``: the client's, for the engine's KV connector (one choice)."""
+        ``kv_transfer_params``: the client's, for the engine's KV connector (one choice).
+        ``priority``: vLLM's, sent to the engines."""
         assert kv_transfer_params is None or len(jobs) == 1
         self._kv_params = kv_transfer_params
+        self._priority = priority
         self._up = up
         self._lora = lora_name
         self._hold = hold
@@ -231,7 +234,8 @@ class Generation:
             route = await self._route(job, exclude, role, layout)
             rid = f"{self.request_id}-{job.index}" + (f"-r{attempt}" if attempt else "")
             req = GenerateRequest(rid, job.prompt_ids, job.engine_params, self._salt, self._lora,
-                                  kv_params if kv_params is not None else _peer_pull(route))
+                                  kv_params if kv_params is not None else _peer_pull(route),
+                                  self._priority)
             guard = (up.watch.guard(route.engine_id, route.url) if up.watch is not None
                      else contextlib.nullcontext())
             try:
@@ -271,7 +275,7 @@ class Generation:
         try:
             route = await self._route(job, [], "prefill")
             req = GenerateRequest(rid, job.prompt_ids, params, self._salt, self._lora,
-                                  {"do_remote_decode": True})
+                                  {"do_remote_decode": True}, self._priority)
             stream = await open_stream(up.session, route.engine_id, route.url, req,
                                        up.connect_timeout, up.tracer)
             async for frame in stream.frames():

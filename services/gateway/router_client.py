@@ -26,6 +26,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from services.common import internal_auth, tracing
+from services.common.flow_control import EngineLoad
 from services.protocol.block_hash import HashAlgorithm
 from services.protocol.messages import RouteRequest, RouteResponse
 from services.protocol.openai import OpenAIError
@@ -212,19 +213,30 @@ class RouterClient:
 
     async def engines(self) -> list[EngineInfo]:
         """The live engines, from the first replica that answers. Raises RouterUnavailable."""
+        rows = await self._engine_rows(None)
+        return [e for e in (EngineInfo.from_dict(d) for d in rows) if e is not None]
+
+    async def loads(self, model: str) -> list[EngineLoad]:
+        """What each live engine of ``model`` reports (flow control's saturation test).
+        Raises RouterUnavailable."""
+        return [e for e in (_load_of(d) for d in await self._engine_rows(model))
+                if e is not None]
+
+    async def _engine_rows(self, model: str | None) -> list[Any]:
         why = "no router"
         for i in self._order():
             try:
-                return await self._engines(self._bases[i])
+                return await self._engines(self._bases[i], model)
             except RouterUnavailable as exc:
                 why = str(exc)
                 self._mark_down(i, why)
         raise RouterUnavailable(why)
 
-    async def _engines(self, base: str) -> list[EngineInfo]:
+    async def _engines(self, base: str, model: str | None) -> list[Any]:
         try:
             async with self._session.get(
                 base + ENGINES_PATH,
+                params=None if model is None else {"model": model},
                 headers={"Accept": f"application/json, {MSGPACK}"},
                 timeout=self._timeout,
             ) as resp:
@@ -242,7 +254,20 @@ class RouterClient:
             data = data.get("engines")
         if not isinstance(data, list):
             raise RouterUnavailable("/engines must be a list or {'engines': [...]}")
-        return [e for e in (EngineInfo.from_dict(d) for d in data) if e is not None]
+        return data
+
+
+def _load_of(d: Any) -> EngineLoad | None:
+    """A row's load; None when a field is missing or malformed (that engine is not counted)."""
+    if not isinstance(d, dict):
+        return None
+    waiting, pending, kv = d.get("waiting"), d.get("pending"), d.get("kv_usage")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+               for v in (waiting, pending)):
+        return None
+    if not isinstance(kv, int | float) or isinstance(kv, bool):
+        return None
+    return EngineLoad(waiting, pending, float(kv))
 
 
 def _says_no_engine(body: bytes) -> bool:

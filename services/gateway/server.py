@@ -25,6 +25,7 @@ import aiohttp
 from aiohttp import web
 
 from services.common import internal_auth, tracing
+from services.common.flow_control import FlowConfig, FlowController, FlowMetrics
 from services.common.http_errors import error_middleware
 from services.gateway import api, lora_admin, tokenization
 from services.gateway.admission import EngineWait
@@ -135,7 +136,9 @@ async def _resources(
                        max_tenant_bytes=config.engine_wait_max_tenant_bytes),
             config.pd_disaggregation,
         )
-        state = GatewayState(config, models, router, upstreams, metrics, pool)
+        flow = FlowController(FlowConfig.from_flags(config), router.loads,
+                              FlowMetrics(metrics.registry, "pagoda_gateway"))
+        state = GatewayState(config, models, router, upstreams, metrics, pool, flow)
         app[STATE] = state
         await _refresh_engines(state)
         poller = asyncio.create_task(_poll_engines(state))

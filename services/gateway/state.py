@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from services.common.flow_control import FlowController
 from services.gateway.config import GatewayConfig
 from services.gateway.generation import Generation, Upstreams
 from services.gateway.metrics import GatewayMetrics
@@ -22,6 +23,7 @@ class GatewayState:
     upstreams: Upstreams
     metrics: GatewayMetrics
     tokenize_pool: Executor
+    flow: FlowController
     generations: set[Generation] = field(default_factory=set)  # open ones, for shutdown
 
 

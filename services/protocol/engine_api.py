@@ -36,6 +36,7 @@ from services.protocol.sampling_params import SamplingParams
 from services.protocol.wire import (
     MAX_CACHE_SALT_CHARS,
     MAX_NAME_CHARS,
+    MAX_PRIORITY,
     MAX_PROMPT_TOKENS,
     MAX_REQUEST_ID_CHARS,
     BadRequest,
@@ -101,8 +102,13 @@ class GenerateRequest(Message):
     # vLLM's, for the engine's KV connector (P/D); checked flat and bounded
     kv_transfer_params: dict[str, Any] | None = field(
         metadata=codec(kv_params.check, lambda v: v), default=None)
+    # vLLM's: lower first under --scheduling-policy priority (non-zero without it: a 400)
+    priority: int = 0
 
     def _check(self) -> None:
+        if abs(self.priority) > MAX_PRIORITY:
+            raise ValueError(f"GenerateRequest.priority must be in [-{MAX_PRIORITY}, "
+                             f"{MAX_PRIORITY}], got {self.priority}")
         if min(self.prompt_token_ids) < 0:
             i = next(i for i, t in enumerate(self.prompt_token_ids) if t < 0)
             raise ValueError(

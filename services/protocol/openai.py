@@ -21,6 +21,7 @@ from services.protocol.openai_structured import (
     parse_constraint,
 )
 from services.protocol.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
+from services.protocol.wire import MAX_PRIORITY
 
 # -- limits ---------------------------------------------------------------------------------
 # What one request may ask for. The 400s below and the gateway's /openapi.json both read these.
@@ -119,6 +120,8 @@ class GenerationRequest:
     user: str | None = None
     # vLLM's, passed to the engine's KV connector (P/D legs) and returned in the response
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's: lower is more urgent; the engine's scheduling and the gateway's flow control
+    priority: int = 0
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # response_format / structured_outputs / tools: what the engine enforces, and the tools
     constraint: Constraint = field(default_factory=Constraint)
@@ -257,9 +260,10 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
         kv = kv_params.check_client(body.get("kv_transfer_params"))
     except ValueError as exc:  # BadRequest: its text names the field
         raise OpenAIError(str(exc), param="kv_transfer_params") from None
+    priority = _opt_int(body, "priority", -MAX_PRIORITY, MAX_PRIORITY) or 0
     return {"stream": stream, "include_usage": include_usage,
             "continuous_usage": include_usage and continuous, "cache_salt": salt, "user": user,
-            "kv_transfer_params": kv}
+            "kv_transfer_params": kv, "priority": priority}
 
 
 def _prompts(prompt: Any) -> list[str | list[int]]:

@@ -53,6 +53,8 @@ MAX_PROMPT_TOKENS = 2**24
 MAX_EXCLUDE = 256  # engines a request may rule out (the gateway's retries)
 MAX_CACHE_SALT_CHARS = 4096  # the salt keys a hasher the engine keeps per salt
 BLOCK_HASH_BYTES = 16
+# vLLM's request priority is any int; a 32-bit one is plenty and keeps it a small msgpack int.
+MAX_PRIORITY = 2**31 - 1  # |priority|
 _MAX_SHOWN_CHARS = 80  # of a bad value echoed back in an error message
 
 

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import grpc
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
@@ -37,15 +38,17 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from prometheus_client import CollectorRegistry, Counter
 
+from services.common.flow_control import FlowController, Shed
 from services.protocol.messages import RouteRequest
 from services.protocol.openai import OpenAIError
 from services.router import ext_proc_messages as em
 from services.router.index import IndexSnapshot
-from services.router.pick_prompt import PickInput, PromptReader
+from services.router.pick_prompt import PickInput, PickRequest, PromptReader
 from services.router.policies import Candidate
 from services.router.routing import Admit, NoEngineError, Router
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 FULL_DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
 _HEADERS = frozenset({":path", "authorization", "x-request-id"})
@@ -83,6 +86,7 @@ class ByteBudget:
 
 class PickerMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
         self.answers = Counter(
             "pagoda_router_ext_proc_answers",
             "Endpoint-picker answers by HTTP status (200: endpoints picked)",
@@ -101,6 +105,7 @@ class Refusal(Exception):
     status: int
     message: str
     code: str | None = None
+    retry_after: int | None = None  # seconds, for a 429
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,26 +118,41 @@ class Picked:
 class Picker:
     """Body in, endpoints out: the decision, with no stream state."""
 
-    def __init__(self, router: Router, prompts: PromptReader, limits: PickerLimits) -> None:
+    def __init__(self, router: Router, prompts: PromptReader, limits: PickerLimits,
+                 flow: FlowController | None = None) -> None:
         self.router = router
         self.prompts = prompts
         self.limits = limits
+        self.flow = flow  # queues while the model's engines are saturated (None: off)
 
     async def pick(self, given: PickInput, subset: frozenset[str] | None) -> Picked:
-        """Raises Refusal; 503 when tokenizing and picking take longer than the body may."""
+        """Raises Refusal; 503 when tokenizing or picking take longer than the body may. In
+        between, flow control may hold the request (its own bounds: shedding, the stream's
+        timeout) or shed it (429)."""
+        req = await self._timed(self._read(given))
+        if self.flow is not None:
+            try:
+                await self.flow.admit(req.route.model, req.tenant, req.priority)
+            except Shed as shed:
+                raise Refusal(429, shed.message, "overloaded", shed.retry_after) from None
+        return await self._timed(self._pick(req.route, subset))
+
+    async def _timed(self, work: Awaitable[T]) -> T:
         try:
             async with asyncio.timeout(self.limits.body_timeout_s):
-                return await self._pick(given, subset)
+                return await work
         except TimeoutError:
             raise Refusal(503, "the endpoint picker is overloaded", "overloaded") from None
 
-    async def _pick(self, given: PickInput, subset: frozenset[str] | None) -> Picked:
+    async def _read(self, given: PickInput) -> PickRequest:
         try:
-            req = await self.prompts.route_request(given)
+            return await self.prompts.route_request(given)
         except OpenAIError as exc:
             raise Refusal(exc.status, exc.message, exc.code) from None
         except NoEngineError as exc:
             raise Refusal(503, exc.message, "no_engine") from None
+
+    async def _pick(self, req: RouteRequest, subset: frozenset[str] | None) -> Picked:
         admit = None if subset is None else _admit(subset)
         try:
             pick = await self.router.pick(req, admit)
@@ -294,7 +314,7 @@ class _Stream:
         self.done = True
         self.metrics.answers.labels(status=str(refusal.status)).inc()
         logger.info("picker refused status=%d reason=%s", refusal.status, refusal.message)
-        return em.immediate(refusal.status, refusal.message, refusal.code)
+        return em.immediate(refusal.status, refusal.message, refusal.code, refusal.retry_after)
 
 
 class ExtProcService(pb_grpc.ExternalProcessorServicer):

@@ -121,19 +121,22 @@ def streamed_body(chunk: bytes, end: bool, response: bool = False) -> pb.Process
     return pb.ProcessingResponse(request_body=body)
 
 
-def immediate(status: int, message: str, code: str | None = None) -> pb.ProcessingResponse:
-    """An answer to the client in place of the upstream's, in OpenAI's error JSON."""
+def immediate(status: int, message: str, code: str | None = None,
+              retry_after: int | None = None) -> pb.ProcessingResponse:
+    """An answer to the client in place of the upstream's, in OpenAI's error JSON (a 429 with
+    ``Retry-After`` when ``retry_after`` is given)."""
     err_type = "invalid_request_error" if status < 500 else "service_unavailable"
     body = json.dumps(
         {"error": {"message": message, "type": err_type, "param": None, "code": code}}
     ).encode()
-    header = base_pb2.HeaderValueOption(
-        header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"),
-        append_action=_OVERWRITE,
-    )
+    headers = [("content-type", b"application/json")]
+    if retry_after is not None:
+        headers.append(("retry-after", str(retry_after).encode()))
     return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
         status=http_status_pb2.HttpStatus(code=status),  # type: ignore[arg-type]
-        headers=pb.HeaderMutation(set_headers=[header]),
+        headers=pb.HeaderMutation(set_headers=[
+            base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=k, raw_value=v),
+                                       append_action=_OVERWRITE) for k, v in headers]),
         body=body,
         details=f"pagoda_picker_{status}",
     ))

@@ -21,6 +21,13 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from services.common.flow_control import (
+    EngineLoad,
+    FlowConfig,
+    FlowController,
+    FlowMetrics,
+    LoadSource,
+)
 from services.router.config import RouterConfig, tokenizer_dirs
 from services.router.ext_proc import ExtProcService, Picker, PickerLimits, PickerMetrics
 from services.router.model_facts import ModelCatalog
@@ -44,6 +51,17 @@ def limits_of(config: RouterConfig) -> PickerLimits:
         shed_waiting=config.ext_proc_shed_waiting,
         max_buffered_bytes=config.ext_proc_max_buffered_bytes,
     )
+
+
+def engine_loads(router: Router) -> LoadSource:
+    """Flow control's view of a model's engines: their heartbeats and the router's pending,
+    for the engines discovery admits."""
+
+    async def loads(model: str) -> list[EngineLoad]:
+        rows, _ = await router.engines(model)
+        return [EngineLoad(r.waiting, r.pending, r.kv_usage) for r in rows if r.discovered]
+
+    return loads
 
 
 async def router_synced(router: Router) -> bool:
@@ -83,8 +101,10 @@ async def serve_ext_proc(config: RouterConfig, router: Router,
         options=[("grpc.max_receive_message_length", max_message),
                  ("grpc.max_send_message_length", max_message)],
     )
+    flow = FlowController(FlowConfig.from_flags(config), engine_loads(router),
+                          FlowMetrics(metrics.registry, "pagoda_router"))
     pb_grpc.add_ExternalProcessorServicer_to_server(
-        ExtProcService(Picker(router, prompts, limits), metrics), server)
+        ExtProcService(Picker(router, prompts, limits, flow), metrics), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     await health.set("liveness", health_pb2.HealthCheckResponse.SERVING)

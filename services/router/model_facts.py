@@ -10,6 +10,7 @@ hot path); a name seen nowhere makes one refresh of every model's heartbeats, at
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -35,12 +36,22 @@ class ModelCatalog:
         self._refresh_s = refresh_s
         self._clock = clock
         self._refreshed = -refresh_s
+        self._refreshing: asyncio.Future[None] | None = None
 
     async def resolve(self, name: str) -> ModelFacts | None:
         """The facts for a request's ``model``; None when no live engine serves it."""
         facts = self._lookup(name)
+        if facts is None and self._refreshing is not None:
+            # A refresh another request started: wait for it (its interval has not passed,
+            # but its answer is not in yet: the first requests after a start arrive together).
+            await asyncio.shield(self._refreshing)
+            facts = self._lookup(name)
         if facts is None and self._clock() - self._refreshed >= self._refresh_s:
-            await self._refresh()
+            self._refreshing = asyncio.ensure_future(self._refresh())
+            try:
+                await asyncio.shield(self._refreshing)
+            finally:
+                self._refreshing = None
             facts = self._lookup(name)
         return facts
 

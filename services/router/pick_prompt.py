@@ -43,6 +43,15 @@ class PickInput:
     request_id: str | None = None  # "x-request-id", when Envoy set one
 
 
+@dataclass(frozen=True, slots=True)
+class PickRequest:
+    """What the picker decides on: the route, and flow control's tenant and priority."""
+
+    route: RouteRequest
+    tenant: str | None  # the bearer key's one-way id (None: no key, or keys are not read)
+    priority: int  # the body's vLLM priority (0 when absent)
+
+
 class PromptReader:
     def __init__(self, catalog: ModelCatalog, tokenizers: Mapping[str, Tokenizer],
                  pool: Executor, *, tenant_from_key: bool = True) -> None:
@@ -51,7 +60,7 @@ class PromptReader:
         self._pool = pool  # one thread: HF fast tokenizers are not thread-safe
         self._tenant_from_key = tenant_from_key
 
-    async def route_request(self, given: PickInput) -> RouteRequest:
+    async def route_request(self, given: PickInput) -> PickRequest:
         """Raises OpenAIError (the client's fault: 4xx) or NoEngineError (503: no live engine
         serves the model)."""
         req = _parse(given.path, given.body)
@@ -69,10 +78,11 @@ class PromptReader:
         hasher = BlockHasher(facts.model, facts.block_size, salt, facts.hash_algorithm,
                              facts.adapter)
         rid = (given.request_id or "")[:MAX_REQUEST_ID_CHARS] or None
-        return RouteRequest(
+        route = RouteRequest(
             model=facts.model, block_hashes=hasher.chain(ids), prompt_len=len(ids),
             request_id=rid, lora_name=None if facts.adapter is None else facts.adapter.name,
         )
+        return PickRequest(route, tenant, req.priority)
 
     async def _token_ids(self, facts: ModelFacts, req: oa.GenerationRequest) -> list[int]:
         tok = self._tokenizers.get(facts.model)

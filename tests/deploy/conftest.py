@@ -184,7 +184,10 @@ KV_TIERS: dict[str, Any] = {
 GATEWAY_API: dict[str, Any] = {
     **TWO_MODELS,
     "gatewayAPI": {"enabled": True, "failureMode": "FailOpen",
-                   "gateway": {"name": "inference-gateway", "namespace": "gateways"}},
+                   "gateway": {"name": "inference-gateway", "namespace": "gateways"},
+                   "gatewayFrom": [{"namespaceSelector": {"matchLabels": {
+                       "kubernetes.io/metadata.name": "gateways"}}}]},
+    "flowControl": {"enabled": True, "sheddablePriority": 1, "shedAfterSeconds": 2},
 }
 
 # Prefill/decode on separate engines for one model (with the KV tiers too), one aggregated

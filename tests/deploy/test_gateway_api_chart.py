@@ -106,3 +106,44 @@ def test_off_by_default_and_a_gateway_name_is_required(chart: Any) -> None:
     assert [p["name"] for p in off.get("Service", ROUTER)["spec"]["ports"]] == ["http"]
     with pytest.raises(Exception, match="gateway"):
         render(chart, {"gatewayAPI": {"enabled": True}})
+
+
+def _rules(policy: dict[str, Any]) -> list[tuple[list[Any], list[Any]]]:
+    return [(r.get("from", []), [p["port"] for p in r["ports"]])
+            for r in policy["spec"]["ingress"]]
+
+
+def test_network_policy_lets_the_gateways_proxies_reach_the_picker_and_engines(
+    on: Render, chart: Any
+) -> None:
+    envoy = GATEWAY_API["gatewayAPI"]["gatewayFrom"]
+    router = _rules(on.get("NetworkPolicy", f"{ROUTER}"))
+    assert (envoy, ["grpc-ext-proc"]) in router  # the picker's port, from the proxies only
+    assert not any(frm != envoy and "grpc-ext-proc" in ports for frm, ports in router)
+    container_ports = {p["name"] for p in on.container(ROUTER)["ports"]}
+    assert "grpc-ext-proc" in container_ports  # the policy names a port the pod has
+    engines = _rules(on.get("NetworkPolicy", "demo-pagoda-engine"))
+    assert (envoy, ["http"]) in engines  # the picked endpoint, the InferencePool's targetPort
+    # Off, the proxies get nothing; on without naming them, the chart refuses.
+    off = render(chart, {})
+    assert not any("grpc-ext-proc" in ports
+                   for _, ports in _rules(off.get("NetworkPolicy", ROUTER)))
+    values = {**GATEWAY_API, "gatewayAPI": {**GATEWAY_API["gatewayAPI"], "gatewayFrom": []}}
+    with pytest.raises(Exception, match="gatewayFrom"):
+        render(chart, values)
+
+
+def test_flow_control_flags_reach_the_gateway_and_the_picker(on: Render, chart: Any) -> None:
+    from services.common.flow_control import FlowConfig
+    from services.gateway.config import GatewayConfig
+    from services.router.config import RouterConfig
+
+    router = FlowConfig.from_flags(RouterConfig.from_args(on.container(ROUTER)["args"]))
+    gateway_args = [a for a in on.container("demo-pagoda-gateway")["args"] if "flow" in a
+                    or "shed" in a]
+    gateway = FlowConfig.from_flags(GatewayConfig.from_args([
+        "--router-url", "http://r:1", *gateway_args]))
+    assert router == gateway
+    assert (router.enabled, router.sheddable_priority, router.shed_after_s) == (True, 1, 2.0)
+    off = render(chart, {})
+    assert not any("flow" in a for a in off.container("demo-pagoda-gateway")["args"])

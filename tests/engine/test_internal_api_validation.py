@@ -319,6 +319,11 @@ GENERATE_CASES = [
     ("cache-salt-bytes", _with({"cache_salt": b"salt"}), "cache_salt"),
     ("cache-salt-huge", _with({"cache_salt": "s" * 100_000}), "cache_salt"),
     ("ext-type-value", _with(seed=msgpack.ExtType(1, b"x")), "seed"),
+    # vLLM: a non-zero priority without --scheduling-policy priority is refused
+    ("priority-without-policy", _with({"priority": 1}), "priority"),
+    ("priority-negative-without-policy", _with({"priority": -1}), "priority"),
+    ("priority-str", _with({"priority": "1"}), "priority"),
+    ("priority-huge", _with({"priority": 2**40}), "priority"),
 ]
 
 

@@ -287,3 +287,32 @@ async def test_all_streams_together_hold_a_bounded_number_of_body_bytes(
                 break
             await asyncio.sleep(0.1)  # the cancelled stream's handler has not ended yet
         assert ep.only([answer]) == ["request_headers"]
+
+
+async def test_flow_control_queues_sheds_sheddable_with_retry_after_and_releases_the_rest(
+    redis_url: str, publisher: KVIndexPublisher, default_model_path: Path
+) -> None:
+    """Engines whose heartbeats say they are saturated: a sheddable request (priority at or
+    past --sheddable-priority) is a 429 with Retry-After within --shed-after-s; a priority-0
+    one waits and is picked once a heartbeat shows room."""
+    await register(publisher, waiting=3)
+    flags = {"flow_control": True, "flow_queue_depth": 2, "sheddable_priority": 1,
+             "shed_after_s": 0.5}
+    loop = asyncio.get_running_loop()
+    async with picker(redis_url, default_model_path, **flags) as (_, stub), \
+            ep.stream(stub) as patient, ep.stream(stub) as sheddable:
+        await patient.send(ep.headers(key="k1"), ep.body(ep.chat_body(TEXT, MODEL), True))
+        start = loop.time()
+        await sheddable.send(ep.headers(key="k2"),
+                             ep.body(ep.chat_body(TEXT, MODEL, priority=5), True))
+        shed = (await sheddable.read()).immediate_response
+        assert 0.5 <= loop.time() - start < 5.0, shed
+        assert shed.status.code == 429
+        headers = {h.header.key: h.header.raw_value for h in shed.headers.set_headers}
+        assert headers["retry-after"] == b"1"
+        first = asyncio.ensure_future(patient.read())
+        done, _ = await asyncio.wait({first}, timeout=0.2)
+        assert not done, first.result().immediate_response.body  # still held
+        await register(publisher, waiting=0)  # the engines report room
+        answer = await asyncio.wait_for(first, 10)
+        assert endpoint_of(answer, "request_headers") in (f"{A},{B}", f"{B},{A}")

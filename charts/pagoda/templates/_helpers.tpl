@@ -503,3 +503,20 @@ into the gateway, router and engine pods; each reads it with --internal-token-fi
 {{ toYaml . }}
 {{- end }}
 {{- end -}}
+
+
+{{- /* Flow control's flags, the same on the gateway and the router (the picker). */}}
+{{- define "pagoda.flowControl.args" -}}
+{{- $f := .Values.flowControl }}
+{{- if $f.enabled }}
+- --flow-control
+- --flow-queue-depth={{ int $f.queueDepth }}
+- --flow-kv-usage={{ $f.kvUsage }}
+- --shed-after-s={{ $f.shedAfterSeconds }}
+- --flow-max-queued={{ int $f.maxQueued }}
+- --flow-max-queued-per-tenant={{ int $f.maxQueuedPerTenant }}
+{{- if not (kindIs "invalid" $f.sheddablePriority) }}
+- --sheddable-priority={{ int $f.sheddablePriority }}
+{{- end }}
+{{- end }}
+{{- end -}}

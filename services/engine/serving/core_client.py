@@ -118,13 +118,14 @@ class CoreClient:
         sink: Sink,
         lora_name: str | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        priority: int = 0,
     ) -> None:
         assert request_id not in self._sinks, request_id  # the server makes ids unique
         if not self._sinks:  # an idle core owes no progress: the clock starts now
             self._progress_at = time.monotonic()
         self._sinks[request_id] = sink
         self._send(Add(request_id, prompt_token_ids, params, cache_salt, lora_name,
-                       kv_transfer_params))
+                       kv_transfer_params, priority))
         self.load_changed.set()
 
     async def adapter(self, cmd: AdapterCommand) -> AdapterReply:

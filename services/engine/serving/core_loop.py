@@ -50,6 +50,7 @@ class Add:
     cache_salt: str | None
     lora_name: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    priority: int = 0
 
 
 @dataclass(slots=True)
@@ -212,7 +213,7 @@ class CoreLoop:
             return
         try:
             self.engine.add_request(rid, cmd.prompt_token_ids, cmd.params, cmd.cache_salt,
-                                    cmd.lora_name, cmd.kv_transfer_params)
+                                    cmd.lora_name, cmd.kv_transfer_params, cmd.priority)
         except BadRequest as exc:  # the client's input: a 400 naming the field
             self._out.errors.append(CoreError(rid, BAD_REQUEST, str(exc), exc.param))
         except Exception as exc:  # a bug must fail this request, never the engine loop

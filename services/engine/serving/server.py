@@ -285,7 +285,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     finished = False
     try:
         core.submit(rid, req.prompt_token_ids, req.params, req.cache_salt, updates.put_nowait,
-                    req.lora_name, req.kv_transfer_params)
+                    req.lora_name, req.kv_transfer_params, req.priority)
         first = await updates.get()
         if isinstance(first, BadRequest):
             finished = True
