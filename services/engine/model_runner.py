@@ -593,9 +593,11 @@ class ModelRunner:
 
     def _shard_plan(self, step: PreparedStep) -> shard_sampling.ShardPlan | None:
         """Rank 0: the step's plan for sampling on the shards, set on its batch (None: the
-        logits are gathered). Grammar masks and drafts need whole rows."""
-        if (self.workers is None or not self.sample_on_shards or step.grammars is not None
-                or step.spec is not None or not len(step.batch.rows)):
+        logits are gathered). Grammar masks and drafts need whole rows; a pipeline's stages
+        pass the batch on without the plan, so a pipeline gathers too."""
+        if (self.workers is None or self.pipeline is not None or not self.sample_on_shards
+                or step.grammars is not None or step.spec is not None
+                or not len(step.batch.rows)):
             return None
         plan = shard_sampling.plan(step.sampling, self.device)
         step.batch.shard_sampling = None if plan is None else plan.encode()
