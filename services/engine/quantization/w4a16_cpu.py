@@ -7,9 +7,14 @@ group makes each group one run of columns, and every step then gathers the activ
 in that order (a copy of ``[T, in]``, small beside the weight). The product accumulates in
 float32; the result is rounded to the activations' dtype once.
 
-Decode steps read a quarter of bfloat16's weight bytes. Rows of a prefill share each unpacking
-eight at a time; past ``DENSE_ROWS`` rows the weight is dequantized into a float32 matrix for that
-call and multiplied by torch (oneDNN), whose blocked GEMM beats the kernel there.
+Decode steps read a quarter of bfloat16's weight bytes. The kernel takes rows one at a time; past
+``DENSE_ROWS`` rows (a prefill) the weight is dequantized into a float32 matrix for that call and
+multiplied by torch (oneDNN), whose blocked GEMM reuses each weight over many rows.
+
+Measured on a 2-core AMD EPYC with AVX2 only, one thread, best of 20, while the machine ran
+about seven times as many jobs as it has cores (so only calls that fit a time slice show their
+own cost): one row through 2048 -> 8192, the kernel 2.6 ms against bfloat16 ``F.linear`` 20.6 ms
+and oneDNN's packed bfloat16 41 ms (this CPU has no bfloat16 instructions).
 """
 
 from __future__ import annotations

@@ -28,7 +28,6 @@ namespace {
 
 constexpr int64_t kChunk = 16;     // inputs per 8-byte run of the packed weight
 constexpr int64_t kOutBlock = 8;   // outputs per parallel task (``out`` is a multiple)
-constexpr int64_t kMaxRows = 8;    // rows that share one unpacking of the weight
 
 struct Problem {
   const float* x;       // [rows, in]
@@ -83,67 +82,43 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// O outputs from o0 times R rows from t0: O * R independent accumulators, so the FMAs of one
-// output's chunk do not wait on each other; each output's nibbles are widened once for R rows.
-template <int O, int R>
-void tile_avx2(const Problem& p, int64_t o0, int64_t t0) {
+// kTile outputs from o0, one row t: kTile independent accumulators, so the FMAs of one chunk
+// do not wait on each other. Rows run one at a time, each widening the nibbles again: the kernel
+// is for decode-sized batches (``w4a16_cpu.DENSE_ROWS``); tiles of several rows sharing one
+// widening, as a GEMM's, are not written yet.
+constexpr int kTile = 8;
+
+void tile_avx2(const Problem& p, int64_t o0, int64_t t) {
   const __m256i low = _mm256_set1_epi32(0xF);
   const int64_t half = p.in / 2;
-  __m256 total[O][R];
-  for (int o = 0; o < O; ++o)
-    for (int r = 0; r < R; ++r) total[o][r] = _mm256_setzero_ps();
+  const float* xt = p.x + t * p.in;
+  __m256 total[kTile];
+  for (int o = 0; o < kTile; ++o) total[o] = _mm256_setzero_ps();
   for (int64_t g = 0; g < p.groups; ++g) {
-    __m256 acc[O][R];
-    for (int o = 0; o < O; ++o)
-      for (int r = 0; r < R; ++r) acc[o][r] = _mm256_setzero_ps();
+    __m256 acc[kTile];
+    for (int o = 0; o < kTile; ++o) acc[o] = _mm256_setzero_ps();
     for (int64_t i = g * p.group; i < (g + 1) * p.group; i += kChunk) {
-      __m256 xl[R], xh[R];
-      for (int r = 0; r < R; ++r) {
-        xl[r] = _mm256_loadu_ps(p.x + (t0 + r) * p.in + i);
-        xh[r] = _mm256_loadu_ps(p.x + (t0 + r) * p.in + i + 8);
-      }
-      for (int o = 0; o < O; ++o) {
+      const __m256 xl = _mm256_loadu_ps(xt + i), xh = _mm256_loadu_ps(xt + i + 8);
+      for (int o = 0; o < kTile; ++o) {
         const __m128i bytes =
             _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.q + (o0 + o) * half + i / 2));
         const __m256i v = _mm256_cvtepu8_epi32(bytes);
-        const __m256 wl = _mm256_cvtepi32_ps(_mm256_and_si256(v, low));
-        const __m256 wh = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-        for (int r = 0; r < R; ++r) {
-          acc[o][r] = _mm256_fmadd_ps(wl, xl[r], acc[o][r]);
-          acc[o][r] = _mm256_fmadd_ps(wh, xh[r], acc[o][r]);
-        }
+        acc[o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), xl, acc[o]);
+        acc[o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), xh, acc[o]);
       }
     }
-    for (int o = 0; o < O; ++o) {
+    for (int o = 0; o < kTile; ++o) {
       const __m256 s = _mm256_set1_ps(p.scale[(o0 + o) * p.groups + g]);
-      for (int r = 0; r < R; ++r) total[o][r] = _mm256_fmadd_ps(acc[o][r], s, total[o][r]);
+      total[o] = _mm256_fmadd_ps(acc[o], s, total[o]);
     }
   }
-  for (int o = 0; o < O; ++o)
-    for (int r = 0; r < R; ++r)
-      p.y[(t0 + r) * p.out + o0 + o] = hsum(total[o][r]) - zero_term(p, t0 + r, o0 + o);
-}
-
-// Fewer rows, more outputs per tile: about eight accumulators either way.
-template <int R>
-void rows_avx2(const Problem& p, int64_t o0, int64_t o1, int64_t t0) {
-  constexpr int O = R == 1 ? 8 : R == 2 ? 4 : R <= 4 ? 2 : 1;
-  for (int64_t o = o0; o < o1; o += O) tile_avx2<O, R>(p, o, t0);
+  for (int o = 0; o < kTile; ++o)
+    p.y[t * p.out + o0 + o] = hsum(total[o]) - zero_term(p, t, o0 + o);
 }
 
 void block_avx2(const Problem& p, int64_t o0, int64_t o1) {
-  for (int64_t t0 = 0; t0 < p.rows; t0 += kMaxRows) {
-    switch (std::min(kMaxRows, p.rows - t0)) {
-      case 1: rows_avx2<1>(p, o0, o1, t0); break;
-      case 2: rows_avx2<2>(p, o0, o1, t0); break;
-      case 3: rows_avx2<3>(p, o0, o1, t0); break;
-      case 4: rows_avx2<4>(p, o0, o1, t0); break;
-      case 5: rows_avx2<5>(p, o0, o1, t0); break;
-      case 6: rows_avx2<6>(p, o0, o1, t0); break;
-      case 7: rows_avx2<7>(p, o0, o1, t0); break;
-      default: rows_avx2<8>(p, o0, o1, t0); break;
-    }
-  }
+  for (int64_t t = 0; t < p.rows; ++t)
+    for (int64_t o = o0; o < o1; o += kTile) tile_avx2(p, o, t);
 }
 
 #pragma GCC pop_options
