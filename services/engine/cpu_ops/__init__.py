@@ -1,9 +1,11 @@
-"""Pagoda's CPU kernels (``csrc/cpu_ops.cpp``), compiled once per environment.
+"""Pagoda's CPU kernels, compiled once per environment: ``csrc/cpu_ops.cpp`` (attention, norms,
+sampling) and, as a library of its own so that neither rebuilds when the other changes,
+``csrc/w4a16.cpp`` (the 4-bit weights' product).
 
 ``make install`` builds them (``python -m services.engine.cpu_ops``, about a minute); later
-imports load the cached library from the virtualenv. ``ops()`` returns the loaded module, or
-None when they cannot be used (no compiler, a non-x86 CPU, ``PAGODA_CPU_OPS=0``): callers then
-take the torch implementation, which is also each kernel's reference in the tests.
+imports load the cached libraries from the virtualenv. ``ops()`` and ``w4a16_ops()`` return the
+loaded module, or None when it cannot be used (no compiler, a non-x86 CPU, ``PAGODA_CPU_OPS=0``):
+callers then take the torch implementation, which is also each kernel's reference in the tests.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import hashlib
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -23,34 +26,53 @@ from services.common.logs import setup_logging
 logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "PAGODA_CPU_OPS"  # "0" turns the kernels off (the torch paths run instead)
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
-_NAME = "pagoda_cpu_ops"
 _CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno"]
 # The dtypes the kernels compute in (csrc/cpu_ops.cpp); float16 models take the torch paths.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def build_dir() -> Path:
+@dataclass(frozen=True, slots=True)
+class Library:
+    name: str
+    source: Path
+
+
+CORE = Library("pagoda_cpu_ops", Path(__file__).parent / "csrc" / "cpu_ops.cpp")
+W4A16 = Library("pagoda_w4a16", Path(__file__).parent / "csrc" / "w4a16.cpp")
+
+
+def build_dir(library: Library = CORE) -> Path:
     """Next to the interpreter's packages, so a new virtualenv (a new torch) builds afresh;
     one directory per source version and checkout, so checkouts sharing a virtualenv each keep
     their own build instead of rebuilding over one another (the build file names the source's
     path: two checkouts of one version in one directory rebuilt at every switch, and a build
     killed midway left a lock that every later load waited on)."""
     version = torch.__version__.replace("+", "_")
-    source = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
-    checkout = hashlib.sha256(str(_SOURCE.resolve()).encode()).hexdigest()[:6]
-    return Path(sys.prefix) / "pagoda-ext" / f"{_NAME}-torch{version}-{source}-{checkout}"
+    source = hashlib.sha256(library.source.read_bytes()).hexdigest()[:12]
+    checkout = hashlib.sha256(str(library.source.resolve()).encode()).hexdigest()[:6]
+    return Path(sys.prefix) / "pagoda-ext" / f"{library.name}-torch{version}-{source}-{checkout}"
+
+
+def ops() -> ModuleType | None:
+    """The core kernels (``csrc/cpu_ops.cpp``)."""
+    return _loaded(CORE)
+
+
+def w4a16_ops() -> ModuleType | None:
+    """The 4-bit weights' product (``csrc/w4a16.cpp``)."""
+    return _loaded(W4A16)
 
 
 @functools.cache
-def ops() -> ModuleType | None:
+def _loaded(library: Library) -> ModuleType | None:
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None
     try:
-        return _load(verbose=False)
+        return _load(library, verbose=False)
     except Exception as exc:  # noqa: BLE001 -- any build failure means: use the torch paths
-        logger.warning("CPU kernels unavailable (%s: %s); using the torch implementations",
-                       type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        logger.warning("CPU kernels %s unavailable (%s: %s); using the torch implementations",
+                       library.name, type(exc).__name__,
+                       str(exc).splitlines()[0] if str(exc) else "")
         return None
 
 
@@ -59,14 +81,14 @@ def kernels_for(x: torch.Tensor) -> ModuleType | None:
     return ops() if x.device.type == "cpu" else None
 
 
-def _load(verbose: bool) -> ModuleType:
+def _load(library: Library, verbose: bool) -> ModuleType:
     from torch.utils import cpp_extension
 
-    directory = build_dir()
+    directory = build_dir(library)
     directory.mkdir(parents=True, exist_ok=True)
     return cpp_extension.load(
-        name=_NAME,
-        sources=[str(_SOURCE)],
+        name=library.name,
+        sources=[str(library.source)],
         extra_cflags=_CFLAGS,
         extra_ldflags=["-fopenmp"],
         build_directory=str(directory),
@@ -77,6 +99,7 @@ def _load(verbose: bool) -> ModuleType:
 def main() -> None:
     """Builds (or finds) the kernels and says where they are."""
     setup_logging("INFO", "cpu-ops")
-    module = _load(verbose=False)
-    print(f"{_NAME}: {module.__file__}")
+    for library in (CORE, W4A16):
+        module = _load(library, verbose=False)
+        print(f"{library.name}: {module.__file__}")
 

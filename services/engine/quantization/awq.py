@@ -19,9 +19,8 @@ from services.engine.quantization.base import (
     frozen_param,
 )
 from services.engine.quantization.int4 import (
-    dequantize,
+    hold,
     refuse_tensor_parallel,
-    replace_with_dense,
     unpack,
 )
 
@@ -56,7 +55,7 @@ class AWQMethod(LinearMethod):
         q = unpack(layer.qweight, dim=1, order=AWQ_ORDER)
         zeros = unpack(layer.qzeros, dim=1, order=AWQ_ORDER)
         groups = torch.arange(layer.in_features, device=q.device) // self.group_size
-        replace_with_dense(layer, dequantize(q, zeros, layer.scales, groups), _PACKED)
+        hold(layer, q, zeros, layer.scales, groups, _PACKED)
 
 
 class AWQConfig(QuantConfig):

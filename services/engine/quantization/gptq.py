@@ -21,9 +21,8 @@ from services.engine.quantization.base import (
     frozen_param,
 )
 from services.engine.quantization.int4 import (
-    dequantize,
+    hold,
     refuse_tensor_parallel,
-    replace_with_dense,
     unpack,
 )
 
@@ -61,8 +60,7 @@ class GPTQMethod(LinearMethod):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         q = unpack(layer.qweight, dim=0)
         zeros = unpack(layer.qzeros, dim=1) + 1
-        w = dequantize(q, zeros, layer.scales, layer.g_idx.long())
-        replace_with_dense(layer, w, _PACKED)
+        hold(layer, q, zeros, layer.scales, layer.g_idx.long(), _PACKED)
 
 
 class GPTQConfig(QuantConfig):

@@ -3,14 +3,17 @@
 Both formats keep, per group of ``group_size`` input columns, a scale and a zero point per
 output: ``W[o, i] = (q[i, o] - zero[g(i), o]) * scale[g(i), o]``. They differ in how nibbles are
 packed (``unpack``'s ``order``) and where (GPTQ packs ``qweight`` along the input, AWQ along the
-output). The dequantized weight is held in the model's dtype and the layer then runs the
-unquantized method: correct first, as fast as the unquantized model, not faster; a kernel that
-reads the nibbles in its loop (4x fewer bytes than bf16 per decode step) is the next step.
+output). ``hold`` then gives the layer its weight: on the CPU, in the layout of the kernel that
+reads the nibbles in its loop (``w4a16_cpu``: a quarter of bfloat16's bytes per decode step);
+elsewhere (or where that kernel cannot take the layer) dequantized once into the model's dtype,
+run by the unquantized method.
 """
 
 from __future__ import annotations
 
 import torch
+
+from services.engine.quantization.w4a16_cpu import use_kernel
 
 SEQUENTIAL = (0, 1, 2, 3, 4, 5, 6, 7)  # nibble k holds element k (GPTQ)
 
@@ -44,6 +47,13 @@ def refuse_tensor_parallel(layer: torch.nn.Module, scheme: str) -> None:
     if tp is not None and tp.size > 1:
         raise ValueError(f"{scheme} checkpoints run on one rank only for now "
                          f"(tensor_parallel_size={tp.size})")
+
+
+def hold(layer: torch.nn.Module, q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+         groups: torch.Tensor, packed: tuple[str, ...]) -> None:
+    """The layer's weight from its unpacked values (see ``dequantize`` for the shapes)."""
+    if not use_kernel(layer, q, zeros, scales, groups, packed):
+        replace_with_dense(layer, dequantize(q, zeros, scales, groups), packed)
 
 
 def replace_with_dense(

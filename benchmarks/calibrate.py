@@ -1,0 +1,128 @@
+"""Calibrated quantized checkpoints of the default model, made by llm-compressor (issue 38).
+
+    /work/quant-venv/bin/python benchmarks/calibrate.py --dir /tmp/pagoda-quantized
+
+Needs ``llmcompressor`` (0.14; it pins another transformers and compressed-tensors than the
+project's, so it lives in its own virtualenv, not in the project's). Writes, into ``--dir``:
+
+* ``w8a8-sq-gptq``: llm-compressor's W8A8 recipe, SmoothQuant (strength 0.8) then GPTQ, int8
+  per-channel weights and dynamic per-token activations, saved by llm-compressor itself in the
+  compressed-tensors ``int-quantized`` format;
+* ``gptq-4bit-g64-calibrated``: GPTQ (llm-compressor's, symmetric int4, group 64: 128 does not
+  divide the model's 576-wide hidden size), its values repacked in AutoGPTQ/GPTQModel's v1
+  format (``tests.support.quantized.int4_tensors``); gptqmodel itself was not tried.
+
+Calibration (``PIPELINE``): ``--samples`` windows of ``--length`` tokens of the Python
+documentation's topics (``pydoc_data.topics``) taken after token 40,000, disjoint from the 20,480
+tokens the perplexity is measured on (``benchmarks/quantized.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from services.engine.models.default import default_model_path  # noqa: E402
+from tests.support.quantized import int4_tensors, save_int4  # noqa: E402
+
+CALIBRATION_START = 40_000  # the perplexity reads tokens [0, 20480)
+GROUP = 64
+# One pass of the whole model per sample, every layer's statistics from the unquantized model's
+# activations ("basic"), rather than layer by layer on the quantized layers' outputs
+# ("sequential", llm-compressor's default): 30x faster here, on a shared 2-core CPU.
+PIPELINE = "basic"
+
+
+def calibration_set(path: Path, samples: int, length: int):
+    from pydoc_data.topics import topics
+
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    text = "\n".join(topics[k] for k in sorted(topics))
+    ids = AutoTokenizer.from_pretrained(path)(text)["input_ids"][CALIBRATION_START:]
+    assert len(ids) >= samples * length, (len(ids), samples, length)
+    rows = [ids[i * length:(i + 1) * length] for i in range(samples)]
+    return Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * length] * samples})
+
+
+def w8a8(base: Path, out: Path, data, length: int) -> None:
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import GPTQModifier
+    from llmcompressor.modifiers.smoothquant import SmoothQuantModifier
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    recipe = [SmoothQuantModifier(smoothing_strength=0.8),
+              GPTQModifier(targets="Linear", scheme="W8A8", ignore=["lm_head"])]
+    oneshot(model=model, dataset=data, recipe=recipe, max_seq_length=length,
+            num_calibration_samples=len(data), pipeline=PIPELINE)
+    model.save_pretrained(out, save_compressed=True)
+    AutoTokenizer.from_pretrained(base).save_pretrained(out)
+
+
+def gptq4(base: Path, out: Path, data, length: int) -> None:
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import GPTQModifier
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    weights = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",
+                               group_size=GROUP)
+    scheme = QuantizationScheme(targets=["Linear"], weights=weights)
+    oneshot(model=model, dataset=data, max_seq_length=length, num_calibration_samples=len(data),
+            pipeline=PIPELINE,
+            recipe=[GPTQModifier(config_groups={"group_0": scheme}, ignore=["lm_head"])])
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()
+             if not k.endswith(("weight_scale", "weight_zero_point", "weight_g_idx"))}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    for name, module in model.named_modules():
+        if not hasattr(module, "weight_scale"):
+            continue
+        state.pop(f"{name}.weight")
+        state.update(int4_tensors(name, "gptq", *_as_gptq(module)))
+    save_int4(base, out, state, "gptq", GROUP, act_order=False, sym=True)
+
+
+def _as_gptq(module: torch.nn.Module):
+    """(q [in, out] 0..15, zeros [G, out], scales fp16 [G, out], g_idx [in]) of a layer that
+    llm-compressor quantized symmetrically (its weight holds the dequantized values)."""
+    w = module.weight.detach().float()
+    scale = module.weight_scale.detach().float()  # [out, G]
+    out_f, in_f = w.shape
+    groups = torch.arange(in_f) // GROUP
+    s = scale[:, groups]
+    q = (torch.round(w / s) + 8).clamp(0, 15)
+    assert ((q - 8) * s - w).abs().max().item() <= 1e-4 * w.abs().max().item()
+    zeros = torch.full((in_f // GROUP, out_f), 8, dtype=torch.int64)
+    return q.t().long(), zeros, scale.t().half().contiguous(), groups.to(torch.int32)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/pagoda-quantized"))
+    parser.add_argument("--samples", type=int, default=32)
+    parser.add_argument("--length", type=int, default=256)
+    parser.add_argument("--only", choices=("w8a8", "gptq4"))
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    base = default_model_path()
+    data = calibration_set(base, args.samples, args.length)
+    for name, make in (("w8a8-sq-gptq", w8a8), (f"gptq-4bit-g{GROUP}-calibrated", gptq4)):
+        out = args.dir / name
+        if args.only and not name.startswith(args.only[:4]):
+            continue
+        if not (out / "config.json").exists():
+            make(base, out, data, args.length)
+        print(f"made {out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+// W4A16: a linear layer whose weight is 4-bit (GPTQ, AWQ), its product computed from the packed
+// nibbles, dequantized in registers: the weight is read at half a byte per value, a quarter of
+// bfloat16's bytes, which is what a decode step (one or a few rows) is bound by.
+//
+// Layout (``quantization.int4.pack_for_kernel``): ``q`` uint8 [out, in / 2], each output's
+// inputs in chunks of 16, byte j of a chunk holding input j (low nibble) and input j + 8 (high
+// nibble), so one 8-byte load widens to two vectors of eight consecutive inputs. ``scale`` and
+// ``zs`` (zero point times scale) float32 [out, groups], one group per ``group`` consecutive
+// inputs (act-order's scattered groups are made consecutive at load by permuting the inputs).
+//
+//     y[t, o] = sum_g scale[o, g] * dot(x[t, g], q[o, g]) - sum_g zs[o, g] * sum(x[t, g])
+//
+// which is sum_i x[t, i] * (q[o, i] - zero[o, g(i)]) * scale[o, g(i)] with the zero point
+// taken out of the inner loop. Float32 throughout; the result is rounded once, by the caller.
+//
+// The AVX2+FMA path runs where the CPU has it (checked when called); elsewhere a plain loop.
+// No AVX-512 path yet: the machines it was written on had AVX2 only.
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kChunk = 16;     // inputs per 8-byte run of the packed weight
+constexpr int64_t kOutBlock = 8;   // outputs per parallel task (``out`` is a multiple)
+
+struct Problem {
+  const float* x;       // [rows, in]
+  const uint8_t* q;     // [out, in / 2]
+  const float* scale;   // [out, groups]
+  const float* zs;      // [out, groups]
+  const float* xsum;    // [rows, groups]
+  float* y;             // [rows, out]
+  int64_t rows, in, out, groups, group;
+};
+
+// The zero points' share of y[t, o]: sum_g zs[o, g] * xsum[t, g].
+inline float zero_term(const Problem& p, int64_t t, int64_t o) {
+  const float* z = p.zs + o * p.groups;
+  const float* xs = p.xsum + t * p.groups;
+  float acc = 0.f;
+  for (int64_t g = 0; g < p.groups; ++g) acc += z[g] * xs[g];
+  return acc;
+}
+
+void rows_plain(const Problem& p, int64_t o0, int64_t o1, int64_t t0, int64_t t1) {
+  for (int64_t o = o0; o < o1; ++o) {
+    const uint8_t* qo = p.q + o * (p.in / 2);
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* xt = p.x + t * p.in;
+      float total = 0.f;
+      for (int64_t g = 0; g < p.groups; ++g) {
+        float dot = 0.f;
+        for (int64_t i = g * p.group; i < (g + 1) * p.group; i += kChunk) {
+          for (int64_t j = 0; j < 8; ++j) {
+            const uint8_t b = qo[i / 2 + j];
+            dot += xt[i + j] * static_cast<float>(b & 0xF) +
+                   xt[i + j + 8] * static_cast<float>(b >> 4);
+          }
+        }
+        total += p.scale[o * p.groups + g] * dot;
+      }
+      p.y[t * p.out + o] = total - zero_term(p, t, o);
+    }
+  }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define PAGODA_W4_AVX2 1
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// kTile outputs from o0, one row t: kTile independent accumulators, so the FMAs of one chunk
+// do not wait on each other. Rows run one at a time, each widening the nibbles again: the kernel
+// is for decode-sized batches (``w4a16_cpu.DENSE_ROWS``); tiles of several rows sharing one
+// widening, as a GEMM's, are not written yet.
+constexpr int kTile = 8;
+
+void tile_avx2(const Problem& p, int64_t o0, int64_t t) {
+  const __m256i low = _mm256_set1_epi32(0xF);
+  const int64_t half = p.in / 2;
+  const float* xt = p.x + t * p.in;
+  __m256 total[kTile];
+  for (int o = 0; o < kTile; ++o) total[o] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < p.groups; ++g) {
+    __m256 acc[kTile];
+    for (int o = 0; o < kTile; ++o) acc[o] = _mm256_setzero_ps();
+    for (int64_t i = g * p.group; i < (g + 1) * p.group; i += kChunk) {
+      const __m256 xl = _mm256_loadu_ps(xt + i), xh = _mm256_loadu_ps(xt + i + 8);
+      for (int o = 0; o < kTile; ++o) {
+        const __m128i bytes =
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.q + (o0 + o) * half + i / 2));
+        const __m256i v = _mm256_cvtepu8_epi32(bytes);
+        acc[o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), xl, acc[o]);
+        acc[o] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), xh, acc[o]);
+      }
+    }
+    for (int o = 0; o < kTile; ++o) {
+      const __m256 s = _mm256_set1_ps(p.scale[(o0 + o) * p.groups + g]);
+      total[o] = _mm256_fmadd_ps(acc[o], s, total[o]);
+    }
+  }
+  for (int o = 0; o < kTile; ++o)
+    p.y[t * p.out + o0 + o] = hsum(total[o]) - zero_term(p, t, o0 + o);
+}
+
+void block_avx2(const Problem& p, int64_t o0, int64_t o1) {
+  for (int64_t t = 0; t < p.rows; ++t)
+    for (int64_t o = o0; o < o1; o += kTile) tile_avx2(p, o, t);
+}
+
+#pragma GCC pop_options
+#endif
+
+bool have_avx2() {
+#ifdef PAGODA_W4_AVX2
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
+#else
+  return false;
+#endif
+}
+
+void group_sums(const Problem& p, float* xsum) {
+  for (int64_t t = 0; t < p.rows; ++t)
+    for (int64_t g = 0; g < p.groups; ++g) {
+      const float* xg = p.x + t * p.in + g * p.group;
+      float s = 0.f;
+      for (int64_t i = 0; i < p.group; ++i) s += xg[i];
+      xsum[t * p.groups + g] = s;
+    }
+}
+
+void check(const torch::Tensor& t, at::ScalarType type, int64_t dim, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == type && t.dim() == dim &&
+                  t.is_contiguous(),
+              name, " must be a contiguous CPU tensor of ", dim, " dims and type ", type);
+}
+
+}  // namespace
+
+// x [T, in] float32, q uint8 [out, in / 2], scale and zs float32 [out, groups] -> [T, out]
+// float32.
+torch::Tensor w4a16_linear(const torch::Tensor& x, const torch::Tensor& q,
+                           const torch::Tensor& scale, const torch::Tensor& zs,
+                           bool allow_avx2) {
+  check(x, at::kFloat, 2, "x");
+  check(q, at::kByte, 2, "q");
+  check(scale, at::kFloat, 2, "scale");
+  check(zs, at::kFloat, 2, "zs");
+  const int64_t rows = x.size(0), in = x.size(1), out = q.size(0), groups = scale.size(1);
+  TORCH_CHECK(q.size(1) * 2 == in && in % kChunk == 0, "q must be [out, in / 2], in a multiple of 16");
+  TORCH_CHECK(scale.size(0) == out && zs.sizes() == scale.sizes() && groups > 0 &&
+                  in % groups == 0 && (in / groups) % kChunk == 0 && out % kOutBlock == 0,
+              "scale and zs must be [out, groups], groups of a multiple of 16 inputs, "
+              "out a multiple of 8");
+  auto y = torch::empty({rows, out}, x.options());
+  std::vector<float> xsum(static_cast<size_t>(rows * groups));
+  Problem p{x.data_ptr<float>(), q.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+            zs.data_ptr<float>(), xsum.data(), y.data_ptr<float>(),
+            rows, in, out, groups, in / groups};
+  if (rows == 0) return y;
+  group_sums(p, xsum.data());
+  const bool avx2 = allow_avx2 && have_avx2();
+  at::parallel_for(0, out / kOutBlock, 1, [&](int64_t begin, int64_t end) {
+    const int64_t o0 = begin * kOutBlock, o1 = end * kOutBlock;
+#ifdef PAGODA_W4_AVX2
+    if (avx2) return block_avx2(p, o0, o1);
+#endif
+    rows_plain(p, o0, o1, 0, rows);
+  });
+  return y;
+}
+
+// Lets go of the GIL while it runs, as torch's own ops do (see cpu_ops.cpp).
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("w4a16_linear", &w4a16_linear, release(),
+        "x [T, in] float32 times a 4-bit weight in the kernel's layout -> [T, out] float32",
+        py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("zs"),
+        py::arg("allow_avx2") = true);
+}
