@@ -87,8 +87,9 @@ def test_engine_sigterm_drains_under_load(fast_model_dir: Path) -> None:
         assert not result.failed, result.summary()  # drained, and new requests went elsewhere
         assert medium == ["finished"]  # it was streaming at SIGTERM and was drained
         assert left_s < 1.0
-        # Half a second of late arrivals after leaving, the grace period, then the exit.
-        assert exit_s < DRAIN_S + 3.5
+        # Half a second of late arrivals after leaving, the grace period, then the exit (the
+        # process's own teardown: 4.2 s on the slowest kind of 2-core machine, AVX2 only).
+        assert exit_s < DRAIN_S + 5.0
         late = [o for o in result.outcomes if o.started > t + 0.5]
         assert late and {o.engine for o in late} == {stack.engine_id(1)}
         assert long == ["cut"]  # ended at the deadline: neither finished nor left hanging
