@@ -35,7 +35,6 @@ import logging
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -72,40 +71,39 @@ class FlowConfig:
         return self.sheddable_priority is not None and priority >= self.sheddable_priority
 
 
-    @classmethod
-    def from_flags(cls, config: Any) -> FlowConfig:
-        """From a service config that declares the ``FLAGS`` fields (gateway, router)."""
-        return cls(
-            enabled=config.flow_control, queue_depth=config.flow_queue_depth,
-            kv_usage=config.flow_kv_usage, sheddable_priority=config.sheddable_priority,
-            shed_after_s=config.shed_after_s, max_queued=config.flow_max_queued,
-            max_queued_per_tenant=config.flow_max_queued_per_tenant,
+_D = FlowConfig()
+
+
+@dataclass(frozen=True, slots=True)
+class FlowFlags:
+    """The flow-control flags, one declaration for both doors: the gateway's and the router's
+    configs inherit them (``--flow-control``, ``--flow-queue-depth``, ...)."""
+
+    flow_control: bool = flag(_D.enabled, help="queue requests per priority band and tenant "
+                              "while the model's engines are saturated (flow control)")
+    flow_queue_depth: int = flag(_D.queue_depth, help="flow control: an engine with this many "
+                                 "waiting requests (and routed since its heartbeat) is saturated")
+    flow_kv_usage: float = flag(_D.kv_usage, help="flow control: an engine with this KV cache "
+                                "usage (0-1) is saturated")
+    sheddable_priority: int | None = flag(
+        _D.sheddable_priority, help="flow control: requests with a priority at or past this "
+        "(vLLM's order: larger is less urgent) are sheddable: a 429 when no engine can take "
+        "them within --shed-after-s (default: none is)")
+    shed_after_s: float = flag(_D.shed_after_s, help="flow control: how long a sheddable "
+                               "request may wait for an engine")
+    flow_max_queued: int = flag(_D.max_queued, help="flow control: requests waiting per model "
+                                "(past it: 429)")
+    flow_max_queued_per_tenant: int = flag(_D.max_queued_per_tenant, help="flow control: "
+                                           "requests waiting per model and tenant (past it: 429)")
+
+    def flow_config(self) -> FlowConfig:
+        """The controller's settings (raises ValueError on a bad flag)."""
+        return FlowConfig(
+            enabled=self.flow_control, queue_depth=self.flow_queue_depth,
+            kv_usage=self.flow_kv_usage, sheddable_priority=self.sheddable_priority,
+            shed_after_s=self.shed_after_s, max_queued=self.flow_max_queued,
+            max_queued_per_tenant=self.flow_max_queued_per_tenant,
         )
-
-
-def flow_flags() -> dict[str, Any]:
-    """The flags' fields, for a service config's class body (``locals().update`` is not
-    allowed there: each config names them, with these defaults and help texts)."""
-    d = FlowConfig()
-    return {
-        "flow_control": flag(d.enabled, help="queue requests per priority band and tenant "
-                             "while the model's engines are saturated (flow control)"),
-        "flow_queue_depth": flag(d.queue_depth, help="flow control: an engine with this many "
-                                 "waiting requests (and routed since its heartbeat) is saturated"),
-        "flow_kv_usage": flag(d.kv_usage, help="flow control: an engine with this KV cache "
-                              "usage (0-1) is saturated"),
-        "sheddable_priority": flag(d.sheddable_priority, help="flow control: requests with a "
-                                   "priority at or past this (vLLM's order: larger is less "
-                                   "urgent) are sheddable: a 429 when no engine can take them "
-                                   "within --shed-after-s (default: none is)"),
-        "shed_after_s": flag(d.shed_after_s, help="flow control: how long a sheddable request "
-                             "may wait for an engine"),
-        "flow_max_queued": flag(d.max_queued, help="flow control: requests waiting per model "
-                                "(past it: 429)"),
-        "flow_max_queued_per_tenant": flag(d.max_queued_per_tenant, help="flow control: "
-                                           "requests waiting per model and tenant (past it: "
-                                           "429)"),
-    }
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -76,6 +77,8 @@ _DEFAULT_CPU_KV_BYTES = 2 * 1024**3
 _GPU_MEMORY_FRACTION = 0.85
 # The other ranks' entry, run as ``python -m``: builds their shard with this runner.
 TP_WORKER_MODULE = "services.engine.tp_worker"
+# The draft model's pinned staging on a GPU (see _draft_staging): on only when set to 1.
+DRAFT_STAGING_ENV = "PAGODA_DRAFT_STAGING"
 # Flags a worker node may set differently from its leader (its own place, its own cores), and
 # those the identity names by what they resolve to (the model's name, the dtype).
 _NOT_COMPARED_FLAGS = frozenset({"model", "node_rank", "cpu_threads", "device", "master_addr",
@@ -275,8 +278,10 @@ class ModelRunner:
         return spec.model
 
     def _draft_staging(self, max_len: int) -> StepBuffers | None:
-        """The draft's passes cross in pinned buffers of their own on a GPU (one copy each)."""
-        if self.device.type != "cuda":
+        """The draft's passes cross in pinned buffers of their own on a GPU (one copy each).
+        Not yet run on a GPU, so only with ``PAGODA_DRAFT_STAGING=1`` until it has; without
+        it the passes take the pageable copies they took before."""
+        if self.device.type != "cuda" or os.environ.get(DRAFT_STAGING_ENV) != "1":
             return None
         c = self.config
         width = min(-(-max_len // self.block_size), self.num_blocks)

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 from services.common import cli
 from services.common.cli import flag
-from services.common.flow_control import FlowConfig, flow_flags
+from services.common.flow_control import FlowFlags
 from services.common.internal_auth import insecure_flag, token_file_flag
 from services.common.logs import check_log_level
 from services.protocol.openai import MAX_CHOICES, MAX_N
@@ -31,7 +31,6 @@ DESCRIPTION = (
     "Pagoda OpenAI-compatible gateway: auth, templating, tokenizing, routing, streaming."
 )
 TOOL_PARSERS = ("hermes", "llama3_json")  # services/gateway/tool_parsers
-_FLOW = flow_flags()
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +53,7 @@ class ModelSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class GatewayConfig:
+class GatewayConfig(FlowFlags):
     host: str = flag("0.0.0.0", help="address to listen on")
     port: int = flag(8000, help="port to listen on")
     router_url: str = flag(
@@ -133,14 +132,6 @@ class GatewayConfig:
         help="request body bytes one API key's tenant may have waiting so, over all models; "
         "past it a 429 with Retry-After (no bound per tenant when keys are off)",
     )
-    # Flow control (services.common.flow_control; the router's picker has the same flags).
-    flow_control: bool = _FLOW["flow_control"]
-    flow_queue_depth: int = _FLOW["flow_queue_depth"]
-    flow_kv_usage: float = _FLOW["flow_kv_usage"]
-    sheddable_priority: int | None = _FLOW["sheddable_priority"]
-    shed_after_s: float = _FLOW["shed_after_s"]
-    flow_max_queued: int = _FLOW["flow_max_queued"]
-    flow_max_queued_per_tenant: int = _FLOW["flow_max_queued_per_tenant"]
     log_level: str = flag("INFO", help="logging level")
     admin_api_keys: tuple[str, ...] = flag(
         (),
@@ -207,7 +198,7 @@ class GatewayConfig:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, "
                              f"got {self.tool_call_parser!r}")
         check_log_level(self.log_level)
-        FlowConfig.from_flags(self)  # its own checks
+        self.flow_config()  # its own checks
 
     @classmethod
     def from_args(

@@ -25,7 +25,7 @@ import aiohttp
 from aiohttp import web
 
 from services.common import internal_auth, tracing
-from services.common.flow_control import FlowConfig, FlowController, FlowMetrics
+from services.common.flow_control import FlowController, FlowMetrics
 from services.common.http_errors import error_middleware
 from services.gateway import api, lora_admin, tokenization
 from services.gateway.admission import EngineWait
@@ -136,7 +136,7 @@ async def _resources(
                        max_tenant_bytes=config.engine_wait_max_tenant_bytes),
             config.pd_disaggregation,
         )
-        flow = FlowController(FlowConfig.from_flags(config), router.loads,
+        flow = FlowController(config.flow_config(), router.loads,
                               FlowMetrics(metrics.registry, "pagoda_gateway"))
         state = GatewayState(config, models, router, upstreams, metrics, pool, flow)
         app[STATE] = state

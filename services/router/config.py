@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 from services.common import cli
 from services.common.cli import flag
-from services.common.flow_control import FlowConfig, flow_flags
+from services.common.flow_control import FlowFlags
 from services.common.internal_auth import insecure_flag, token_file_flag
 from services.common.logs import check_log_level
 from services.common.redis_index import redact_url
@@ -24,8 +24,6 @@ from services.protocol.redis_schema import (
     DEFAULT_PROVISIONAL_TTL_S,
     RedisKeys,
 )
-
-_FLOW = flow_flags()
 
 
 class PolicyName(StrEnum):
@@ -39,7 +37,7 @@ DESCRIPTION = "Pagoda prefix-aware router: picks an engine for each prompt."
 
 
 @dataclass(frozen=True, slots=True)
-class RouterConfig:
+class RouterConfig(FlowFlags):
     host: str = flag("0.0.0.0", help="address to listen on")
     port: int = flag(8100, help="port to listen on")
     redis_url: str = flag(
@@ -156,14 +154,6 @@ class RouterConfig:
         help="picker: the tokenizer and chat template of a base model (repeatable); a model "
         "without one is picked by load only",
     )
-    # Flow control in the picker (services.common.flow_control; the gateway has the same flags).
-    flow_control: bool = _FLOW["flow_control"]
-    flow_queue_depth: int = _FLOW["flow_queue_depth"]
-    flow_kv_usage: float = _FLOW["flow_kv_usage"]
-    sheddable_priority: int | None = _FLOW["sheddable_priority"]
-    shed_after_s: float = _FLOW["shed_after_s"]
-    flow_max_queued: int = _FLOW["flow_max_queued"]
-    flow_max_queued_per_tenant: int = _FLOW["flow_max_queued_per_tenant"]
     log_level: str = flag("INFO", help="logging level")
     internal_token_file: str | None = token_file_flag()
     insecure_no_internal_auth: bool = insecure_flag()
@@ -221,7 +211,7 @@ class RouterConfig:
             raise ValueError(f"ext_proc_shed_waiting must be >= 0, got "
                              f"{self.ext_proc_shed_waiting}")
         tokenizer_dirs(self.tokenizer)  # validates
-        FlowConfig.from_flags(self)  # its own checks
+        self.flow_config()  # its own checks
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None) -> RouterConfig:

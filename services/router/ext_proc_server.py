@@ -23,7 +23,6 @@ from grpc_health.v1.health import aio as health_aio
 
 from services.common.flow_control import (
     EngineLoad,
-    FlowConfig,
     FlowController,
     FlowMetrics,
     LoadSource,
@@ -101,7 +100,7 @@ async def serve_ext_proc(config: RouterConfig, router: Router,
         options=[("grpc.max_receive_message_length", max_message),
                  ("grpc.max_send_message_length", max_message)],
     )
-    flow = FlowController(FlowConfig.from_flags(config), engine_loads(router),
+    flow = FlowController(config.flow_config(), engine_loads(router),
                           FlowMetrics(metrics.registry, "pagoda_router"))
     pb_grpc.add_ExternalProcessorServicer_to_server(
         ExtProcService(Picker(router, prompts, limits, flow), metrics), server)

@@ -134,15 +134,14 @@ def test_network_policy_lets_the_gateways_proxies_reach_the_picker_and_engines(
 
 
 def test_flow_control_flags_reach_the_gateway_and_the_picker(on: Render, chart: Any) -> None:
-    from services.common.flow_control import FlowConfig
     from services.gateway.config import GatewayConfig
     from services.router.config import RouterConfig
 
-    router = FlowConfig.from_flags(RouterConfig.from_args(on.container(ROUTER)["args"]))
+    router = RouterConfig.from_args(on.container(ROUTER)["args"]).flow_config()
     gateway_args = [a for a in on.container("demo-pagoda-gateway")["args"] if "flow" in a
                     or "shed" in a]
-    gateway = FlowConfig.from_flags(GatewayConfig.from_args([
-        "--router-url", "http://r:1", *gateway_args]))
+    gateway = GatewayConfig.from_args([
+        "--router-url", "http://r:1", *gateway_args]).flow_config()
     assert router == gateway
     assert (router.enabled, router.sheddable_priority, router.shed_after_s) == (True, 1, 2.0)
     off = render(chart, {})

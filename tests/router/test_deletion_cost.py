@@ -85,18 +85,22 @@ async def test_the_engine_serving_a_hot_prefix_costs_more_to_delete(
             assert (await route(client, hot_prefix)).engine_id == HOT
         for i in range(5):  # prompts nobody holds: no prefix hit anywhere
             await route(client, chain(8, start=100 + i))
+        # A pass may run between the routes above and write a partial count first (16 after
+        # two of the five): wait for the final value, not for the first one written.
+        final = str(quantized(5 * 8))
         deadline = time.monotonic() + 10
-        while (seen := await annotations(k8s))[HOT] is None or seen[COLD] is None:
+        while (seen := await annotations(k8s))[HOT] != final or seen[COLD] is None:
             assert time.monotonic() < deadline, seen
             await asyncio.sleep(0.05)
-        assert int(seen[HOT]) == quantized(5 * 8) > int(seen[COLD]) == 0
+        assert int(seen[HOT]) > int(seen[COLD]) == 0
         assert seen[STRANGER] is None  # not an engine of this router: never patched
         assert all(r.headers["Content-Type"] == "application/merge-patch+json"
                    for r in patches(k8s))
         # Nothing changed: the next passes write nothing.
         written = len(patches(k8s))
         await asyncio.sleep(1.0)
-        assert len(patches(k8s)) == written == 2
+        assert len(patches(k8s)) == written
+        assert {r.url.path.rsplit("/", 1)[-1] for r in patches(k8s)} == {HOT, COLD}
         assert updater.written == {HOT: 40, COLD: 0}
 
 
