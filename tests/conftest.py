@@ -18,6 +18,10 @@ from services.common.internal_auth import ensure_tokens
 # deployment. Tests that call engine or router routes directly send
 # tests.support.services.internal_headers().
 ensure_tokens(os.environ)
+# Engines start without their warm-up passes (model_runner.SKIP_WARM_UP_ENV): the suite starts
+# about a hundred, each warm-up is seconds of forward passes that only make first requests
+# faster. tests/engine/test_memory_budget.py and its test of the switch turn it back on.
+os.environ.setdefault("PAGODA_SKIP_WARMUP", "1")
 
 TinyModelFactory = Callable[..., Path]
 

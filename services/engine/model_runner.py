@@ -79,6 +79,10 @@ _GPU_MEMORY_FRACTION = 0.85
 TP_WORKER_MODULE = "services.engine.tp_worker"
 # The draft model's pinned staging on a GPU (see _draft_staging): on only when set to 1.
 DRAFT_STAGING_ENV = "PAGODA_DRAFT_STAGING"
+# Set to 1, a CPU engine starts without its warm-up passes (as vLLM's VLLM_SKIP_WARMUP on
+# Gaudi): its first requests pay what the warm-up would have (oneDNN building its primitives).
+# For tests and development, where engines start far more often than they serve.
+SKIP_WARM_UP_ENV = "PAGODA_SKIP_WARMUP"
 # Flags a worker node may set differently from its leader (its own place, its own cores), and
 # those the identity names by what they resolve to (the model's name, the dtype).
 _NOT_COMPARED_FLAGS = frozenset({"model", "node_rank", "cpu_threads", "device", "master_addr",
@@ -243,7 +247,10 @@ class ModelRunner:
         self.buffers: StepBuffers | None = None
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cpu":
-            self._warm_up()
+            if os.environ.get(SKIP_WARM_UP_ENV) == "1":
+                logger.info("warm-up skipped (%s=1)", SKIP_WARM_UP_ENV)
+            else:
+                self._warm_up()
         else:
             self._prepare_gpu()
         logger.info(

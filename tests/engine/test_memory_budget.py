@@ -46,6 +46,7 @@ def engines(tiny_model_dir) -> dict:
     out = {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(model_runner, "_DEFAULT_CPU_KV_BYTES", BUDGET)
+        mp.setenv(model_runner.SKIP_WARM_UP_ENV, "0")  # the warm-up is what this tests
         calls: list[int] = []
         real = feature_warm_up.spec_step.verify
         mp.setattr(feature_warm_up.spec_step, "verify", lambda *a: calls.append(1) or real(*a))
@@ -94,6 +95,18 @@ def test_the_warm_up_runs_every_enabled_features_path_and_no_other(engines) -> N
     assert engines["draft"]["grammar"]
     # The warmed paths changed nothing: the same greedy tokens with LoRA slots (all empty).
     assert engines["lora"]["tokens"] == engines["base"]["tokens"]
+
+
+def test_skipping_the_warm_up_runs_no_feature_path_and_changes_no_token(
+        engines, tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(model_runner, "_DEFAULT_CPU_KV_BYTES", BUDGET)
+    monkeypatch.setenv(model_runner.SKIP_WARM_UP_ENV, "1")
+    engine = sd.engine(tiny_model_dir("LlamaForCausalLM"), None, **SMALL)
+    try:
+        assert engine.runner.warmed_up == []
+        assert sd.run(engine, [[1, 2, 3, 4, 5]] * 3, GREEDY) == engines["base"]["tokens"]
+    finally:
+        engine.close()
 
 
 def test_an_explicit_kv_cache_memory_is_the_pools_own(tiny_model_dir) -> None:
