@@ -17,6 +17,7 @@ import redis
 
 from services.engine import LLM, SamplingParams
 from services.engine.engine import LLMEngine
+from services.engine.kv_connector.config import KVTransferConfig
 from services.engine.kv_offload.secret import SECRET_ENV
 from tests.support.redis_server import RedisServer
 
@@ -27,9 +28,10 @@ PREFILL = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 NO_TRANSFER = {"do_remote_prefill": False, "do_remote_decode": False}
 
 
-def _llm(model: Path, url: str, role: str, **extra: Any) -> LLM:
+def _llm(model: Path, url: str, role: str, step_tokens: int | None = None,
+         **extra: Any) -> LLM:
     return LLM(str(model), num_blocks=160, block_size=BS, max_num_seqs=16, enable_lora=True,
-               max_loras=1, kv_transfer_config={
+               max_loras=1, max_num_batched_tokens=step_tokens, kv_transfer_config={
         "kv_connector": "PagodaStorePDConnector", "kv_role": role,
         "kv_connector_extra_config": {"kv_store_url": url, "kv_store_timeout_s": 0.5,
                                       **extra}})
@@ -45,7 +47,8 @@ def store() -> Iterator[RedisServer]:
 def engines(fast_model_dir: Path, store: RedisServer) -> Iterator[tuple[LLMEngine, LLMEngine]]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(SECRET_ENV, SECRET)
-        prefill = _llm(fast_model_dir, store.url, "kv_producer")
+        # Prompts are prefilled in chunks of two blocks: their blocks go out chunk by chunk.
+        prefill = _llm(fast_model_dir, store.url, "kv_producer", step_tokens=2 * BS)
         decode = _llm(fast_model_dir, store.url, "kv_consumer")
         yield prefill.engine, decode.engine
         prefill.shutdown()
@@ -112,6 +115,29 @@ def test_decode_after_a_store_transfer_matches_one_engine(
     assert (after_sent.bytes - sent.bytes, after_sent.transfers - sent.transfers) == (size, 1)
     assert (after_received.bytes - received.bytes,
             after_received.transfers - received.transfers) == (size, 1)
+    assert decode.block_manager.reset_prefix_cache()
+
+
+def test_a_prompts_blocks_are_written_while_it_is_computed(
+        engines: tuple[LLMEngine, LLMEngine], store: RedisServer) -> None:
+    prefill, decode = engines
+    prompt = _prompt(61, 5 * BS + 3)  # three chunks on the prefill engine
+    alone = _alone(decode, "chunks-ref", prompt)
+    req = prefill.add_request("chunks", prompt, PREFILL,
+                              kv_transfer_params={"do_remote_decode": True})
+    prefill.step()  # the first chunk
+    assert prefill.has_unfinished_requests()
+    client, remote = redis.Redis.from_url(store.url), prefill.kv_connector.remote
+    deadline = time.monotonic() + 5
+    while client.exists(*(remote.key(h) for h in req.block_hashes[:2])) < 2:
+        assert time.monotonic() < deadline, "the first chunk's blocks were not written"
+        time.sleep(0.01)
+    client.close()
+    while prefill.has_unfinished_requests():
+        prefill.step()
+    assert req.kv_transfer_params["remote_num_blocks"] == 5
+    tokens, d_req, _ = _run(decode, "chunks", prompt, GREEDY, dict(req.kv_transfer_params))
+    assert tokens == alone and d_req.num_cached_tokens == 5 * BS
     assert decode.block_manager.reset_prefix_cache()
 
 
@@ -277,3 +303,7 @@ def test_the_connector_refuses_a_bad_configuration(fast_model_dir: Path, store: 
     monkeypatch.delenv(SECRET_ENV)
     with pytest.raises(ValueError, match="MAC key"):
         _llm(fast_model_dir, store.url, "kv_consumer")
+    with pytest.raises(ValueError, match="one P/D transport per engine"):
+        KVTransferConfig.parse({"kv_connector": "MultiConnector", "kv_connector_extra_config": {
+            "connectors": [{"kv_connector": "PagodaPDConnector"},
+                           {"kv_connector": "PagodaStorePDConnector"}]}})

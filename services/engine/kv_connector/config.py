@@ -23,7 +23,7 @@ from enum import StrEnum
 from typing import Any
 
 from services.common.cli import json_object
-from services.engine.kv_connector.registry import CONNECTORS, MULTI
+from services.engine.kv_connector.registry import CONNECTORS, MULTI, PD_CONNECTORS
 
 PREFIX = "kv_transfer_config"
 DEFAULT_TIMEOUT_S = 120.0
@@ -58,7 +58,13 @@ class KVTransferConfig:
         """From a JSON text (the flag), a dict (``LLM(kv_transfer_config={...})``) or itself."""
         if isinstance(value, KVTransferConfig):
             return value
-        return _from_mapping(value, PREFIX)
+        config = _from_mapping(value, PREFIX)
+        transports = [leaf.kv_connector for leaf in config.leaves()
+                      if leaf.kv_connector in PD_CONNECTORS]
+        if len(transports) > 1:  # both would answer a prefill leg: which params win is luck
+            raise ValueError(f"{PREFIX}.kv_connector: one P/D transport per engine, got "
+                             f"{', '.join(transports)}")
+        return config
 
     def leaves(self) -> Iterator[KVTransferConfig]:
         """The connectors to build, in order (a MultiConnector's parts, flattened)."""

@@ -7,18 +7,21 @@ prefill engine's blocks reach the decode engine through the Redis/Valkey store t
 MAC over key, tokens and bytes in the value), so one store serves both.
 
 Prefill engine (``kv_producer`` or ``kv_both``): a request sent with ``kv_transfer_params``
-``{"do_remote_decode": true}`` that finished with its prompt computed writes the prompt's full
-blocks (not the one holding the last prompt token: the decode engine computes that token for
-its logits) to the store in one pipelined round trip, on the engine thread, and finishes only
-once the store acknowledged them. Its params then say::
+``{"do_remote_decode": true}`` writes its prompt's full blocks (not the one holding the last
+prompt token: the decode engine computes that token for its logits) to the store as its chunks
+are computed: after each step (``save_kv``) the engine thread reads the new blocks' bytes (the
+request owns them and their KV is final) and a writer thread sends them in one pipelined round
+trip per run. When it finishes with its prompt computed, the last run goes out and the engine
+thread waits until the store acknowledged every run (at most ``write_wait_s``): the leg answers
+only once its blocks are there. Its params then say::
 
     {"do_remote_prefill": true, "do_remote_decode": false, "kv_transport": "store",
      "remote_engine_id", "remote_request_id", "remote_num_blocks", "kv_layout"}
 
-Nothing is held on the prefill engine: its blocks are freed as for any request. A write that
-fails (the store down or slower than ``kv_store_timeout_s``) answers ``"do_remote_prefill":
-false``: the decode engine computes the prompt. The engine thread waits for the write: the
-price of knowing, when the prefill leg answers, that the blocks are there.
+``remote_num_blocks`` is the leading run the store acknowledged. Nothing is held on the prefill
+engine: its blocks are freed as for any request. A write that fails (the store down or slower
+than ``kv_store_timeout_s``) from the first run on answers ``"do_remote_prefill": false``: the
+decode engine computes the prompt. An abort before the prompt was computed writes no more.
 
 Decode engine (``kv_consumer`` or ``kv_both``): a request with such params (and the same
 prompt) loads the blocks past its own pool hit and below ``remote_num_blocks`` on the tiers'
@@ -47,7 +50,8 @@ import logging
 import queue
 import secrets
 import time
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 from services.engine.kv_connector import pd_wire
@@ -57,10 +61,12 @@ from services.engine.kv_connector.pd import TRANSPORT
 from services.engine.kv_connector.transfer_stats import TransferStats
 from services.engine.kv_offload.copier import KVCopier, LoadDone, LoadJob, block_payloads
 from services.engine.kv_offload.remote_store import RemoteKVStore, StoreLayout, open_store
+from services.protocol.block_hash import BlockHash
 
 logger = logging.getLogger(__name__)
 
 NAME = "PagodaStorePDConnector"
+NO_TRANSFER = {"do_remote_prefill": False, "do_remote_decode": False}
 STORE = "store"  # kv_transfer_params["kv_transport"]
 _EXTRA = {"kv_store_url": str, "kv_store_timeout_s": (int, float), "engine_id": str}
 
@@ -92,6 +98,16 @@ class _Loading:
     started: float  # monotonic, when planned
 
 
+@dataclass(slots=True)
+class _Production:
+    """A prefill leg's writes so far: its blocks before ``next_block`` are handed to the
+    writer, one write (a future of (blocks stored, seconds)) per run."""
+
+    request: ConnectorRequest
+    next_block: int = 0
+    writes: list[Future[tuple[int, float]]] = field(default_factory=list)
+
+
 class PagodaStorePDConnector:
     def __init__(self, spec: KVTransferConfig, ctx: ConnectorContext) -> None:
         extra = checked_extra(spec.kv_connector_extra_config, _EXTRA, NAME)
@@ -121,17 +137,23 @@ class PagodaStorePDConnector:
             [pd_wire.layout_digest(ctx.model_name, bs, caches), STORE,
              store_layout.namespace()]).encode()).hexdigest()[:32]
         self.engine_id = extra.get("engine_id") or secrets.token_hex(8)
-        self.remote: RemoteKVStore = open_store(
-            url, float(extra.get("kv_store_timeout_s", config.kv_store_timeout_s)),
-            config.kv_store_secret_file, store_layout, ctx.seed)
+        timeout_s = float(extra.get("kv_store_timeout_s", config.kv_store_timeout_s))
+        self.remote: RemoteKVStore = open_store(url, timeout_s, config.kv_store_secret_file,
+                                                store_layout, ctx.seed)
         self.caches = caches
         k0 = caches[0][0]
         block_shape = (len(caches), 2, bs, k0.shape[2], k0.shape[3])
         self.block_bytes = pd_wire.block_bytes(caches)
-        # Loads run on the tiers' copy thread (a producer writes on the engine thread).
+        # Loads run on the tiers' copy thread.
         self.copier = KVCopier(caches, None, self.remote, block_shape) \
             if self.role.loads else None
         self.stats = TransferStats()
+        self.block_manager = ctx.block_manager
+        # A prefill leg's full blocks are written as its chunks are computed, on threads of
+        # their own; its end waits only for what is still in flight.
+        self._producing: dict[str, _Production] = {}
+        self._writer = ThreadPoolExecutor(2, "kv-pd-store-write") if self.role.saves else None
+        self.write_wait_s = max(2.0, 10 * timeout_s)  # a leg's end waits this long at most
         self._asked: tuple[str, int, int] | None = None  # id, first block, count
         self._tried: set[str] = set()  # loaded once (a preempted request recomputes)
         self._planned: list[LoadJob] = []
@@ -165,6 +187,10 @@ class PagodaStorePDConnector:
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int],
                                  num_external_tokens: int) -> None:
+        rid = request.request_id
+        if self._writer is not None and rid not in self._producing and \
+                _asks_remote_decode(request.kv_transfer_params):  # admitted (or again)
+            self._producing[rid] = _Production(request)
         if not num_external_tokens:
             return
         assert self._asked is not None and self._asked[0] == request.request_id
@@ -185,45 +211,80 @@ class PagodaStorePDConnector:
 
     def request_finished(self, request: ConnectorRequest,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """A prefill leg's blocks go to the store now (see the module docstring): nothing is
-        held, so never a delayed free."""
-        self._tried.discard(request.request_id)
-        params = request.kv_transfer_params
-        if not self.role.saves or not isinstance(params, dict) or \
-                params.get("do_remote_decode") is not True:
+        """A prefill leg answers once the store acknowledged its blocks (see the module
+        docstring): nothing is held, so never a delayed free."""
+        rid = request.request_id
+        self._tried.discard(rid)
+        production = self._producing.pop(rid, None)
+        if self._writer is None or not _asks_remote_decode(request.kv_transfer_params):
             return False, None
-        prompt = request.prompt_token_ids
-        # Its prompt was computed only if it sampled: an abort before that writes nothing.
-        sampled = len(request.token_ids) > len(prompt)
-        computed = min(request.num_computed_tokens, len(prompt) - 1)
-        n = min(computed // self.block_size, len(request.block_hashes), len(block_ids)) \
-            if sampled else 0
-        if not n or not self._write(request, block_ids[:n]):
-            return False, {"do_remote_prefill": False, "do_remote_decode": False}
+        # Its prompt was computed only if it sampled: an abort before that writes no more.
+        if production is None or len(request.token_ids) <= len(request.prompt_token_ids):
+            return False, dict(NO_TRANSFER)
+        self._write_ready(production, block_ids)  # the last chunk's
+        n = self._acknowledged(production)
+        if not n:
+            return False, dict(NO_TRANSFER)
         return False, {"do_remote_prefill": True, "do_remote_decode": False, TRANSPORT: STORE,
-                       "remote_engine_id": self.engine_id,
-                       "remote_request_id": request.request_id, "remote_num_blocks": n,
-                       "kv_layout": self.layout}
+                       "remote_engine_id": self.engine_id, "remote_request_id": rid,
+                       "remote_num_blocks": n, "kv_layout": self.layout}
 
-    def _write(self, request: ConnectorRequest, block_ids: list[int]) -> bool:
-        """The request's first ``len(block_ids)`` blocks to the store, acknowledged."""
-        started = time.monotonic()
-        bs, remote = self.block_size, self.remote
-        items = []
-        for i, payload in enumerate(block_payloads(self.caches, block_ids)):
-            h = request.block_hashes[i]
-            items.append((h, remote.encode(h, request.prompt_token_ids[i * bs:(i + 1) * bs],
-                                           payload)))
-        if not remote.put_many(items):
-            logger.warning("request_id=%s: its prompt's KV could not be written to the store: "
-                           "the decode engine computes it", request.request_id)
-            self.stats.failed("connection")
-            return False
-        seconds = time.monotonic() - started
-        self.stats.done("sent", len(items) * self.block_bytes, seconds)
-        logger.debug("request_id=%s: %d blocks written to the store in %.3f s",
-                     request.request_id, len(items), seconds)
-        return True
+    def _write_ready(self, production: _Production, block_ids: list[int]) -> None:
+        """Hands the writer the leg's blocks computed since the last call (engine thread:
+        their bytes are read now, while the request owns them and their KV is final; a block
+        read later could already be another request's)."""
+        req, bs = production.request, self.block_size
+        prompt = req.prompt_token_ids
+        stop = min(self._computed_blocks(req), len(block_ids))
+        first = production.next_block
+        if stop <= first:
+            return
+        production.next_block = stop
+        payloads = block_payloads(self.caches, block_ids[first:stop])
+        hashes = req.block_hashes[first:stop]
+        tokens = [prompt[i * bs:(i + 1) * bs] for i in range(first, stop)]
+        assert self._writer is not None
+        production.writes.append(self._writer.submit(self._put, hashes, tokens, payloads))
+
+    def _computed_blocks(self, req: ConnectorRequest) -> int:
+        """The prompt's full blocks computed so far, never the last prompt token's (0 once
+        preempted: it holds no blocks then)."""
+        computed = min(req.num_computed_tokens, len(req.prompt_token_ids) - 1)
+        return min(computed // self.block_size, len(req.block_hashes))
+
+    def _put(self, hashes: list[BlockHash], tokens: list[list[int]],
+             payloads: list[bytes]) -> tuple[int, float]:
+        """One run to the store (a writer thread): (blocks acknowledged, seconds)."""
+        started, remote = time.monotonic(), self.remote
+        items = [(h, remote.encode(h, t, p)) for h, t, p in zip(hashes, tokens, payloads,
+                                                                  strict=True)]
+        stored = len(items) if remote.put_many(items) else 0
+        return stored, time.monotonic() - started
+
+    def _acknowledged(self, production: _Production) -> int:
+        """Waits for the leg's writes: the leading blocks the store acknowledged."""
+        rid = production.request.request_id
+        deadline = time.monotonic() + self.write_wait_s
+        stored, seconds, reason = 0, 0.0, None
+        for write in production.writes:
+            try:
+                n, s = write.result(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                reason = "timeout"
+                break
+            if not n:
+                reason = "connection"
+                break
+            stored, seconds = stored + n, seconds + s
+        if reason is not None:
+            logger.warning("request_id=%s: %d of its prompt's blocks written to the store "
+                           "(%s): the decode engine computes the rest", rid, stored, reason)
+            self.stats.failed(reason)
+        if stored:
+            self.stats.done("sent", stored * self.block_bytes, seconds)
+        logger.debug("request_id=%s: %d blocks written to the store in %.3f s", rid, stored,
+                     seconds)
+        return stored
 
     # -- worker side -----------------------------------------------------------------------
 
@@ -233,7 +294,10 @@ class PagodaStorePDConnector:
             self.copier.submit(job)
 
     def save_kv(self) -> None:
-        pass  # a prefill leg's blocks are written when it finishes (request_finished)
+        # Every cached block holds final KV now: the prefill legs' new full blocks go out.
+        for rid, production in self._producing.items():
+            if self._computed_blocks(production.request) > production.next_block:
+                self._write_ready(production, self.block_manager.block_ids(rid))
 
     def get_finished(self, timeout: float = 0.0) -> FinishedTransfers:
         out = FinishedTransfers()
@@ -272,6 +336,13 @@ class PagodaStorePDConnector:
         return []
 
     def close(self) -> None:
-        if self.copier is not None:  # first: its loads read through the store's client
+        # First the threads that call the store's client: its loads, the legs' writes.
+        if self.copier is not None:
             self.copier.close()
+        if self._writer is not None:
+            self._writer.shutdown(wait=True, cancel_futures=True)
         self.remote.close()
+
+
+def _asks_remote_decode(params: Any) -> bool:
+    return isinstance(params, dict) and params.get("do_remote_decode") is True

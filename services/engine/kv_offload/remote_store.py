@@ -22,9 +22,9 @@ round trip on the caller's thread, which learns whether the store acknowledged e
 The writer thread outlives any error of a batch (the batch is dropped and counted), and
 ``close`` returns within ``_CLOSE_WAIT_S`` whatever the writer or the queue are doing.
 
-Threads: the engine thread (start, ``available``), the copy thread (loads, ``put``) and the
-writer all count into ``stats`` and mark outages; one lock guards those (never held over a call
-to the store). ``stats`` is a copy.
+Threads: the engine thread (start, ``available``), the copy thread (loads, ``put``), the
+writer and P/D's writers (``put_many``) all count into ``stats`` and mark outages; one lock
+guards those (never held over a call to the store). ``stats`` is a copy.
 
 Faults: every call has a short socket timeout. A failed call is a miss (or a dropped write),
 counted in ``errors``, logged once per outage, and the store is left alone for
