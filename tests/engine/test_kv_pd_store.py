@@ -249,14 +249,22 @@ def test_params_from_a_client_are_bounded_by_its_own_prompt(
         assert decode.block_manager.reset_prefix_cache()
 
 
-def test_an_aborted_prefill_leg_writes_nothing(engines: tuple[LLMEngine, LLMEngine]) -> None:
+def test_an_aborted_prefill_leg_names_no_transfer(engines: tuple[LLMEngine, LLMEngine]) -> None:
+    """Aborted before it ran, or after its first chunk was written: no params to pull, no
+    transfer counted, its blocks freed."""
     prefill, _ = engines
     sent = prefill.stats().kv_transfer.sent.transfers
-    prefill.add_request("abort", _prompt(41, 3 * BS), PREFILL,
-                        kv_transfer_params={"do_remote_decode": True})
-    update = prefill.abort_request("abort")
-    assert update is not None and update.kv_transfer_params == NO_TRANSFER
+    for rid, steps in (("abort-waiting", 0), ("abort-running", 1)):
+        prefill.add_request(rid, _prompt(41, 5 * BS), PREFILL,
+                            kv_transfer_params={"do_remote_decode": True})
+        for _ in range(steps):
+            prefill.step()
+        update = prefill.abort_request(rid)
+        assert update is not None and update.kv_transfer_params == NO_TRANSFER, rid
     assert prefill.stats().kv_transfer.sent.transfers == sent
+    assert not prefill.kv_connector._producing
+    bm = prefill.block_manager
+    assert bm.num_free_blocks == bm.num_total_blocks
 
 
 def test_the_store_down_costs_a_recompute(engines: tuple[LLMEngine, LLMEngine],

@@ -220,6 +220,7 @@ class PagodaStorePDConnector:
             return False, None
         # Its prompt was computed only if it sampled: an abort before that writes no more.
         if production is None or len(request.token_ids) <= len(request.prompt_token_ids):
+            _cancel(production)
             return False, dict(NO_TRANSFER)
         self._write_ready(production, block_ids)  # the last chunk's
         n = self._acknowledged(production)
@@ -277,6 +278,7 @@ class PagodaStorePDConnector:
                 break
             stored, seconds = stored + n, seconds + s
         if reason is not None:
+            _cancel(production)  # what has not started: its bytes are not kept queued
             logger.warning("request_id=%s: %d of its prompt's blocks written to the store "
                            "(%s): the decode engine computes the rest", rid, stored, reason)
             self.stats.failed(reason)
@@ -346,3 +348,8 @@ class PagodaStorePDConnector:
 
 def _asks_remote_decode(params: Any) -> bool:
     return isinstance(params, dict) and params.get("do_remote_decode") is True
+
+
+def _cancel(production: _Production | None) -> None:
+    for write in production.writes if production is not None else ():
+        write.cancel()
