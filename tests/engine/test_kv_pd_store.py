@@ -300,6 +300,30 @@ def test_the_store_down_costs_a_recompute(engines: tuple[LLMEngine, LLMEngine],
     assert decode.block_manager.reset_prefix_cache()
 
 
+def test_a_decode_engine_with_the_tiers_on_the_same_store(
+        engines: tuple[LLMEngine, LLMEngine], fast_model_dir: Path, store: RedisServer,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiers and the transport under one MultiConnector (the tiers first): the tiers load
+    the prompt's blocks the prefill leg wrote (the same keys), the output is the same."""
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    prefill, decode = engines
+    prompt = _prompt(81, 3 * BS + 9)
+    alone = _alone(decode, "tiers-ref", prompt)
+    llm = LLM(str(fast_model_dir), num_blocks=160, block_size=BS, kv_store_url=store.url,
+              kv_transfer_config={"kv_connector": "PagodaStorePDConnector",
+                                  "kv_role": "kv_consumer"})
+    try:
+        both = llm.engine
+        assert [type(c).__name__ for c in both.kv_connector.connectors] == [
+            "KVTiers", "PagodaStorePDConnector"]
+        params = _prefill(prefill, "tiers", prompt)
+        tokens, req, _ = _run(both, "tiers", prompt, GREEDY, params)
+        assert tokens == alone and req.num_cached_tokens == 3 * BS
+        assert both.stats().kv_tiers.shared_hit_tokens == 3 * BS
+    finally:
+        llm.shutdown()
+
+
 def test_the_connector_refuses_a_bad_configuration(fast_model_dir: Path, store: RedisServer,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(SECRET_ENV, SECRET)
