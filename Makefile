@@ -55,6 +55,7 @@ test-gpu:
 
 # The router as a Gateway API endpoint picker (Envoy ext_proc, gRPC): make serve EXT_PROC_PORT=9002
 # Disaggregated prefill/decode on one machine: make serve PREFILL_ENGINES=1 DECODE_ENGINES=1
+#   [PD_TRANSPORT=store: the KV goes through a KV store serve starts, not engine to engine]
 # Speculative decoding: make serve SPECULATIVE_CONFIG='{"method": "ngram", "num_speculative_tokens": 4}'
 # KV connectors (vLLM's flag): make serve KV_TRANSFER_CONFIG='{"kv_connector": "PagodaTiersConnector",
 #   "kv_role": "kv_both", "kv_connector_extra_config": {"kv_offloading_size": 2}}'
@@ -83,6 +84,7 @@ serve: install
 		$(if $(KV_TRANSFER_CONFIG),--kv-transfer-config '$(KV_TRANSFER_CONFIG)',) \
 		$(if $(EXT_PROC_PORT),--ext-proc-port $(EXT_PROC_PORT),) \
 		$(if $(PREFILL_ENGINES),--prefill-engines $(PREFILL_ENGINES) --decode-engines $(DECODE_ENGINES),) \
+		$(if $(PD_TRANSPORT),--pd-transport $(PD_TRANSPORT),) \
 		$(strip $(LORA_FLAGS))
 
 bench: install

@@ -5,6 +5,7 @@ workload: steady chat streams decode while long prompts arrive.
 
     .venv/bin/python benchmarks/disagg.py            # the figures (several minutes)
     .venv/bin/python benchmarks/disagg.py --quick    # a short check that it all runs
+    .venv/bin/python benchmarks/disagg.py --transport store   # P/D through a KV store
 
 What P/D should buy: in an aggregated engine a long prompt's prefill steps hold up every
 decode that shares the engine (inter-token latency spikes); with P/D the decode engine never
@@ -238,9 +239,11 @@ def summarize(streams: list[Stream], wall_s: float) -> dict[str, float]:
     }
 
 
-async def transfer_vs_prefill(serve: Serve, model: str, w: Workload, seed: int) -> None:
+async def transfer_vs_prefill(serve: Serve, model: str, w: Workload, seed: int,
+                              transport: str = "tcp") -> None:
     """One fresh long prompt on the idle P/D stack: the decode engine's KV transfer time
-    against the prefill engine's prefill time, from their metrics' deltas."""
+    against the prefill engine's prefill time, from their metrics' deltas (through the
+    store, the transfer is the prefill engine's write and the decode engine's read)."""
     prefill, decode = serve.engines[0], serve.engines[1]
     before_p, before_d = scrape(prefill), scrape(decode)
     async with aiohttp.ClientSession() as session:
@@ -256,6 +259,10 @@ async def transfer_vs_prefill(serve: Serve, model: str, w: Workload, seed: int) 
     prefill_s = delta(after_p, before_p, "vllm:request_prefill_time_seconds_sum")
     transfer_s = delta(after_d, before_d, "pagoda:kv_transfer_seconds_sum")
     how = "pagoda:kv_transfer_seconds"
+    written_s = delta(after_p, before_p, "pagoda:kv_transfer_seconds_sum")
+    if transport == "store" and transfer_s is not None and written_s is not None:
+        transfer_s += written_s
+        how = "pagoda:kv_transfer_seconds, the prefill engine's write + the decode engine's read"
     if transfer_s is None:  # no transfer metric: what the client waited beyond the prefill leg
         prefill_leg = delta(after_p, before_p, "vllm:e2e_request_latency_seconds_sum")
         transfer_s = None if prefill_leg is None else max(0.0, s.ttft - prefill_leg)
@@ -307,6 +314,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="HF model directory (default: SmolLM2)")
     ap.add_argument("--engine-flags", default="",
                     help="extra flags for every engine, e.g. '--max-num-batched-tokens 512'")
+    ap.add_argument("--transport", choices=("tcp", "store"), default="tcp",
+                    help="P/D's KV transfer: engine to engine (tcp) or through a KV store")
     args = ap.parse_args()
     # A SIGTERM (timeout, Ctrl-C from a supervisor) still stops the stacks (finally below).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -314,11 +323,13 @@ def main() -> None:
     print(machine_line(), flush=True)
     print(f"work: {w.chat_streams} chat streams of {w.chat_tokens} tokens, meanwhile "
           f"{w.long_prompts} prompts of {w.long_tokens} tokens ({w.long_output} out) one every "
-          f"{w.long_every_s:.0f}s; greedy, ignore_eos, float32", flush=True)
+          f"{w.long_every_s:.0f}s; greedy, ignore_eos, float32; P/D's KV over "
+          f"{args.transport}", flush=True)
     model_flags = ["--model", args.model] if args.model else []
     results: dict[str, dict[str, float]] = {}
     setups = {"aggregated": ["--engines", "2"],
-              "P/D": ["--prefill-engines", "1", "--decode-engines", "1"]}
+              "P/D": ["--prefill-engines", "1", "--decode-engines", "1",
+                      "--pd-transport", args.transport]}
     tmp = tempfile.mkdtemp(prefix="pagoda-disagg-")  # the stacks' logs stay for a post-mortem
     print(f"logs: {tmp}", flush=True)
     for name, flags in setups.items():
@@ -333,7 +344,8 @@ def main() -> None:
             print(f"{name}: {json.dumps({k: round(v, 1) for k, v in results[name].items()})}",
                   flush=True)
             if name == "P/D":
-                asyncio.run(transfer_vs_prefill(serve, model, w, args.seed + 1000))
+                asyncio.run(transfer_vs_prefill(serve, model, w, args.seed + 1000,
+                                                args.transport))
         finally:
             serve.stop()
     report(results)

@@ -5,6 +5,7 @@ the router and the gateway; Ctrl-C (or SIGTERM) stops all of it, engines first d
 
     python -m services.serve --port 8000 --engines 1 [--model PATH] [engine flags]
     python -m services.serve --prefill-engines 1 --decode-engines 1   # disaggregated P/D
+    python -m services.serve --prefill-engines 1 --decode-engines 1 --pd-transport store
 
 Every child gets the internal credential in ``$PAGODA_INTERNAL_TOKENS``: the one in serve's
 environment, else a random token made for this run (``child_env``).
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -35,6 +37,7 @@ from services.common.cli import flag
 from services.common.default_model import default_model_dir, is_converted
 from services.common.internal_auth import ensure_tokens
 from services.common.logs import setup_logging
+from services.engine.kv_offload.secret import SECRET_ENV
 from services.router.config import PolicyName
 
 logger = logging.getLogger("pagoda.serve")
@@ -118,6 +121,8 @@ def router_flags(args: ServeConfig, port: int, redis_url: str, engine_urls: list
 
 
 PROG = "python -m services.serve"
+# --pd-transport: the P/D connector of each
+PD_TRANSPORTS = {"tcp": "PagodaPDConnector", "store": "PagodaStorePDConnector"}
 # Set by serve for each engine (--port and --model are serve's own flags as well).
 _FIXED_ENGINE_FLAGS = {"--port", "--model", "--engine-id", "--redis-url"}
 
@@ -140,6 +145,10 @@ class ServeConfig:
     prefill_engines: int = flag(0, help="disaggregated prefill/decode: prefill engines (with "
                                 "--decode-engines; replaces --engines)")
     decode_engines: int = flag(0, help="disaggregated prefill/decode: decode engines")
+    pd_transport: str = flag(
+        "tcp", help="how the prefill engines' KV reaches the decode engines: tcp (engine to "
+        "engine) or store (through a KV store serve starts: a second redis-server, 1 GiB, LRU)",
+    )
     ext_proc_port: int = flag(
         0, help="the router also serves Envoy's ext_proc (a Gateway API endpoint picker) on "
         "this gRPC port, on loopback (0: off)",
@@ -159,6 +168,9 @@ class ServeConfig:
         if self.prefill_engines < 0 or self.decode_engines < 0 or \
                 (self.prefill_engines > 0) != (self.decode_engines > 0):
             raise ValueError("prefill_engines and decode_engines go together, each >= 1")
+        if self.pd_transport not in PD_TRANSPORTS:
+            raise ValueError(f"pd_transport must be one of {', '.join(PD_TRANSPORTS)}, got "
+                             f"{self.pd_transport!r}")
 
     @property
     def pd(self) -> bool:
@@ -172,11 +184,17 @@ def engine_roles(config: ServeConfig) -> list[str | None]:
     return ["kv_producer"] * config.prefill_engines + ["kv_consumer"] * config.decode_engines
 
 
-def pd_flags(role: str | None) -> list[str]:
+def pd_flags(role: str | None, transport: str = "tcp", store_url: str | None = None
+             ) -> list[str]:
+    """An engine's --kv-transfer-config for its P/D ``role`` over ``transport`` (``store``:
+    through the KV store at ``store_url``)."""
     if role is None:
         return []
-    return ["--kv-transfer-config", json.dumps({"kv_connector": "PagodaPDConnector",
-                                                "kv_role": role})]
+    config: dict = {"kv_connector": PD_TRANSPORTS[transport], "kv_role": role}
+    if transport == "store":
+        assert store_url is not None
+        config["kv_connector_extra_config"] = {"kv_store_url": store_url}
+    return ["--kv-transfer-config", json.dumps(config)]
 
 
 def args_from(argv: Sequence[str] | None = None) -> tuple[ServeConfig, list[str]]:
@@ -237,6 +255,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         start("redis", [ensure_redis_server(), "--port", str(redis_port), "--bind", "127.0.0.1",
                         "--save", "", "--appendonly", "no", "--loglevel", "warning"])
         redis_url = f"redis://127.0.0.1:{redis_port}/0"
+        store_url = None
+        if args.pd and args.pd_transport == "store":  # the KV store: an instance of its own
+            store_port = free_port()
+            start("kv-store", [ensure_redis_server(), "--port", str(store_port), "--bind",
+                               "127.0.0.1", "--save", "", "--appendonly", "no", "--loglevel",
+                               "warning", "--maxmemory", "1gb", "--maxmemory-policy",
+                               "allkeys-lru"])
+            store_url = f"redis://127.0.0.1:{store_port}/0"
+            # The store's MAC key, shared by the engines of this run (unless one is set).
+            env.setdefault(SECRET_ENV, secrets.token_hex(32))
         engine_urls = []
         for i, cpus in enumerate(engine_cores(sorted(os.sched_getaffinity(0)), len(roles))):
             port = free_port()
@@ -246,7 +274,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                       "--port", str(port),
                                       "--model", str(model_dir), "--engine-id", f"engine-{i}",
                                       "--redis-url", redis_url, "--cpu-threads", str(len(cpus)),
-                                      "--dtype", args.dtype, *pd_flags(roles[i]),
+                                      "--dtype", args.dtype,
+                                      *pd_flags(roles[i], args.pd_transport, store_url),
                                       *engine_flags],
                       cpus=cpus if len(roles) > 1 else None)
             wait_http(f"{url}/health", 600, p)

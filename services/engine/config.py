@@ -180,8 +180,9 @@ class EngineConfig:
         "\"kv_producer\" | \"kv_consumer\" | \"kv_both\", \"kv_connector_extra_config\": "
         "{...}}; also kv_transfer_timeout (seconds a finished request's blocks may be held "
         "for sending). Connectors: PagodaTiersConnector (the KV tiers; extra keys "
-        "kv_offloading_size, kv_store_url, kv_store_timeout_s, as the flags) and "
-        "MultiConnector ({\"connectors\": [...]}, tried in order). With the tier flags, the "
+        "kv_offloading_size, kv_store_url, kv_store_timeout_s, as the flags), "
+        "PagodaPDConnector (P/D over TCP), PagodaStorePDConnector (P/D through the KV store) "
+        "and MultiConnector ({\"connectors\": [...]}, tried in order). With the tier flags, the "
         "tiers come first (default: the tier flags' connector, if any)",
     )
 

@@ -105,9 +105,10 @@ class EngineHeartbeat(Message):
     # Disaggregated serving: "prefill" (its KV connector only sends), "decode" (only
     # receives) or "both" (every engine without a P/D connector).
     kv_role: str = "both"
-    # An engine with a KV transfer server (P/D, pulls from a peer): where peers dial it, and
-    # its KV layout digest. Engines pair (a decode pulls a prefill's blocks, an engine pulls a
-    # peer's prefix) only when their layouts are equal. None: no transfer server.
+    # An engine with a KV transfer server (P/D, pulls from a peer): where peers dial it (None:
+    # no transfer server). Any engine with a P/D connector: its KV layout digest. Engines pair
+    # (a decode pulls a prefill's blocks, an engine pulls a peer's prefix) only when their
+    # layouts are equal.
     kv_transfer_address: str | None = field(metadata=bounds(MAX_ADDRESS_CHARS, min_len=1),
                                             default=None)
     kv_layout: str | None = field(metadata=bounds(MAX_KV_LAYOUT_CHARS, min_len=1), default=None)

@@ -35,7 +35,7 @@ class Candidate:
     kv_role: str = "both"  # disaggregated serving: "prefill", "decode" or "both"
     free_blocks: int = 0  # KV blocks it can allocate now (cached ones included; 0: unknown)
     total_blocks: int = 0
-    kv_layout: str | None = None  # its KV layout digest (None: no KV transfer server)
+    kv_layout: str | None = None  # its KV layout digest (None: no P/D connector)
     kv_transfer_address: str | None = None  # where peers pull from it ("host:port")
     # Leading blocks of the prompt a peer of the same layout holds in its pool, when more than
     # this engine reaches itself (``services.router.pairing``): pulled, not recomputed.

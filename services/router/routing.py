@@ -92,7 +92,7 @@ class EngineStatus:
     hash_algorithm: str
     adapters: list[dict[str, Any]]  # the engine's LoRA adapters (lora_api.AdapterStatus)
     kv_role: str  # disaggregated serving: prefill, decode or both
-    kv_layout: str | None  # its KV layout digest (engines with a KV transfer server)
+    kv_layout: str | None  # its KV layout digest (engines with a P/D connector)
     kv_transfer_address: str | None
 
 

@@ -8,7 +8,8 @@ Keys (vLLM's names): ``kv_connector`` (a name in ``registry.CONNECTORS``), ``kv_
 ``MultiConnector`` takes its parts as ``kv_connector_extra_config.connectors``, a list of such
 objects, tried in order for loads (vLLM's shape). ``PagodaTiersConnector`` (the KV tiers) takes
 the tier flags' names as its extra keys (``kv_offloading_size``, ``kv_store_url``,
-``kv_store_timeout_s``).
+``kv_store_timeout_s``). ``PagodaPDConnector`` (P/D over TCP) and ``PagodaStorePDConnector``
+(P/D through the shared KV store) check their own keys (``checked_extra``).
 
 Anything else is refused with a ``ValueError`` naming the key (``kv_transfer_config.<key>``),
 which the engine server turns into exit status 2 and ``LLM(...)`` raises.
@@ -22,7 +23,7 @@ from enum import StrEnum
 from typing import Any
 
 from services.common.cli import json_object
-from services.engine.kv_connector.registry import CONNECTORS, MULTI
+from services.engine.kv_connector.registry import CONNECTORS, MULTI, PD_CONNECTORS
 
 PREFIX = "kv_transfer_config"
 DEFAULT_TIMEOUT_S = 120.0
@@ -57,7 +58,13 @@ class KVTransferConfig:
         """From a JSON text (the flag), a dict (``LLM(kv_transfer_config={...})``) or itself."""
         if isinstance(value, KVTransferConfig):
             return value
-        return _from_mapping(value, PREFIX)
+        config = _from_mapping(value, PREFIX)
+        transports = [leaf.kv_connector for leaf in config.leaves()
+                      if leaf.kv_connector in PD_CONNECTORS]
+        if len(transports) > 1:  # both would answer a prefill leg: which params win is luck
+            raise ValueError(f"{PREFIX}.kv_connector: one P/D transport per engine, got "
+                             f"{', '.join(transports)}")
+        return config
 
     def leaves(self) -> Iterator[KVTransferConfig]:
         """The connectors to build, in order (a MultiConnector's parts, flattened)."""
@@ -100,3 +107,21 @@ def _parts(extra: Mapping[str, Any], where: str) -> tuple[KVTransferConfig, ...]
     if not isinstance(raw, list) or not raw:
         raise ValueError(f"{where}.connectors must be a non-empty list of connector objects")
     return tuple(_from_mapping(part, f"{where}.connectors[{i}]") for i, part in enumerate(raw))
+
+
+def checked_extra(extra: Mapping[str, Any], kinds: Mapping[str, type | tuple[type, ...]],
+                  connector: str) -> dict[str, Any]:
+    """A connector's ``kv_connector_extra_config``: only the keys of ``kinds``, each of its
+    type, numbers positive (``port`` may be 0: any); else a ``ValueError`` naming the key."""
+    where = f"{PREFIX}.kv_connector_extra_config"
+    for key, value in extra.items():
+        kind = kinds.get(key)
+        if kind is None:
+            raise ValueError(f"{where}.{key} is not a key of {connector} "
+                             f"(known: {', '.join(kinds)})")
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise ValueError(  # noqa: TRY004 - bad configuration is a ValueError here
+                f"{where}.{key} has the wrong type: {value!r}")
+        if kind is not str and not value > 0 and not (key == "port" and value == 0):
+            raise ValueError(f"{where}.{key} must be positive, got {value!r}")
+    return dict(extra)

@@ -45,7 +45,7 @@ from services.common.internal_auth import InternalCredential, resolve
 from services.engine.kv_connector import pd_wire
 from services.engine.kv_connector.base import ConnectorContext, ConnectorRequest, FinishedTransfers
 from services.engine.kv_connector.compute_rate import ComputeRate
-from services.engine.kv_connector.config import KVTransferConfig
+from services.engine.kv_connector.config import KVTransferConfig, checked_extra
 from services.engine.kv_connector.pd_server import MAX_PEER_BLOCKS, HeldTransfers, TransferServer
 from services.engine.kv_connector.pd_wire import WireError
 from services.engine.kv_connector.peer_blocks import PeerBlocks
@@ -57,6 +57,8 @@ _EXTRA = {"host": str, "advertise_host": str, "port": int, "engine_id": str,
           "read_timeout_s": (int, float), "min_pull_s": (int, float), "max_connections": int,
           "max_held_transfers": int, "pull_threads": int}
 GRANT = "pagoda-kv/2 transfer grant"
+# ``kv_transfer_params["kv_transport"]``: which connector's params they are (absent: this one's).
+TRANSPORT, TCP = "kv_transport", "tcp"
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +90,8 @@ class Remote:
         reason when they name one this engine must not pull (another KV layout, a grant that
         does not verify or has expired: a recompute)."""
         if not isinstance(params, dict) or params.get("do_remote_prefill") is not True:
+            return None
+        if params.get(TRANSPORT, TCP) != TCP:  # another transport's (``pd_store``): not ours
             return None
         engine_id, host, port = (params.get("remote_engine_id"), params.get("remote_host"),
                                  params.get("remote_port"))
@@ -349,17 +353,8 @@ def _int(value: object) -> bool:
 
 
 def _checked_extra(extra: Any) -> dict[str, Any]:
-    where = "kv_transfer_config.kv_connector_extra_config"
-    for key, value in extra.items():
-        kind = _EXTRA.get(key)
-        if kind is None:
-            raise ValueError(f"{where}.{key} is not a key of PagodaPDConnector "
-                             f"(known: {', '.join(_EXTRA)})")
-        if isinstance(value, bool) or not isinstance(value, kind):
-            raise ValueError(  # noqa: TRY004 - bad configuration is a ValueError here
-                f"{where}.{key} has the wrong type: {value!r}")
-        if kind is not str and not value > 0 and not (key == "port" and value == 0):
-            raise ValueError(f"{where}.{key} must be positive, got {value!r}")
-        if key == "port" and value > 65535:
-            raise ValueError(f"{where}.port must be at most 65535, got {value!r}")
-    return dict(extra)
+    checked = checked_extra(extra, _EXTRA, "PagodaPDConnector")
+    if checked.get("port", 0) > 65535:
+        raise ValueError("kv_transfer_config.kv_connector_extra_config.port must be at most "
+                         f"65535, got {checked['port']!r}")
+    return checked

@@ -17,11 +17,14 @@ if TYPE_CHECKING:
 MULTI = "MultiConnector"
 TIERS = "PagodaTiersConnector"
 PD = "PagodaPDConnector"
+PD_STORE = "PagodaStorePDConnector"
+PD_CONNECTORS = (PD, PD_STORE)  # the P/D transports: TCP between engines, the shared store
 # name -> "module:class"; the class is built as ``cls(spec, context)``. MULTI is a name only:
 # its parts are built one by one and composed (``build``).
 CONNECTORS: dict[str, str] = {
     TIERS: "services.engine.kv_offload.tiers:KVTiers",
     PD: "services.engine.kv_connector.pd:PagodaPDConnector",
+    PD_STORE: "services.engine.kv_connector.pd_store:PagodaStorePDConnector",
     MULTI: "",
 }
 

@@ -134,14 +134,7 @@ class KVCopier:
         return torch.cuda.stream(self.stream)
 
     def _gather(self, pool_ids: list[int]) -> torch.Tensor:
-        """The pool blocks, on the device: [n, layers, 2, block_size, kv_heads, head_dim]."""
-        ids = torch.tensor(pool_ids, dtype=torch.long, device=self.device)
-        out = torch.empty((len(pool_ids), *self.block_shape), dtype=self.dtype,
-                          device=self.device)
-        for layer, (k, v) in enumerate(self.kv_caches):
-            out[:, layer, 0] = k.index_select(0, ids)
-            out[:, layer, 1] = v.index_select(0, ids)
-        return out
+        return gather(self.kv_caches, pool_ids)
 
     def _scatter(self, blocks: torch.Tensor, pool_ids: list[int]) -> None:
         ids = torch.tensor(pool_ids, dtype=torch.long, device=self.device)
@@ -201,6 +194,31 @@ class KVCopier:
             blocks = raw.view(self.dtype).view(len(payloads), *self.block_shape)
             self._scatter(blocks, job.pool_ids[n_host:n_host + len(payloads)])
         return LoadDone(job, n_host, len(payloads), corrupt)
+
+
+def gather(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+           pool_ids: list[int]) -> torch.Tensor:
+    """The pool blocks, on the pool's device: [n, layers, 2, block_size, kv_heads, head_dim]
+    (a block's row is its value's KV bytes in the shared store)."""
+    k0 = kv_caches[0][0]
+    ids = torch.tensor(pool_ids, dtype=torch.long, device=k0.device)
+    out = torch.empty((len(pool_ids), len(kv_caches), 2, *k0.shape[1:]), dtype=k0.dtype,
+                      device=k0.device)
+    for layer, (k, v) in enumerate(kv_caches):
+        out[:, layer, 0] = k.index_select(0, ids)
+        out[:, layer, 1] = v.index_select(0, ids)
+    return out
+
+
+def block_payloads(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                   pool_ids: list[int]) -> list[bytes]:
+    """The pool blocks' KV bytes as the shared store holds them, read on the caller's thread
+    (P/D through the store writes them while its engine waits: the caller owns the blocks,
+    and their KV is final)."""
+    with torch.inference_mode():
+        blocks = gather(kv_caches, pool_ids).cpu()
+    raw = blocks.view(torch.uint8).numpy()  # one row per block
+    return [raw[j].tobytes() for j in range(len(pool_ids))]
 
 
 def _copy_rows(dst: torch.Tensor, dst_rows: list[int], src: torch.Tensor,

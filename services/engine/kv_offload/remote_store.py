@@ -16,13 +16,15 @@ bytes): a value anything without the secret wrote, or one that is not exactly th
 miss (recomputed), never used.
 
 Loads are one MGET for a run of blocks. Writes go through a bounded queue to a thread of their
-own, pipelined; a full queue drops the write (the block is only not shared). The writer thread
-outlives any error of a batch (the batch is dropped and counted), and ``close`` returns within
-``_CLOSE_WAIT_S`` whatever the writer or the queue are doing.
+own, pipelined; a full queue drops the write (the block is only not shared). ``put_many`` is the
+other way to write, for P/D through the store (``kv_connector/pd_store.py``): one pipelined
+round trip on the caller's thread, which learns whether the store acknowledged every block.
+The writer thread outlives any error of a batch (the batch is dropped and counted), and
+``close`` returns within ``_CLOSE_WAIT_S`` whatever the writer or the queue are doing.
 
-Threads: the engine thread (start, ``available``), the copy thread (loads, ``put``) and the
-writer all count into ``stats`` and mark outages; one lock guards those (never held over a call
-to the store). ``stats`` is a copy.
+Threads: the engine thread (start, ``available``), the copy thread (loads, ``put``), the
+writer and P/D's writers (``put_many``) all count into ``stats`` and mark outages; one lock
+guards those (never held over a call to the store). ``stats`` is a copy.
 
 Faults: every call has a short socket timeout. A failed call is a miss (or a dropped write),
 counted in ``errors``, logged once per outage, and the store is left alone for
@@ -43,12 +45,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis
 
 from services.common.redis_index import redact_url
 from services.engine.kv_offload.block_value import BlockCodec
+from services.engine.kv_offload.secret import load_store_secret
+from services.engine.kv_offload.weights_digest import weights_digest
 from services.protocol.block_hash import BlockHash
 
 logger = logging.getLogger(__name__)
@@ -75,6 +79,16 @@ class StoreLayout:
     head_dim: int
     tensor_parallel_size: int
     hash_algorithm: str
+
+    @classmethod
+    def of_pool(cls, model: str, model_path: str, kv_caches: Sequence[tuple[Any, Any]],
+                block_size: int, tensor_parallel_size: int, hash_algorithm: str) -> StoreLayout:
+        """The layout of an engine's KV pool (``kv_caches``: its (key, value) tensors per
+        layer, [blocks, block_size, kv_heads, head_dim])."""
+        k0 = kv_caches[0][0]
+        return cls(model, weights_digest(model_path), str(k0.dtype), block_size,
+                   len(kv_caches), k0.shape[2], k0.shape[3], tensor_parallel_size,
+                   hash_algorithm)
 
     def namespace(self) -> str:
         text = json.dumps([self.model, self.weights, self.dtype, self.block_size,
@@ -172,6 +186,19 @@ class RemoteKVStore:
             self._writes.put_nowait((block_hash, value))
         except queue.Full:
             self.count(dropped_writes=1)
+
+    def put_many(self, items: Sequence[_Write]) -> bool:
+        """Writes ``items`` (hash, encoded value) in one pipelined round trip and waits for the
+        answer: True once the store acknowledged every one; False when it is unavailable or
+        the call failed (then nothing is known to be stored)."""
+        if not items or self._closed or not self.available:
+            self.count(dropped_writes=len(items))
+            return False
+        if self._call(lambda: self._send(items)):
+            self.count(writes=len(items))
+            return True
+        self.count(dropped_writes=len(items))
+        return False
 
     @property
     def pending_writes(self) -> int:
@@ -288,14 +315,21 @@ class RemoteKVStore:
             self.count(dropped_writes=len(batch))
             return
 
-        def send() -> bool:
-            pipe = self._client.pipeline(transaction=False)
-            for h, value in batch:
-                pipe.set(self.key(h), value)
-            pipe.execute()
-            return True
-
-        if self._call(send):
+        if self._call(lambda: self._send(batch)):
             self.count(writes=len(batch))
         else:
             self.count(dropped_writes=len(batch))
+
+    def _send(self, batch: Sequence[_Write]) -> bool:
+        pipe = self._client.pipeline(transaction=False)
+        for h, value in batch:
+            pipe.set(self.key(h), value)
+        pipe.execute()
+        return True
+
+
+def open_store(url: str, timeout_s: float, secret_file: str | None, layout: StoreLayout,
+               seed: bytes) -> RemoteKVStore:
+    """A client of the store at ``url`` with the deployment's MAC key (``secret_file``, else
+    ``$PAGODA_KV_STORE_SECRET``; ValueError when there is none): the tiers' and P/D's."""
+    return RemoteKVStore(url, layout, seed, timeout_s, BlockCodec(load_store_secret(secret_file)))

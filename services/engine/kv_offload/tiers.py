@@ -19,12 +19,14 @@ import torch
 from services.engine.kv_connector.base import ConnectorContext, FinishedTransfers
 from services.engine.kv_connector.base import ConnectorRequest as Request
 from services.engine.kv_connector.config import KVTransferConfig
-from services.engine.kv_offload.block_value import BlockCodec
 from services.engine.kv_offload.copier import KVCopier, LoadDone, LoadJob, SaveDone, SaveJob
 from services.engine.kv_offload.host_store import HostBlockStore
-from services.engine.kv_offload.remote_store import RemoteKVStore, StoreLayout, StoreStats
-from services.engine.kv_offload.secret import load_store_secret
-from services.engine.kv_offload.weights_digest import weights_digest
+from services.engine.kv_offload.remote_store import (
+    RemoteKVStore,
+    StoreLayout,
+    StoreStats,
+    open_store,
+)
 from services.protocol.block_hash import BlockHash
 from services.protocol.kv_events import KVEvent, KVEventKind, Medium
 
@@ -106,12 +108,10 @@ class KVTiers:
         self.remote: RemoteKVStore | None = None
         if config.kv_store_url is not None:
             assert model_path is not None
-            codec = BlockCodec(load_store_secret(config.kv_store_secret_file))
-            layout = StoreLayout(model_name, weights_digest(model_path), str(k0.dtype), bs,
-                                 len(caches), k0.shape[2], k0.shape[3],
-                                 config.tensor_parallel_size, str(config.hash_algorithm))
-            self.remote = RemoteKVStore(config.kv_store_url, layout, seed,
-                                        config.kv_store_timeout_s, codec)
+            layout = StoreLayout.of_pool(model_name, model_path, caches, bs,
+                                         config.tensor_parallel_size, str(config.hash_algorithm))
+            self.remote = open_store(config.kv_store_url, config.kv_store_timeout_s,
+                                     config.kv_store_secret_file, layout, seed)
         self.copier = KVCopier(caches, None if self.host is None else self.host.data,
                                self.remote, self.block_shape)
         self.stats = KVTierStats(host_capacity=0 if self.host is None else self.host.num_slots)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from services.engine.engine import check_request
-from services.engine.kv_connector.registry import PD as PD_CONNECTOR
+from services.engine.kv_connector.registry import PD_CONNECTORS
 from services.engine.structured.compiler import GrammarCompiler
 from services.protocol.sampling_params import SamplingParams
 
@@ -63,20 +63,24 @@ class EngineInfo:
 
 
 def _transfer_port(engine: LLMEngine) -> dict[str, str]:
+    """The transfer port of a P/D connector that serves blocks, with its layout; else the
+    layout of any P/D connector (a decode engine, or P/D through the store: the router pairs
+    the legs by it)."""
     connector = engine.kv_connector
     parts = getattr(connector, "connectors", [connector] if connector is not None else [])
     for part in parts:
         address = getattr(part, "transfer_address", None)
         if address is not None:
             return {"kv_transfer_address": address, "kv_layout": part.layout}
-    return {}
+    layouts = [part.layout for part in parts if isinstance(getattr(part, "layout", None), str)]
+    return {"kv_layout": layouts[0]} if layouts else {}
 
 
 
 def _pd_role(config: Any) -> str:
     """The engine's role in disaggregated serving, from its P/D connector's ``kv_role``."""
     roles = {s.kv_role.value for s in config.kv_connector_specs()
-             if s.kv_connector == PD_CONNECTOR}
+             if s.kv_connector in PD_CONNECTORS}
     if roles == {"kv_producer"}:
         return "prefill"
     if roles == {"kv_consumer"}:
