@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,30 +92,36 @@ def test_the_picked_endpoint_answers_openai_with_the_models_output(
     # The front's port, never the engine's internal one.
     assert int(port) == pool.front.port != stack.engines[0].port
     assert host in ("127.0.0.1", "localhost")
-    front = openai.OpenAI(base_url=f"http://{endpoint}/v1", api_key=KEY, max_retries=0,
-                          timeout=120)
-    chat = front.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS,
-                                         temperature=0)
-    text = chat.choices[0].message.content
-    assert text and chat.usage.completion_tokens <= MAX_TOKENS
-    # The same greedy output as through Pagoda's own gateway and router: the same model.
-    reference = openai.OpenAI(base_url=stack.base_url, api_key="none", max_retries=0,
-                              timeout=120)
-    expected = reference.chat.completions.create(model=MODEL, messages=MESSAGES,
-                                                 max_tokens=MAX_TOKENS, temperature=0)
-    assert text == expected.choices[0].message.content
-    chunks = list(front.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, stream=True,
-        stream_options={"include_usage": True}))
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
-    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
-    assert [m.id for m in front.models.list().data] == [MODEL]
+    with (openai.OpenAI(base_url=f"http://{endpoint}/v1", api_key=KEY, max_retries=0,
+                        timeout=120) as front,
+          openai.OpenAI(base_url=stack.base_url, api_key="none", max_retries=0,
+                        timeout=120) as reference):
+        chat = front.chat.completions.create(model=MODEL, messages=MESSAGES,
+                                             max_tokens=MAX_TOKENS, temperature=0)
+        text = chat.choices[0].message.content
+        assert text and chat.usage.completion_tokens <= MAX_TOKENS
+        # The same greedy output as through Pagoda's own gateway and router: the same model.
+        expected = reference.chat.completions.create(model=MODEL, messages=MESSAGES,
+                                                     max_tokens=MAX_TOKENS, temperature=0)
+        assert text == expected.choices[0].message.content
+        chunks = list(front.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+            stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+        assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+        assert [m.id for m in front.models.list().data] == [MODEL]
 
 
 def test_the_front_enforces_the_gateways_api_keys(pool: Pool) -> None:
-    for key in ("", "sk-wrong"):
-        anonymous = openai.OpenAI(base_url=f"{pool.front.url}/v1", api_key=key, max_retries=0,
-                                  timeout=30)
-        with pytest.raises(openai.AuthenticationError) as exc:
-            anonymous.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)
-        assert exc.value.status_code == 401
+    with (openai.OpenAI(base_url=f"{pool.front.url}/v1", api_key="sk-wrong", max_retries=0,
+                        timeout=30) as wrong,
+          pytest.raises(openai.AuthenticationError) as exc):
+        wrong.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)
+    assert exc.value.status_code == 401
+    # No key at all (the openai client always sends one): a bare request.
+    body = json.dumps({"model": MODEL, "messages": MESSAGES, "max_tokens": 1}).encode()
+    request = urllib.request.Request(f"{pool.front.url}/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    assert refused.value.code == 401

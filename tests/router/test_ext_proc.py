@@ -202,7 +202,8 @@ async def test_target_port_answers_each_pods_openai_front(
                                                                                      stub):
         async with ep.stream(stub) as s:
             await s.send(ep.headers(), ep.body(data, True))
-            assert endpoint_of(await s.read(), "request_headers") == f"{front2},{front1}"
+            answer, _body = await s.read_all(2)  # full duplex: the body follows the pick
+            assert endpoint_of(answer, "request_headers") == f"{front2},{front1}"
             await s.send(ep.response_headers(served=front1))  # the fallback served
             assert ep.only([await s.read()]) == ["response_headers"]
         async with ep.stream(stub) as s:  # p2 holds the prefix, but only p1 is allowed
