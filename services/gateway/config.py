@@ -119,7 +119,9 @@ class GatewayConfig(FlowFlags):
         "by the role in the engines' heartbeats); the client sees one completion")
     router_timeout: float = flag(
         5.0, help="seconds per router call (with --engine-url: per call of the engine's /health)")
-    engines_refresh: float = flag(5.0, help="seconds between polls of the router's /engines")
+    engines_refresh: float = flag(
+        5.0, help="seconds between polls of the router's /engines (with --engine-url: of the "
+        "engine's /health)")
     shutdown_grace: float = flag(30.0, help="seconds open generations get to finish on SIGTERM")
     engine_wait_timeout: float = flag(
         0.0,
