@@ -31,6 +31,7 @@ DESCRIPTION = (
     "Pagoda OpenAI-compatible gateway: auth, templating, tokenizing, routing, streaming."
 )
 TOOL_PARSERS = ("hermes", "llama3_json")  # services/gateway/tool_parsers
+DEFAULT_ROUTER_URL = "http://127.0.0.1:8100"
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,10 +57,19 @@ class ModelSpec:
 class GatewayConfig(FlowFlags):
     host: str = flag("0.0.0.0", help="address to listen on")
     port: int = flag(8000, help="port to listen on")
-    router_url: str = flag(
-        "http://127.0.0.1:8100",
-        help="base URL of the router; comma-separate several replicas (a replica that fails is "
-        "skipped for a while and the request goes to the next)",
+    router_url: str | None = flag(
+        None,
+        help=f"base URL of the router (default {DEFAULT_ROUTER_URL}, unless --engine-url); "
+        "comma-separate several replicas (a replica that fails is skipped for a while and the "
+        "request goes to the next)",
+    )
+    engine_url: str | None = flag(
+        None,
+        metavar="URL",
+        help="pin the gateway to the one engine at this URL, with no router: the OpenAI front "
+        "of an engine pod (the chart runs it beside the engine, http://127.0.0.1:PORT, as a "
+        "Gateway API InferencePool's target); excludes --router-url, --pd-disaggregation, "
+        "--flow-control and --allow-runtime-lora-updating",
     )
     api_keys: tuple[str, ...] = flag(
         (),
@@ -107,8 +117,11 @@ class GatewayConfig(FlowFlags):
         False, help="disaggregated prefill/decode: each choice's prompt runs on a prefill engine "
         "first (max_tokens 1), then on a decode engine that pulls its KV (the router picks each "
         "by the role in the engines' heartbeats); the client sees one completion")
-    router_timeout: float = flag(5.0, help="seconds per router call")
-    engines_refresh: float = flag(5.0, help="seconds between polls of the router's /engines")
+    router_timeout: float = flag(
+        5.0, help="seconds per router call (with --engine-url: per call of the engine's /health)")
+    engines_refresh: float = flag(
+        5.0, help="seconds between polls of the router's /engines (with --engine-url: of the "
+        "engine's /health)")
     shutdown_grace: float = flag(30.0, help="seconds open generations get to finish on SIGTERM")
     engine_wait_timeout: float = flag(
         0.0,
@@ -157,20 +170,18 @@ class GatewayConfig(FlowFlags):
 
     @property
     def router_urls(self) -> tuple[str, ...]:
-        """Every router replica's base URL (``router_url`` split on commas)."""
-        return tuple(self.router_url.split(","))
+        """Every router replica's base URL (``router_url`` split on commas); none when the
+        gateway is pinned to one engine (``engine_url``)."""
+        return tuple(self.router_url.split(",")) if self.router_url else ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        urls = [u.strip().rstrip("/") for u in self.router_url.split(",") if u.strip()]
-        if not urls:
-            raise ValueError("router_url must name at least one router")
-        for url in urls:
-            parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ValueError(f"router_url must be http(s)://host:port, got {url!r}")
-        object.__setattr__(self, "router_url", ",".join(urls))
+        if self.engine_url is not None:
+            self._check_pinned()
+        else:
+            self._check_router_url(DEFAULT_ROUTER_URL if self.router_url is None
+                                   else self.router_url)
         keys = tuple(k.strip() for k in self.api_keys if k.strip())
         object.__setattr__(self, "api_keys", tuple(dict.fromkeys(keys)))
         admin = tuple(k.strip() for k in self.admin_api_keys if k.strip())
@@ -199,6 +210,42 @@ class GatewayConfig(FlowFlags):
                              f"got {self.tool_call_parser!r}")
         check_log_level(self.log_level)
         self.flow_config()  # its own checks
+
+    def _check_router_url(self, value: str) -> None:
+        urls = [u.strip().rstrip("/") for u in value.split(",") if u.strip()]
+        if not urls:
+            raise ValueError("router_url must name at least one router")
+        for url in urls:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"router_url must be http(s)://host:port, got {url!r}")
+        object.__setattr__(self, "router_url", ",".join(urls))
+
+    def _check_pinned(self) -> None:
+        """One engine, no router: what needs a router (or other engines) is refused here,
+        each naming its flag, rather than half working."""
+        url = self.engine_url.strip().rstrip("/")
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path:
+            raise ValueError(f"engine_url must be http(s)://host:port, got {self.engine_url!r}")
+        try:
+            parts.port  # noqa: B018 -- raises on a port out of range
+        except ValueError:
+            raise ValueError(f"engine_url has a bad port: {self.engine_url!r}") from None
+        object.__setattr__(self, "engine_url", url)
+        if self.router_url is not None:
+            raise ValueError("engine_url excludes --router-url: a gateway pinned to one engine "
+                             "asks no router")
+        if self.pd_disaggregation:
+            raise ValueError("engine_url excludes --pd-disaggregation: the prefill and decode "
+                             "legs run on two engines, which only the router pairs")
+        if self.flow_control:
+            raise ValueError("engine_url excludes --flow-control: in front of a Gateway API "
+                             "pool the endpoint picker (the router's ext_proc) queues requests")
+        if self.allow_runtime_lora_updating:
+            raise ValueError("engine_url excludes --allow-runtime-lora-updating: load adapters "
+                             "through a gateway with a router, whose registry reaches every "
+                             "engine")
 
     @classmethod
     def from_args(

@@ -30,7 +30,7 @@ from services.gateway.engine_client import (
 from services.gateway.engine_watch import EngineWatch
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.models import ServedModel
-from services.gateway.router_client import RouterClient
+from services.gateway.router_client import Routing
 from services.protocol.block_hash import BlockHash
 from services.protocol.engine_api import FinishedFrame, GenerateRequest
 from services.protocol.messages import RouteRequest, RouteResponse
@@ -59,7 +59,7 @@ class Upstreams:
     """What every generation shares (one per app)."""
 
     session: aiohttp.ClientSession
-    router: RouterClient
+    router: Routing
     metrics: GatewayMetrics
     max_retries: int
     connect_timeout: float

@@ -4,7 +4,8 @@
 (``services.protocol.messages``); a 503 (no live engine of the model) or 409 (all of them
 excluded) means no engine is left.
 
-Several replicas may be given; see ``RouterClient``.
+Several replicas may be given; see ``RouterClient``. ``Routing`` is what the rest of the
+gateway asks of it; ``local_engine.LocalEngine`` answers the same without a router.
 
 ``/engines`` lists the live engines, as JSON or msgpack: either a list or ``{"engines": [...]}``
 of maps with at least ``engine_id``, ``url``, ``model`` and ``block_size`` (an
@@ -18,7 +19,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import msgpack
@@ -90,7 +91,32 @@ class EngineInfo:
 
 
 class RouterUnavailable(Exception):
-    """The router could not be reached or answered garbage."""
+    """The router could not be reached or answered garbage (pinned to one engine: that
+    engine is not serving)."""
+
+
+class Routing(Protocol):
+    """What the gateway asks of whatever picks its engines: ``RouterClient`` (the router), or
+    ``LocalEngine`` (one engine beside it, ``--engine-url``)."""
+
+    name: str  # as messages name it: "the router", "the engine"
+
+    async def route(self, req: RouteRequest) -> RouteResponse:
+        """The engine for ``req``; OpenAIError 503 when none is left."""
+        ...
+
+    async def engines(self) -> list[EngineInfo]:
+        """The live engines. Raises RouterUnavailable."""
+        ...
+
+    async def loads(self, model: str) -> Sequence[EngineLoad] | None:
+        """Flow control's view of ``model``'s engines (None: unknown, no flow control)."""
+        ...
+
+    async def call_json(self, method: str, path: str, body: Any = None
+                        ) -> tuple[int, dict[str, Any]]:
+        """The adapter registry's answer. Raises RouterUnavailable."""
+        ...
 
 
 class _RouterDown(Exception):
@@ -102,6 +128,8 @@ class RouterClient:
     one can answer: calls start at the next replica in turn, and a replica that fails is
     skipped for ``down_for_s`` while the call moves on to the next one. A replica dying
     therefore costs no request, only one failed connection attempt."""
+
+    name = "the router"
 
     def __init__(
         self,

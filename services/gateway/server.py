@@ -3,8 +3,9 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (``lora_admin``),
 ``POST /tokenize``, ``POST /detokenize``, ``GET /health`` (liveness), ``GET /ready`` (the router
-answers), ``GET /metrics``, ``GET /metrics/engines`` (every live engine's metrics, federated),
-``GET /openapi.json``, ``GET /version``.
+answers; pinned to one engine with ``--engine-url``: that engine is serving), ``GET /metrics``,
+``GET /metrics/engines`` (every live engine's metrics, federated), ``GET /openapi.json``,
+``GET /version``.
 
 Serve it with ``handler_cancellation=True`` (``__main__`` does): a client that disconnects then
 cancels its handler, which closes the engine streams, so the engines abort and free KV blocks
@@ -35,10 +36,11 @@ from services.gateway.engine_metrics import engine_metrics
 from services.gateway.engine_watch import EngineWatch
 from services.gateway.fingerprint import package_version
 from services.gateway.generation import Upstreams
+from services.gateway.local_engine import LocalEngine
 from services.gateway.metrics import OTHER_MODEL, GatewayMetrics
 from services.gateway.models import ModelRegistry, load_tokenizers
 from services.gateway.openapi import openapi_document
-from services.gateway.router_client import RouterClient, RouterUnavailable
+from services.gateway.router_client import RouterClient, RouterUnavailable, Routing
 from services.gateway.state import MODEL_LABEL, STATE, GatewayState
 from services.protocol.openai import OpenAIError
 from services.text.tokenizer import Tokenizer
@@ -127,10 +129,15 @@ async def _resources(
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                         headers=internal_auth.client_headers(internal))
         tracer = app[tracing.TRACER]
-        router = RouterClient(session, config.router_urls, config.router_timeout, tracer)
+        router: Routing = (
+            LocalEngine(session, config.engine_url, config.router_timeout)
+            if config.engine_url is not None
+            else RouterClient(session, config.router_urls, config.router_timeout, tracer))
         watch = EngineWatch(session)
+        # Pinned to one engine there is no other to retry on: its failure is the answer.
+        retries = 0 if config.engine_url is not None else config.max_retries
         upstreams = Upstreams(
-            session, router, metrics, config.max_retries, _CONNECT_TIMEOUT_S, tracer, watch,
+            session, router, metrics, retries, _CONNECT_TIMEOUT_S, tracer, watch,
             EngineWait(config.engine_wait_timeout, config.engine_wait_max_requests, metrics,
                        max_bytes=config.engine_wait_max_bytes,
                        max_tenant_bytes=config.engine_wait_max_tenant_bytes),
@@ -143,9 +150,10 @@ async def _resources(
         await _refresh_engines(state)
         poller = asyncio.create_task(_poll_engines(state))
         logger.info(
-            "gateway ready models=%s router=%s auth=%s",
+            "gateway ready models=%s router=%s engine=%s auth=%s",
             ",".join(models.models),
             config.router_url,
+            config.engine_url,
             "on" if config.api_keys else "off",
         )
         yield
@@ -165,7 +173,7 @@ async def _refresh_engines(state: GatewayState) -> bool:
     try:
         engines = await state.router.engines()
     except RouterUnavailable as exc:
-        logger.warning("router /engines unavailable: %s", exc)
+        logger.warning("%s: engines unavailable: %s", state.router.name, exc)
         return False
     state.models.update(engines)
     if state.upstreams.watch is not None:
@@ -204,7 +212,7 @@ async def _drain(app: web.Application) -> None:
 async def _list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if not await _refresh_engines(state):
-        raise OpenAIError("the router is unavailable", status=503)
+        raise OpenAIError(f"{state.router.name} is unavailable", status=503)
     data = []
     for m in state.models.live():
         data.append(_model_card(m.name, m.created, m.name, None, m.max_model_len))
@@ -227,7 +235,7 @@ async def _health(request: web.Request) -> web.Response:
 async def _ready(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if not await _refresh_engines(state):
-        raise OpenAIError("the router is unavailable", status=503)
+        raise OpenAIError(f"{state.router.name} is unavailable", status=503)
     return web.json_response(
         {"status": "ready", "live_models": [m.name for m in state.models.live()]}
     )

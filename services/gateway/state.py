@@ -12,14 +12,14 @@ from services.gateway.config import GatewayConfig
 from services.gateway.generation import Generation, Upstreams
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.models import ModelRegistry
-from services.gateway.router_client import RouterClient
+from services.gateway.router_client import Routing
 
 
 @dataclass(slots=True)
 class GatewayState:
     config: GatewayConfig
     models: ModelRegistry
-    router: RouterClient
+    router: Routing  # the router, or one pinned engine (--engine-url)
     upstreams: Upstreams
     metrics: GatewayMetrics
     tokenize_pool: Executor

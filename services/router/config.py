@@ -145,6 +145,11 @@ class RouterConfig(FlowFlags):
         0, help="picker: answer 429 when every eligible engine has at least this many requests "
         "waiting or pending (0: never shed)",
     )
+    ext_proc_target_port: int = flag(
+        0, help="picker: the port of the endpoints it answers, in place of each engine's own "
+        "(its URL's): the engine pods' OpenAI front, the InferencePool's targetPorts (0: the "
+        "engine's port)",
+    )
     ext_proc_tenant_from_key: bool = flag(
         True, help="picker: scope the cache salt to the tenant of the request's bearer key, "
         "as Pagoda's gateway does with --api-key",
@@ -200,8 +205,9 @@ class RouterConfig(FlowFlags):
             raise ValueError(f"max_blocks_per_engine must be > 0, got {self.max_blocks_per_engine}")
 
     def _check_ext_proc(self) -> None:
-        if not 0 <= self.ext_proc_port <= 65535:
-            raise ValueError(f"ext_proc_port must be in 0..65535, got {self.ext_proc_port}")
+        for name in ("ext_proc_port", "ext_proc_target_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} must be in 0..65535, got {getattr(self, name)}")
         for name in ("ext_proc_max_body_bytes", "ext_proc_max_buffered_bytes",
                      "ext_proc_max_streams", "ext_proc_endpoints",
                      "ext_proc_body_timeout_s", "ext_proc_stream_timeout_s"):

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -119,11 +119,20 @@ class Picker:
     """Body in, endpoints out: the decision, with no stream state."""
 
     def __init__(self, router: Router, prompts: PromptReader, limits: PickerLimits,
-                 flow: FlowController | None = None) -> None:
+                 flow: FlowController | None = None, target_port: int = 0) -> None:
+        """``target_port``: the port of the endpoints answered (0: each engine's own). Engine
+        pods serve OpenAI on another port than the engine's internal API (the chart's
+        sidecar, the pool's targetPorts): Envoy must get that one, and the subset hint and
+        the served read-back name it too."""
         self.router = router
         self.prompts = prompts
         self.limits = limits
         self.flow = flow  # queues while the model's engines are saturated (None: off)
+        self.target_port = target_port
+
+    def endpoint(self, url: str) -> str:
+        """An engine (by its URL) as Envoy names it: ``ip:port`` of the data path."""
+        return em.endpoint_of(url, self.target_port)
 
     async def pick(self, given: PickInput, subset: frozenset[str] | None) -> Picked:
         """Raises Refusal; 503 when tokenizing or picking take longer than the body may. In
@@ -153,7 +162,7 @@ class Picker:
             raise Refusal(503, exc.message, "no_engine") from None
 
     async def _pick(self, req: RouteRequest, subset: frozenset[str] | None) -> Picked:
-        admit = None if subset is None else _admit(subset)
+        admit = None if subset is None else _admit(subset, self.endpoint)
         try:
             pick = await self.router.pick(req, admit)
         except NoEngineError as exc:
@@ -162,8 +171,8 @@ class Picker:
         ranked = pick.ranked[: self.limits.endpoints]
         if self._shed(pick.ranked):
             raise Refusal(429, "every engine of the model is saturated", "overloaded")
-        endpoints = [em.endpoint_of(c.url) for c in ranked]
-        return Picked(endpoints, {em.endpoint_of(c.url): c.engine_id for c in ranked}, req)
+        endpoints = [self.endpoint(c.url) for c in ranked]
+        return Picked(endpoints, {self.endpoint(c.url): c.engine_id for c in ranked}, req)
 
     def _shed(self, candidates: list[Candidate]) -> bool:
         limit = self.limits.shed_waiting
@@ -183,9 +192,9 @@ class Picker:
         return "fallback"
 
 
-def _admit(subset: frozenset[str]) -> Admit:
+def _admit(subset: frozenset[str], endpoint_of: Callable[[str], str]) -> Admit:
     def admit(c: Candidate) -> bool:
-        endpoint = em.endpoint_of(c.url)
+        endpoint = endpoint_of(c.url)
         return endpoint in subset or endpoint.rpartition(":")[0].strip("[]") in subset
 
     return admit

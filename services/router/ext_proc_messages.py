@@ -31,11 +31,12 @@ MAX_SUBSET = 4096  # endpoints read from one hint; a pool is far smaller
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
 
 
-def endpoint_of(url: str) -> str:
-    """An engine URL as the protocol names endpoints: ``ip:port`` (``[v6]:port``)."""
+def endpoint_of(url: str, port: int = 0) -> str:
+    """An engine URL as the protocol names endpoints: ``ip:port`` (``[v6]:port``); ``port``
+    (when not 0) in place of the URL's: where the pod serves the data path."""
     parts = urlsplit(url)
     host = parts.hostname or ""
-    port = parts.port or (443 if parts.scheme == "https" else 80)
+    port = port or parts.port or (443 if parts.scheme == "https" else 80)
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 

@@ -103,7 +103,8 @@ async def serve_ext_proc(config: RouterConfig, router: Router,
     flow = FlowController(config.flow_config(), engine_loads(router),
                           FlowMetrics(metrics.registry, "pagoda_router"))
     pb_grpc.add_ExternalProcessorServicer_to_server(
-        ExtProcService(Picker(router, prompts, limits, flow), metrics), server)
+        ExtProcService(Picker(router, prompts, limits, flow, config.ext_proc_target_port),
+                       metrics), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     await health.set("liveness", health_pb2.HealthCheckResponse.SERVING)

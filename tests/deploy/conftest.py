@@ -180,9 +180,11 @@ KV_TIERS: dict[str, Any] = {
 }
 
 # The Gateway API Inference Extension: a pool per model (one tokenizer from an image, one
-# from a claim) behind a Gateway in another namespace.
+# from a claim) behind a Gateway in another namespace; API keys on (the engine pods' OpenAI
+# front enforces them too).
 GATEWAY_API: dict[str, Any] = {
     **TWO_MODELS,
+    "gateway": {"apiKeys": {"keys": ["sk-pool-1", "sk-pool-2"]}},
     "gatewayAPI": {"enabled": True, "failureMode": "FailOpen",
                    "gateway": {"name": "inference-gateway", "namespace": "gateways"},
                    "gatewayFrom": [{"namespaceSelector": {"matchLabels": {

@@ -335,7 +335,8 @@ def test_engine_pods_are_ready_only_with_the_model_loaded_and_drain_on_stop(
 ) -> None:
     for name in engine_deployments(scenario):
         pod = scenario.get("Deployment", name)["spec"]["template"]["spec"]
-        (c,) = pod["containers"]
+        c = pod["containers"][0]  # the engine; with gatewayAPI its OpenAI front follows
+        assert c["name"] == "engine"
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
         startup = c["startupProbe"]

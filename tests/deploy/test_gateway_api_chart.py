@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from tests.deploy.conftest import GATEWAY_API
-from tests.deploy.helpers import Render, render, selects
+from tests.deploy.helpers import Render, flag, render, selects
 
 helm = pytest.importorskip("helm_python", reason="pip install helm-python-sdk")
 
@@ -64,13 +64,73 @@ def test_a_pool_per_model_selects_its_engines_with_the_router_as_picker(on: Rend
         assert selects(pool["selector"]["matchLabels"], engines["metadata"]["labels"])
         assert not any(selects(pool["selector"]["matchLabels"], t["metadata"]["labels"])
                        for t in others), "a pool selects only its own model's engines"
+        # The pool targets each pod's OpenAI front, not the engine's internal API.
+        front = next(c for c in engines["spec"]["containers"] if c["name"] == "openai")
+        front_port = {p["name"]: p["containerPort"] for p in front["ports"]}["openai"]
         engine_port = engines["spec"]["containers"][0]["ports"][0]["containerPort"]
-        assert pool["targetPorts"] == [{"number": engine_port}]
+        assert pool["targetPorts"] == [{"number": front_port}] and front_port != engine_port
         ref = pool["endpointPickerRef"]
         assert (ref["kind"], ref["name"], ref["failureMode"]) == ("Service", ROUTER, "FailOpen")
         port = svc_ports[ref["port"]["number"]]
         assert container_ports[port["targetPort"]] == ref["port"]["number"]
         assert port["appProtocol"] == "kubernetes.io/h2c"  # gRPC without TLS
+
+
+def test_each_engine_pod_serves_openai_beside_its_engine(on: Render) -> None:
+    """The OpenAI front: Pagoda's gateway pinned to the engine in its pod, with the engine's
+    model directory, the gateway's API keys and the internal credential; ready when the engine
+    is; draining as long as the engine."""
+    from services.gateway.config import GatewayConfig
+
+    gateway = on.container("demo-pagoda-gateway")
+    gateway_keys = {e["name"]: e for e in gateway["env"]}["PAGODA_API_KEYS"]
+    for model, served in MODELS.items():
+        pod = on.get("Deployment", f"demo-pagoda-engine-{model}")["spec"]["template"]["spec"]
+        engine, front = pod["containers"]
+        assert (engine["name"], front["name"]) == ("engine", "openai")
+        assert front["command"] == ["python", "-m", "services.gateway"]
+        assert front["image"] == gateway["image"]
+        config = GatewayConfig.from_args(front["args"], environ={})
+        assert config.router_url is None
+        assert config.engine_url == f"http://127.0.0.1:{flag(engine, 'port')}"
+        assert config.port == {p["name"]: p["containerPort"] for p in front["ports"]}["openai"]
+        assert [(m.name, m.path) for m in config.models] == [(served, flag(engine, "model"))]
+        mounts = {m["mountPath"]: m["name"] for m in front["volumeMounts"]}
+        assert mounts[flag(engine, "model")] == "model"  # the engine's own volume, read-only
+        assert flag(front, "internal-token-file") == flag(engine, "internal-token-file")
+        assert {e["name"]: e for e in front["env"]}["PAGODA_API_KEYS"] == gateway_keys
+        assert front["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "openai"}
+        assert front["resources"]["limits"]["memory"]
+        assert float(flag(front, "shutdown-grace")) == float(flag(engine, "shutdown-timeout"))
+        assert front["lifecycle"] == engine["lifecycle"]  # the same preStop
+        # Chart-made keys are read at start: a change rolls the engine pods, as the gateway's.
+        template = on.get("Deployment", f"demo-pagoda-engine-{model}")["spec"]["template"]
+        assert template["metadata"]["annotations"]["checksum/api-keys"]
+
+
+def test_the_picker_answers_the_openai_port(on: Render) -> None:
+    from services.router.config import RouterConfig
+
+    config = RouterConfig.from_args(on.container(ROUTER)["args"])
+    for model in MODELS:
+        pool = on.get("InferencePool", f"demo-pagoda-engine-{model}")["spec"]
+        assert pool["targetPorts"] == [{"number": config.ext_proc_target_port}]
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"models": [{"name": "chat", "source": {"type": "builtin"}, "gpus": 0,
+                  "disaggregation": {"prefill": {}, "decode": {}}}]},
+     r"models\[chat\] has disaggregation, which a Gateway API pool cannot serve"),
+    ({"models": [{"name": "big", "gpus": 1,
+                  "multiNode": {"size": 2, "tensorParallel": 2, "pipelineParallel": 1},
+                  "source": {"type": "pvc", "pvc": {"claimName": "weights"}}}]},
+     r"models\[big\] is multiNode, which a Gateway API pool does not serve"),
+    ({"engine": {"port": 8000}}, "gatewayAPI.openai.port"),
+])
+def test_what_a_pool_cannot_serve_is_refused(chart: Any, change: dict[str, Any],
+                                             message: str) -> None:
+    with pytest.raises(Exception, match=message):
+        render(chart, {**GATEWAY_API, **change})
 
 
 def test_routes_attach_to_the_named_gateway(on: Render) -> None:
@@ -123,7 +183,15 @@ def test_network_policy_lets_the_gateways_proxies_reach_the_picker_and_engines(
     container_ports = {p["name"] for p in on.container(ROUTER)["ports"]}
     assert "grpc-ext-proc" in container_ports  # the policy names a port the pod has
     engines = _rules(on.get("NetworkPolicy", "demo-pagoda-engine"))
-    assert (envoy, ["http"]) in engines  # the picked endpoint, the InferencePool's targetPort
+    # The proxies reach the pods' OpenAI front (the pools' targetPort), and only it: the
+    # engine's internal API stays for the gateway and the router.
+    assert (envoy, ["openai"]) in engines
+    assert not any(frm == envoy and "http" in ports for frm, ports in engines)
+    for model in MODELS:
+        pod = on.get("Deployment", f"demo-pagoda-engine-{model}")["spec"]["template"]["spec"]
+        named = {p["name"]: p["containerPort"] for c in pod["containers"] for p in c["ports"]}
+        pool = on.get("InferencePool", f"demo-pagoda-engine-{model}")["spec"]
+        assert pool["targetPorts"] == [{"number": named["openai"]}]
     # Off, the proxies get nothing; on without naming them, the chart refuses.
     off = render(chart, {})
     assert not any("grpc-ext-proc" in ports

@@ -69,12 +69,23 @@ class FakeEngine:
         self.abort_seen = asyncio.Event()
         self.url = ""
         self._runner: web.AppRunner | None = None
+        # What GET /health answers, as the engine's (a pinned gateway reads it): 200 with the
+        # model once loaded, 503 while loading or draining.
+        self.health_status = 200
+        self.model = "smol"
 
     async def start(self) -> str:
         app = web.Application()
         app.router.add_post(GENERATE_PATH, self._generate)
+        app.router.add_get("/health", self._health)
         self._runner, self.url = await serve(app)
         return self.url
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if self.health_status != 200:
+            return web.json_response({"status": "loading"}, status=self.health_status)
+        return web.json_response({"status": "ok", "model": self.model, "block_size": 16,
+                                  "max_model_len": 2048})
 
     async def stop(self) -> None:
         if self._runner is not None:

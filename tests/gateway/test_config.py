@@ -57,6 +57,37 @@ def test_runtime_lora_switch_and_admin_keys_from_the_environment() -> None:
     assert cfg.admin_api_keys == ("ops1", "ops2")
 
 
+def test_engine_url_pins_the_gateway_to_one_engine_and_excludes_what_needs_a_router(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--engine-url (an engine pod's OpenAI front): no router; a flag that needs one (or other
+    engines) is refused at startup with exit 2, the message naming both flags."""
+    cfg = GatewayConfig.from_args(["--engine-url", "http://127.0.0.1:8200/"], environ={})
+    assert (cfg.engine_url, cfg.router_url, cfg.router_urls) == (
+        "http://127.0.0.1:8200", None, ())
+    # Neither flag: the router at its default address, as before the flag.
+    cfg = GatewayConfig.from_args([], environ={})
+    assert (cfg.engine_url, cfg.router_urls) == (None, ("http://127.0.0.1:8100",))
+    pinned = ["--engine-url", "http://127.0.0.1:8200"]
+    for extra, named in ((["--router-url", "http://r:8100"], "--router-url"),
+                         (["--pd-disaggregation"], "--pd-disaggregation"),
+                         (["--flow-control"], "--flow-control"),
+                         (["--allow-runtime-lora-updating"], "--allow-runtime-lora-updating")):
+        with pytest.raises(SystemExit) as exc:
+            GatewayConfig.from_args([*pinned, *extra], environ={})
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "--engine-url excludes " + named in err, err
+    # vLLM's environment switch counts as the flag.
+    with pytest.raises(SystemExit):
+        GatewayConfig.from_args(pinned, environ={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})
+    assert "--engine-url excludes --allow-runtime-lora-updating" in capsys.readouterr().err
+    for bad in ("127.0.0.1:8200", "redis://x:1", "http://e:8200/v1", "http://e:99999"):
+        with pytest.raises(SystemExit):
+            GatewayConfig.from_args(["--engine-url", bad], environ={})
+        assert "--engine-url " in capsys.readouterr().err, bad
+
+
 def test_cli_help() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "services.gateway", "--help"],
@@ -67,6 +98,7 @@ def test_cli_help() -> None:
     ).stdout
     for flag in (
         "--router-url",
+        "--engine-url",
         "--api-key",
         "--model",
         "--max-body-bytes",

@@ -186,6 +186,36 @@ async def test_served_endpoint_is_read_back_and_responses_pass_through(
         assert matched == {A: len(prompt), B: len(prompt)}
 
 
+async def test_target_port_answers_each_pods_openai_front(
+    redis_url: str, publisher: KVIndexPublisher, default_model_path: Path
+) -> None:
+    """--ext-proc-target-port (the chart's pools target the engine pods' OpenAI front): Envoy
+    gets each picked pod's IP with that port, never the engine's internal one, and the subset
+    hint and the served read-back are read in it."""
+    pods = {"p1": "10.1.0.1", "p2": "10.1.0.2"}
+    for name, ip in pods.items():  # engines advertise their internal port, 8200
+        await publisher.publish_heartbeat(heartbeat(name, url=f"http://{ip}:8200"), ttl_s=300)
+    await publisher.apply_events("p2", MODEL, [stored(blocks_for(default_model_path, None))])
+    data = ep.chat_body(TEXT, MODEL)
+    front1, front2 = "10.1.0.1:8000", "10.1.0.2:8000"
+    async with picker(redis_url, default_model_path, ext_proc_target_port=8000) as (client,
+                                                                                     stub):
+        async with ep.stream(stub) as s:
+            await s.send(ep.headers(), ep.body(data, True))
+            answer, _body = await s.read_all(2)  # full duplex: the body follows the pick
+            assert endpoint_of(answer, "request_headers") == f"{front2},{front1}"
+            await s.send(ep.response_headers(served=front1))  # the fallback served
+            assert ep.only([await s.read()]) == ["response_headers"]
+        async with ep.stream(stub) as s:  # p2 holds the prefix, but only p1 is allowed
+            await s.send(ep.headers(subset=[front1]), ep.body(data, True))
+            assert endpoint_of(await s.read(), "request_headers") == front1
+        async with ep.stream(stub) as s:  # the internal port is no endpoint of the pool
+            await s.send(ep.headers(subset=["10.1.0.1:8200"]), ep.body(data, True))
+            assert (await s.read()).immediate_response.status.code == 503
+        metrics = await (await client.get("/metrics")).text()
+        assert 'pagoda_router_ext_proc_served_total{endpoint="fallback"} 1.0' in metrics
+
+
 async def test_body_timeout_and_stream_limit(
     redis_url: str, publisher: KVIndexPublisher, default_model_path: Path
 ) -> None:

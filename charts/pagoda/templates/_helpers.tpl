@@ -497,6 +497,13 @@ into the gateway, router and engine pods; each reads it with --internal-token-fi
         path: {{ .Values.internalAuth.secretKey }}
 {{- end -}}
 
+{{/* The Secret of the gateway's API keys, "" when the API is open: the gateway and each
+engine pod's OpenAI front (gatewayAPI) read it as $PAGODA_API_KEYS. */}}
+{{- define "pagoda.gateway.apiKeySecret" -}}
+{{- $keys := .Values.gateway.apiKeys -}}
+{{- $keys.existingSecret | default (ternary (printf "%s-api-keys" (include "pagoda.gateway.fullname" .)) "" (gt (len $keys.keys) 0)) -}}
+{{- end -}}
+
 {{/* Every NetworkPolicy's extra ingress rules (networkPolicy.extraIngress: a mesh). */}}
 {{- define "pagoda.networkPolicy.extraIngress" -}}
 {{- with .Values.networkPolicy.extraIngress }}
