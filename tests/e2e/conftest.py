@@ -32,7 +32,10 @@ def start_engine(model_dir: Path, redis_url: str, engine_id: str) -> ServiceProc
         "services.engine.serving.server",
         ["--model", str(model_dir), "--engine-id", engine_id, "--redis-url", redis_url,
          "--num-blocks", str(ENGINE_BLOCKS), "--heartbeat-interval-s", "0.5",
-         "--heartbeat-ttl-s", "3"],
+         # Not 3 s: with both engines, the router, the gateway and ten clients on two cores,
+         # an engine's heartbeats once lapsed that long in CI and the model had no live
+         # engine (a 503). A killed engine is still avoided at once: the gateway retries.
+         "--heartbeat-ttl-s", "10"],
         env={"OMP_NUM_THREADS": "1"},  # two engines share two cores
     ).start()
 

@@ -169,7 +169,13 @@ def _lose_worker(stack: PagodaStack, worker: ServiceProcess, sig: signal.Signals
     print(f"\n{sig.name}: the leader left routing after {left_after:.2f}s, exit {code}")
     assert code != 0, leader.log_tail()
     assert any(isinstance(f, engine_api.ErrorFrame) for f in frames), frames[-3:]
-    assert "worker node rank 1" in leader.log_text()
+    log = leader.log_text()
+    # The link watch names the lost worker, unless a collective of the step in flight saw the
+    # closed connection first and took the core down itself (seen once in the full suite on
+    # 2 cores, SIGKILL only): then the server says its core died. A stopped worker closes
+    # nothing, so only the link watch can notice it.
+    assert "worker node rank 1" in log or (
+        sig == signal.SIGKILL and "the engine core died" in log), log[-2000:]
     if sig == signal.SIGSTOP:
         os.kill(worker.proc.pid, signal.SIGCONT)
     assert worker.proc.wait(10) != 0

@@ -24,7 +24,7 @@ PD_CONNECTORS = (PD, PD_STORE)  # the P/D transports: TCP between engines, the s
 CONNECTORS: dict[str, str] = {
     TIERS: "services.engine.kv_offload.tiers:KVTiers",
     PD: "services.engine.kv_connector.pd:PagodaPDConnector",
-    PD_STORE: "services.engine.kv_connector.pd_store:PagodaStorePDConnector",
+    PD_STORE: "services.engine.kv_offload.pd_store:PagodaStorePDConnector",
     MULTI: "",
 }
 

@@ -17,7 +17,7 @@ miss (recomputed), never used.
 
 Loads are one MGET for a run of blocks. Writes go through a bounded queue to a thread of their
 own, pipelined; a full queue drops the write (the block is only not shared). ``put_many`` is the
-other way to write, for P/D through the store (``kv_connector/pd_store.py``): one pipelined
+other way to write, for P/D through the store (``kv_offload/pd_store.py``): one pipelined
 round trip on the caller's thread, which learns whether the store acknowledged every block.
 The writer thread outlives any error of a batch (the batch is dropped and counted), and
 ``close`` returns within ``_CLOSE_WAIT_S`` whatever the writer or the queue are doing.
