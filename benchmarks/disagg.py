@@ -314,6 +314,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="HF model directory (default: SmolLM2)")
     ap.add_argument("--engine-flags", default="",
                     help="extra flags for every engine, e.g. '--max-num-batched-tokens 512'")
+    ap.add_argument("--pd-min-prompt-tokens", type=int, default=0,
+                    help="P/D: shorter prompts skip the prefill engine (selective P/D)")
     ap.add_argument("--transport", choices=("tcp", "store"), default="tcp",
                     help="P/D's KV transfer: engine to engine (tcp) or through a KV store")
     args = ap.parse_args()
@@ -329,7 +331,8 @@ def main() -> None:
     results: dict[str, dict[str, float]] = {}
     setups = {"aggregated": ["--engines", "2"],
               "P/D": ["--prefill-engines", "1", "--decode-engines", "1",
-                      "--pd-transport", args.transport]}
+                      "--pd-transport", args.transport,
+                      "--pd-min-prompt-tokens", str(args.pd_min_prompt_tokens)]}
     tmp = tempfile.mkdtemp(prefix="pagoda-disagg-")  # the stacks' logs stay for a post-mortem
     print(f"logs: {tmp}", flush=True)
     for name, flags in setups.items():

@@ -149,6 +149,9 @@ class ServeConfig:
         "tcp", help="how the prefill engines' KV reaches the decode engines: tcp (engine to "
         "engine) or store (through a KV store serve starts: a second redis-server, 1 GiB, LRU)",
     )
+    pd_min_prompt_tokens: int = flag(
+        0, help="P/D: prompts shorter than this many tokens skip the prefill engines (the "
+        "gateway's --pd-min-prompt-tokens; 0: none does)")
     ext_proc_port: int = flag(
         0, help="the router also serves Envoy's ext_proc (a Gateway API endpoint picker) on "
         "this gRPC port, on loopback (0: off)",
@@ -168,6 +171,8 @@ class ServeConfig:
         if self.prefill_engines < 0 or self.decode_engines < 0 or \
                 (self.prefill_engines > 0) != (self.decode_engines > 0):
             raise ValueError("prefill_engines and decode_engines go together, each >= 1")
+        if self.pd_min_prompt_tokens < 0:
+            raise ValueError(f"pd_min_prompt_tokens must be >= 0, got {self.pd_min_prompt_tokens}")
         if self.pd_transport not in PD_TRANSPORTS:
             raise ValueError(f"pd_transport must be one of {', '.join(PD_TRANSPORTS)}, got "
                              f"{self.pd_transport!r}")
@@ -294,7 +299,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.allow_runtime_lora_updating:
             gw_cmd.append("--allow-runtime-lora-updating")
         if args.pd:
-            gw_cmd.append("--pd-disaggregation")
+            gw_cmd += ["--pd-disaggregation",
+                       "--pd-min-prompt-tokens", str(args.pd_min_prompt_tokens)]
         p = start("gateway", gw_cmd)
         wait_http(f"http://127.0.0.1:{args.port}/health", 120, p)
         logger.info("Pagoda is serving %s at http://127.0.0.1:%d/v1 (Ctrl-C stops)",

@@ -117,6 +117,11 @@ class GatewayConfig(FlowFlags):
         False, help="disaggregated prefill/decode: each choice's prompt runs on a prefill engine "
         "first (max_tokens 1), then on a decode engine that pulls its KV (the router picks each "
         "by the role in the engines' heartbeats); the client sees one completion")
+    pd_min_prompt_tokens: int = flag(
+        0, help="with --pd-disaggregation: prompts shorter than this many tokens skip the "
+        "prefill leg and are computed by the decode engine itself (llm-d's selective P/D: a "
+        "short prompt is cheaper to compute than to queue behind long ones on a prefill "
+        "engine); 0: every prompt takes the prefill leg")
     router_timeout: float = flag(
         5.0, help="seconds per router call (with --engine-url: per call of the engine's /health)")
     engines_refresh: float = flag(
@@ -175,6 +180,8 @@ class GatewayConfig(FlowFlags):
         return tuple(self.router_url.split(",")) if self.router_url else ()
 
     def __post_init__(self) -> None:
+        if self.pd_min_prompt_tokens < 0:
+            raise ValueError(f"pd_min_prompt_tokens must be >= 0, got {self.pd_min_prompt_tokens}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.engine_url is not None:

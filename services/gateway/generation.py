@@ -67,6 +67,7 @@ class Upstreams:
     watch: EngineWatch | None = None  # fails over waits on engines that stopped answering
     engine_wait: EngineWait | None = None  # holds requests while their model has no engine
     pd: bool = False  # disaggregated prefill/decode: a prefill leg before each choice
+    pd_min_prompt_tokens: int = 0  # ... for prompts this long; shorter ones decode directly
 
 
 class GenerationFailed(Exception):
@@ -228,7 +229,9 @@ class Generation:
         attempts = up.max_retries + 1
         kv_params, role = self._kv_params, None
         if up.pd and kv_params is None:  # the client drives no legs itself: the gateway does
-            kv_params, role = await self._prefill(job), "decode"
+            role = "decode"  # a short prompt: computed by the decode engine, no prefill leg
+            if len(job.prompt_ids) >= up.pd_min_prompt_tokens:
+                kv_params = await self._prefill(job)
         layout = kv_params.get("kv_layout") if role == "decode" and kv_params else None
         for attempt in range(attempts):
             route = await self._route(job, exclude, role, layout)

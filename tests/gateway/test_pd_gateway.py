@@ -2,7 +2,8 @@
 decode engine pulls its KV and generates, and the client (the openai package, streamed and
 not) sees one completion, the same as one engine computing it all. With the prefill engine
 dead the answer is the same (the decode engine recomputes); with the decode engine killed
-mid-stream the stream ends with an error (an engine crash, as today)."""
+mid-stream the stream ends with an error (an engine crash, as today). A prompt shorter than
+--pd-min-prompt-tokens skips the prefill leg (selective P/D)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import requests
 from tests.support.stack import PagodaStack
 
 BS = 16
+SHORT = 2 * BS + 8  # --pd-min-prompt-tokens: prompts shorter than this skip the prefill leg
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +31,7 @@ def pagoda(fast_model_dir: Path) -> Iterator[PagodaStack]:
 
     with PagodaStack(fast_model_dir, engines=2, routers=1, policy="round-robin",
                      engine_args=[role("kv_producer"), role("kv_consumer")],
-                     gateway_args=["--pd-disaggregation"],
+                     gateway_args=["--pd-disaggregation", "--pd-min-prompt-tokens", str(SHORT)],
                      env={"PAGODA_INTERNAL_TOKENS": "pd-gateway-test-token-0123456789"}
                      ) as stack:
         yield stack
@@ -59,6 +61,25 @@ def test_the_gateway_drives_prefill_then_decode(pagoda: PagodaStack) -> None:
               if line.startswith("data: {")]
     text = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
     assert text == alone["choices"][0]["text"]
+
+
+def test_a_short_prompt_skips_the_prefill_engine(pagoda: PagodaStack) -> None:
+    from tests.support.stack import scrape
+
+    def prefilled() -> float:  # the prefill engine's finished requests
+        return scrape(pagoda.engines[0].url).get("vllm:request_success_total", 0.0)
+
+    before = prefilled()
+    prompt = [19 + (i * 37) % 700 for i in range(SHORT - 1)]
+    short = _complete(pagoda, prompt=prompt)
+    assert prefilled() == before  # no prefill leg
+    assert short["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # nothing pulled
+    alone = _complete(pagoda, prompt=prompt, kv_transfer_params={})  # on either engine
+    assert short["choices"][0]["text"] == alone["choices"][0]["text"]
+    before = prefilled()
+    long = _complete(pagoda, prompt=[*prompt, 5])  # SHORT tokens: the prefill leg again
+    assert prefilled() == before + 1
+    assert long["usage"]["prompt_tokens_details"]["cached_tokens"] == 2 * BS
 
 
 def _client(pagoda: PagodaStack) -> openai.OpenAI:
