@@ -46,9 +46,10 @@ def engines(fast_model_dir: Path) -> Iterator[tuple[LLMEngine, LLMEngine]]:
 
 
 def _run(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams,
-         kv: dict | None = None, salt: str | None = None) -> tuple[list[int], Any, list[int]]:
+         kv: dict | None = None, salt: str | None = None,
+         lora: str | None = None) -> tuple[list[int], Any, list[int]]:
     """(output tokens, the finished request, tokens computed per step)."""
-    req = engine.add_request(rid, prompt, params, salt, kv_transfer_params=kv)
+    req = engine.add_request(rid, prompt, params, salt, lora_request=lora, kv_transfer_params=kv)
     tokens, steps = [], []
     deadline = time.monotonic() + 30
     while engine.has_unfinished_requests():

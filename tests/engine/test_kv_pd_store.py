@@ -19,6 +19,7 @@ from services.engine import LLM, SamplingParams
 from services.engine.engine import LLMEngine
 from services.engine.kv_connector.config import KVTransferConfig
 from services.engine.kv_offload.secret import SECRET_ENV
+from tests.engine.test_kv_pd import _prompt, _run
 from tests.support.redis_server import RedisServer
 
 BS = 16
@@ -53,24 +54,6 @@ def engines(fast_model_dir: Path, store: RedisServer) -> Iterator[tuple[LLMEngin
         yield prefill.engine, decode.engine
         prefill.shutdown()
         decode.shutdown()
-
-
-def _run(engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams,
-         kv: dict | None = None, salt: str | None = None,
-         lora: str | None = None) -> tuple[list[int], Any, list[int]]:
-    """(output tokens, the finished request, tokens computed per step)."""
-    req = engine.add_request(rid, prompt, params, salt, lora_request=lora, kv_transfer_params=kv)
-    tokens, steps = [], []
-    deadline = time.monotonic() + 30
-    while engine.has_unfinished_requests():
-        assert time.monotonic() < deadline
-        tokens += [t for u in engine.step() for t in u.new_token_ids]
-        steps.append(engine.last_step_tokens)
-    return tokens, req, [n for n in steps if n]
-
-
-def _prompt(base: int, n: int) -> list[int]:
-    return [base + (i * 13) % 900 for i in range(n)]
 
 
 def _prefill(prefill: LLMEngine, rid: str, prompt: list[int], salt: str | None = None,

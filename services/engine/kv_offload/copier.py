@@ -24,7 +24,7 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -95,6 +95,17 @@ class KVCopier:
 
     def submit(self, job: SaveJob | LoadJob) -> None:
         self._jobs.put(job)
+
+    def finished(self, timeout: float = 0.0) -> Iterator[SaveDone | LoadDone]:
+        """The jobs done since the last call, in order; with ``timeout``, waits that long for
+        the first (the engine thread's only wait on the copy thread)."""
+        while True:
+            try:
+                item = self.done.get(timeout=timeout) if timeout else self.done.get_nowait()
+            except queue.Empty:
+                return
+            timeout = 0.0
+            yield item
 
     def close(self) -> None:
         """Returns once the copy thread has ended (see the module docstring): never while a

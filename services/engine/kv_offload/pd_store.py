@@ -47,7 +47,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import queue
 import secrets
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -305,15 +304,10 @@ class PagodaStorePDConnector:
         out = FinishedTransfers()
         if self.copier is None:
             return out
-        while True:
-            try:
-                item = self.copier.done.get(timeout=timeout) if timeout else (
-                    self.copier.done.get_nowait())
-            except queue.Empty:
-                return out
-            timeout = 0.0
+        for item in self.copier.finished(timeout):
             assert isinstance(item, LoadDone)  # this copier is given loads only
             out.recving[item.job.request_id] = self._loaded(item)
+        return out
 
     def _loaded(self, item: LoadDone) -> int:
         rid = item.job.request_id

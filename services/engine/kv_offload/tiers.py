@@ -10,7 +10,6 @@ Only the engine thread calls it; the copy thread reports through ``copier.done``
 from __future__ import annotations
 
 import logging
-import queue
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -232,17 +231,12 @@ class KVTiers:
         tokens it loaded (an aborted request's too: its blocks may be freed now). With
         ``timeout``, waits that long for the first."""
         done = FinishedTransfers()
-        while True:
-            try:
-                item = self.copier.done.get(timeout=timeout) if timeout else (
-                    self.copier.done.get_nowait())
-            except queue.Empty:
-                return done
-            timeout = 0.0
+        for item in self.copier.finished(timeout):
             if isinstance(item, SaveDone):
                 self._saved(item)
             else:
                 done.recving[item.job.request_id] = self._loaded(item)
+        return done
 
     poll = get_finished  # the name the tiers' own tests use
 
