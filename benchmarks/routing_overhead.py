@@ -41,7 +41,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,6 +188,27 @@ async def timed(n: int, call: Callable[[int], Awaitable[None]], warmup: int = 20
     return out
 
 
+async def timed_pair(n: int, a: Callable[[int], Awaitable[Callable[[], None] | None]],
+                     b: Callable[[int], Awaitable[Callable[[], None] | None]], warmup: int = 20
+                     ) -> tuple[list[float], list[float]]:
+    """``timed`` for two calls taking turns (a then b on each request index). A call may
+    return a function that ends what it started, run outside the time."""
+    for i in range(warmup):
+        for call in (a, b):
+            if (end := await call(-1 - i)) is not None:
+                end()
+    out_a, out_b = [], []
+    for i in range(n):
+        for call, out in ((a, out_a), (b, out_b)):
+            start = time.perf_counter()
+            end = await call(i)
+            out.append((time.perf_counter() - start) * 1000)
+            if end is not None:
+                end()
+            await asyncio.sleep(0.002)  # the last call's loose ends settle before the next
+    return out_a, out_b
+
+
 def prompts(count: int, seed: int = 0) -> list[list[int]]:
     """Token-id prompts: 8 shared 192-token prefixes + a unique tail (some prefix reuse)."""
     rng = random.Random(seed)
@@ -288,8 +309,10 @@ async def _measure(args, http, engine_url, router_url, gateway_url, RouteRequest
             await asyncio.sleep(0.5)
 
     results["direct"] = await timed(n, direct)
-    results["router /route"] = await timed(n, route)
-    results["ext_proc pick"] = await _picks(n, ps, x_port)
+    # Interleaved, one of each in turn: the comparison the picker's goal names (its p99 no
+    # more than /route's) must not hinge on which ran while the machine was busier.
+    async with _picker(ps, x_port) as pick:
+        results["router /route"], results["ext_proc pick"] = await timed_pair(n, route, pick)
     results["gateway"] = await timed(n, gateway)
     results["gateway stream"] = await timed(n, lambda i: gateway(i, stream=True))
     results["gateway text"] = await timed(n, lambda i: gateway(i, text=True))
@@ -312,23 +335,27 @@ async def _measure(args, http, engine_url, router_url, gateway_url, RouteRequest
     return results
 
 
-async def _picks(n: int, ps: list[list[int]], port: int) -> list[float]:
-    """The picker's latency per request: a stream's headers and body in, the pick out."""
+@contextlib.asynccontextmanager
+async def _picker(ps: list[list[int]], port: int
+                  ) -> AsyncIterator[Callable[[int], Awaitable[Callable[[], None]]]]:
+    """One pick as Envoy asks it: a stream's headers and body in, until the pick comes out."""
     import json
 
     from tests.router import ext_proc_client as ep
 
     async with ep.ext_proc_stub(port) as stub:
 
-        async def pick(i: int) -> None:
+        async def pick(i: int) -> Callable[[], None]:
             body = json.dumps({"model": MODEL, "prompt": ps[i], "max_tokens": 1}).encode()
-            async with ep.stream(stub) as s:
-                await s.send(ep.headers("/v1/completions"), ep.body(body, True))
-                answer = await s.read()
-                if answer.WhichOneof("response") != "request_headers":
-                    raise RuntimeError(f"the picker answered {answer}")
+            call = stub.Process()
+            await call.write(ep.headers("/v1/completions"))
+            await call.write(ep.body(body, True))
+            answer = await call.read()
+            if answer.WhichOneof("response") != "request_headers":
+                raise RuntimeError(f"the picker answered {answer}")
+            return call.cancel  # Envoy now sends the request on: the stream's end is untimed
 
-        return await timed(n, pick)
+        yield pick
 
 
 def _params():

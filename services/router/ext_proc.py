@@ -113,6 +113,8 @@ class Picked:
     endpoints: list[str]
     engine_ids: dict[str, str]  # endpoint -> engine id, for the served read-back
     route: RouteRequest
+    # The choice's write-back to Redis, run once Envoy has its answer (Router.pick)
+    settle: Callable[[], Awaitable[None]] | None = None
 
 
 class Picker:
@@ -164,15 +166,16 @@ class Picker:
     async def _pick(self, req: RouteRequest, subset: frozenset[str] | None) -> Picked:
         admit = None if subset is None else _admit(subset, self.endpoint)
         try:
-            pick = await self.router.pick(req, admit)
+            pick = await self.router.pick(req, admit, settle_later=True)
         except NoEngineError as exc:
             where = "" if subset is None else " in the subset hint"
             raise Refusal(503, f"{exc.message}{where}", "no_engine") from None
         ranked = pick.ranked[: self.limits.endpoints]
-        if self._shed(pick.ranked):
+        if self._shed(pick.ranked):  # not sent anywhere: nothing to write back
             raise Refusal(429, "every engine of the model is saturated", "overloaded")
         endpoints = [self.endpoint(c.url) for c in ranked]
-        return Picked(endpoints, {self.endpoint(c.url): c.engine_id for c in ranked}, req)
+        return Picked(endpoints, {self.endpoint(c.url): c.engine_id for c in ranked}, req,
+                      pick.settle)
 
     def _shed(self, candidates: list[Candidate]) -> bool:
         limit = self.limits.shed_waiting
@@ -219,6 +222,7 @@ class _Stream:
     size: int = 0
     held: int = 0  # bytes taken from the budget
     picked: Picked | None = None
+    settled: bool = False  # the pick's write-back ran
     done: bool = False  # an immediate response ended the request
 
     @property
@@ -365,3 +369,7 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
                 return
             for answer in await stream.on(msg):
                 await context.write(answer)
+            if stream.picked is not None and stream.picked.settle is not None \
+                    and not stream.settled:
+                stream.settled = True  # Envoy has the pick: now the write-back
+                await stream.picked.settle()

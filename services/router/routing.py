@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -55,10 +55,13 @@ class RouteObserver(Protocol):
 @dataclass(frozen=True, slots=True)
 class Pick:
     """A decision with the runners-up, for callers that take an ordered fallback list (the
-    endpoint picker): ``ranked[0]`` is the policy's choice, the rest by prefix then load."""
+    endpoint picker): ``ranked[0]`` is the policy's choice, the rest by prefix then load.
+    ``settle``: the choice's write-back, when the caller asked to run it after answering
+    (None: already written)."""
 
     response: RouteResponse
     ranked: list[Candidate]
+    settle: Callable[[], Awaitable[None]] | None = None
 
 
 Admit = Callable[[Candidate], bool]
@@ -122,15 +125,20 @@ class Router:
         """One decision, in a ``router.decision`` span. Raises NoEngineError."""
         return (await self.pick(req)).response
 
-    async def pick(self, req: RouteRequest, admit: Admit | None = None) -> Pick:
+    async def pick(self, req: RouteRequest, admit: Admit | None = None, *,
+                   settle_later: bool = False) -> Pick:
         """``route``, among the engines ``admit`` accepts (all when None), with the runners-up.
-        Raises NoEngineError (503 when ``admit`` leaves none)."""
+        Raises NoEngineError (503 when ``admit`` leaves none). ``settle_later``: the choice's
+        write-back (the provisional blocks, one more pending, the observers) is left to the
+        caller as ``Pick.settle``, to run once it has answered: the endpoint picker's answer
+        does not wait for a Redis round trip that only later requests read."""
         if not self._traced:
-            return await self._route(req, trace.INVALID_SPAN, admit)
+            return await self._route(req, trace.INVALID_SPAN, admit, settle_later)
         with self.tracer.start_as_current_span("router.decision") as span:
-            return await self._route(req, span, admit)
+            return await self._route(req, span, admit, settle_later)
 
-    async def _route(self, req: RouteRequest, span: trace.Span, admit: Admit | None) -> Pick:
+    async def _route(self, req: RouteRequest, span: trace.Span, admit: Admit | None,
+                     settle_later: bool = False) -> Pick:
         start = time.perf_counter()
         snapshot = await self.index.lookup(req.model, req.block_hashes)
         lookup_s = time.perf_counter() - start
@@ -157,9 +165,15 @@ class Router:
         )
         decision = await self.policy.choose(candidates, ctx)
         chosen = decision.candidate
-        await self.index.record_choice(req.model, chosen.engine_id, req.block_hashes, snapshot)
-        for observer in self.observers:
-            await observer.observe(req, chosen)
+
+        async def settle() -> None:
+            await self.index.record_choice(req.model, chosen.engine_id, req.block_hashes,
+                                           snapshot)
+            for observer in self.observers:
+                await observer.observe(req, chosen)
+
+        if not settle_later:
+            await settle()
 
         reason = ("degraded" if snapshot.degraded else decision.reason if paired
                   else "unpaired")
@@ -181,7 +195,7 @@ class Router:
                                  policy, kv_peer)
         rest = sorted((c for c in candidates if c is not chosen),
                       key=lambda c: (-c.matched_blocks, c.load, c.engine_id))
-        return Pick(response, [chosen, *rest])
+        return Pick(response, [chosen, *rest], settle if settle_later else None)
 
     def _narrow(self, req: RouteRequest, eligible: list[Candidate], snapshot: IndexSnapshot
                 ) -> tuple[list[Candidate], bool, PeerTier | None]:

@@ -155,10 +155,14 @@ async def test_sheds_with_429_when_every_engine_is_saturated(
     redis_url: str, publisher: KVIndexPublisher, default_model_path: Path
 ) -> None:
     await register(publisher, waiting=5)
-    async with picker(redis_url, default_model_path, ext_proc_shed_waiting=4) as (_, stub), \
-            ep.stream(stub) as s:
-        await s.send(ep.headers(), ep.body(ep.chat_body(TEXT, MODEL), True))
-        assert (await s.read()).immediate_response.status.code == 429
+    async with picker(redis_url, default_model_path, ext_proc_shed_waiting=4) as (client, stub):
+        async with ep.stream(stub) as s:
+            await s.send(ep.headers(), ep.body(ep.chat_body(TEXT, MODEL), True))
+            assert (await s.read()).immediate_response.status.code == 429
+        # A shed request went nowhere: no engine holds its blocks or counts it pending.
+        prompt = blocks_for(default_model_path, None)
+        snapshot = await client.server.app[ROUTER_KEY].index.lookup(MODEL, prompt)
+        assert [(v.matched_blocks, v.pending) for v in snapshot.engines] == [(0, 0), (0, 0)]
 
 
 async def test_served_endpoint_is_read_back_and_responses_pass_through(
