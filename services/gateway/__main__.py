@@ -14,6 +14,7 @@ from services.common.internal_auth import MissingCredential
 from services.common.logs import setup_logging
 from services.gateway.config import GatewayConfig, ModelSpec
 from services.gateway.server import create_app
+from services.text.torch_free import hide_torch
 
 logger = logging.getLogger("services.gateway")
 
@@ -28,6 +29,7 @@ def _with_default_model(config: GatewayConfig) -> GatewayConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    hide_torch()  # tokenizers only: a faster start, a smaller process
     config = GatewayConfig.from_args(argv)
     setup_logging(config.log_level, "gateway")
     try:
