@@ -44,7 +44,7 @@ lint: install
 	$(PY) -m ruff check .
 
 test: install
-	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
 
 # On a CUDA machine, with its own torch and Triton (not the CPU venv): the GPU-only tests and the
 # kernels' tests compiled (no TRITON_INTERPRET), then the GPU benchmark. E.g. `make test-gpu PY=python3`.
