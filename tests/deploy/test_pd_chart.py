@@ -174,3 +174,49 @@ def test_bad_disaggregation_values_are_refused(chart: Any) -> None:
     with pytest.raises(helm.HelmError, match="disaggregation and multiNode"):
         render(chart, {"models": [{**model, "gpus": 1, "multiNode": {"size": 2},
                                    "disaggregation": {"prefill": {}, "decode": {}}}]})
+
+
+def _store_values() -> dict[str, Any]:
+    values = copy.deepcopy(DISAGGREGATED)
+    values["models"][0]["disaggregation"]["transport"] = "store"
+    values["kvStore"] = {"enabled": True}
+    values["gateway"] = {"pdMinPromptTokens": 256}
+    return values
+
+
+def test_the_store_transport_uses_the_kv_store_and_opens_no_transfer_port(
+        chart: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.engine.kv_connector.config import checked_extra
+    from services.engine.kv_offload import pd_store
+    from services.engine.serving.server_config import configs_from_args
+    from services.gateway.config import GatewayConfig
+
+    r = render(chart, _store_values())
+    for deployment, role in ((PREFILL, "kv_producer"), (DECODE, "kv_consumer")):
+        cfg = _transfer_config(r, deployment)
+        assert (cfg["kv_connector"], cfg["kv_role"]) == ("PagodaStorePDConnector", role)
+        assert cfg["kv_connector_extra_config"] == {"engine_id": ENV["POD_NAME"]}
+        checked_extra(cfg["kv_connector_extra_config"], pd_store._EXTRA, pd_store.NAME)
+        c = r.container(deployment)
+        assert flag(c, "kv-store-secret-file")  # the store's MAC key is mounted
+        monkeypatch.setenv("PAGODA_KV_STORE_SECRET", "k" * 32)  # (the mounted file's stand-in)
+        config, _ = configs_from_args([f"--kv-transfer-config={json.dumps(cfg)}",
+                                       f"--kv-store-url={flag(c, 'kv-store-url')}"])
+        assert config.kv_store_url  # the connector's store: the engine's --kv-store-url
+        assert "kv-transfer" not in {p["name"] for p in c["ports"]}
+    policy = r.get("NetworkPolicy", f"{FULL}-engine")["spec"]
+    assert "kv-transfer" not in json.dumps(policy)
+    gateway = r.container(f"{FULL}-gateway")
+    assert "--pd-disaggregation" in gateway["args"]
+    parsed = GatewayConfig.from_args([a for a in gateway["args"] if a.startswith("--pd-")])
+    assert parsed.pd_min_prompt_tokens == 256
+
+
+def test_the_store_transport_needs_the_kv_store(chart: Any) -> None:
+    values = _store_values()
+    values["kvStore"] = {"enabled": False}
+    with pytest.raises(helm.HelmError, match="kvStore.enabled"):
+        render(chart, values)
+    values["models"][0]["disaggregation"]["transport"] = "udp"
+    with pytest.raises(helm.HelmError, match="transport"):
+        render(chart, values)

@@ -109,18 +109,34 @@ Disaggregated prefill/decode (a model's `disaggregation`)
 {{- int (.disaggregation | default dict).transferPort | default 7100 -}}
 {{- end -}}
 
+{{/* A disaggregated model's KV transport: tcp (the default) or store. */}}
+{{- define "pagoda.pd.transport" -}}
+{{- (.disaggregation | default dict).transport | default "tcp" -}}
+{{- end -}}
+
+{{/* Non-empty when some disaggregated model moves its KV over TCP (the transfer port). */}}
+{{- define "pagoda.pd.tcp" -}}
+{{- range .Values.models }}{{ if and .disaggregation (eq (include "pagoda.pd.transport" .) "tcp") }}true{{ end }}{{ end -}}
+{{- end -}}
+
 {{/* An engine's --kv-transfer-config (empty: none): the model's kvTransferConfig and, for a
-P/D role, PagodaPDConnector (kv_producer on prefill engines, whose transfer server listens on
-the pod IP; kv_consumer on decode engines), both under a MultiConnector, P/D first (a decode
-engine takes the prompt from the prefill engine before its own tiers). */}}
+P/D role, its P/D connector (kv_producer on prefill engines, kv_consumer on decode engines):
+over tcp PagodaPDConnector (the prefill engine's transfer server listens on the pod IP), over
+the store PagodaStorePDConnector (the KV store's URL is the engine's --kv-store-url); both
+under a MultiConnector, P/D first (a decode engine takes the prompt from the prefill engine
+before its own tiers). */}}
 {{- define "pagoda.engine.kvTransferConfig" -}}
 {{- $own := .model.kvTransferConfig -}}
 {{- if .role -}}
 {{- $extra := dict "engine_id" "$(POD_NAME)" -}}
+{{- $connector := "PagodaStorePDConnector" -}}
+{{- if eq .transport "tcp" -}}
+{{- $connector = "PagodaPDConnector" -}}
 {{- if eq .role "prefill" -}}
 {{- $extra = merge $extra (dict "host" "0.0.0.0" "advertise_host" "$(POD_IP)" "port" (int .port)) -}}
 {{- end -}}
-{{- $pd := dict "kv_connector" "PagodaPDConnector" "kv_role" (eq .role "prefill" | ternary "kv_producer" "kv_consumer") "kv_connector_extra_config" $extra -}}
+{{- end -}}
+{{- $pd := dict "kv_connector" $connector "kv_role" (eq .role "prefill" | ternary "kv_producer" "kv_consumer") "kv_connector_extra_config" $extra -}}
 {{- if $own -}}
 {{- toJson (dict "kv_connector" "MultiConnector" "kv_role" "kv_both" "kv_connector_extra_config" (dict "connectors" (list $pd $own))) -}}
 {{- else -}}
