@@ -19,6 +19,7 @@ from services.engine import LLM, SamplingParams
 from services.engine.engine import LLMEngine
 from services.engine.kv_connector.config import KVTransferConfig
 from services.engine.kv_offload.secret import SECRET_ENV
+from services.protocol.kv_events import KVEventKind, Medium
 from tests.engine.test_kv_pd import _prompt, _run
 from tests.support.redis_server import RedisServer
 
@@ -322,3 +323,30 @@ def test_the_connector_refuses_a_bad_configuration(fast_model_dir: Path, store: 
         KVTransferConfig.parse({"kv_connector": "MultiConnector", "kv_connector_extra_config": {
             "connectors": [{"kv_connector": "PagodaPDConnector"},
                            {"kv_connector": "PagodaStorePDConnector"}]}})
+
+
+def test_the_blocks_a_leg_put_in_the_store_are_announced_as_shared(
+        engines: tuple[LLMEngine, LLMEngine], store: RedisServer) -> None:
+    """KV events (the engine's --kv-events-config and the Redis channel): the leading blocks
+    the store acknowledged, as the tiers announce their writes, so routers count them
+    reachable from every engine of the store; none when the store took nothing."""
+    prefill, decode = engines
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(SECRET_ENV, SECRET)
+        announcing = LLMEngine(prefill.config, kv_events=True)
+    try:
+        prompt = _prompt(71, 4 * BS + 2)
+        _, req, _ = _run(announcing, "announced", prompt, PREFILL, {"do_remote_decode": True})
+        assert req.kv_transfer_params["remote_num_blocks"] == 4
+        shared = [e for e in announcing.take_kv_events() if e.medium == Medium.SHARED]
+        assert [(e.kind, e.block_hashes, e.block_size) for e in shared] == [
+            (KVEventKind.STORED, tuple(req.block_hashes[:4]), BS)]
+        # The store down: the leg names no transfer and announces nothing.
+        announcing.kv_connector.remote.close()
+        _, req, _ = _run(announcing, "unannounced", _prompt(72, 4 * BS + 2), PREFILL,
+                         {"do_remote_decode": True})
+        assert req.kv_transfer_params == NO_TRANSFER
+        assert not [e for e in announcing.take_kv_events() if e.medium == Medium.SHARED]
+    finally:
+        announcing.close()
+    assert not [e for e in prefill.take_kv_events()]  # events off: nothing recorded

@@ -61,6 +61,7 @@ from services.engine.kv_connector.transfer_stats import TransferStats
 from services.engine.kv_offload.copier import KVCopier, LoadDone, LoadJob, block_payloads
 from services.engine.kv_offload.remote_store import RemoteKVStore, StoreLayout, open_store
 from services.protocol.block_hash import BlockHash
+from services.protocol.kv_events import KVEvent, KVEventKind, Medium
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +158,11 @@ class PagodaStorePDConnector:
         self._tried: set[str] = set()  # loaded once (a preempted request recomputes)
         self._planned: list[LoadJob] = []
         self._loading: dict[str, _Loading] = {}
+        # What the legs put in the store, announced as the tiers announce their writes (medium
+        # SHARED): the routers then count those blocks reachable from every engine of the
+        # store, and a later request with the prompt's prefix can load it from there.
+        self.record_events = ctx.record_events
+        self._events: list[KVEvent] = []
 
     # -- scheduler side --------------------------------------------------------------------
 
@@ -283,6 +289,10 @@ class PagodaStorePDConnector:
             self.stats.failed(reason)
         if stored:
             self.stats.done("sent", stored * self.block_bytes, seconds)
+            if self.record_events:
+                hashes = tuple(production.request.block_hashes[:stored])
+                self._events.append(KVEvent(KVEventKind.STORED, hashes, self.block_size,
+                                            medium=Medium.SHARED))
         logger.debug("request_id=%s: %d blocks written to the store in %.3f s", rid, stored,
                      seconds)
         return stored
@@ -325,10 +335,13 @@ class PagodaStorePDConnector:
 
     # -- observability and lifetime ----------------------------------------------------------
 
-    def take_events(self) -> list:
-        return []
+    def take_events(self) -> list[KVEvent]:
+        events, self._events = self._events, []
+        return events
 
-    def snapshot_events(self) -> list:
+    def snapshot_events(self) -> list[KVEvent]:
+        # The store's contents are not listed (it is shared, and entries expire on its LRU):
+        # a snapshot has only the pool's blocks; announced writes stay until they expire.
         return []
 
     def close(self) -> None:
