@@ -107,9 +107,10 @@ class EngineConfig:
     # A node group: ranks in several pods, each started on its own (``parallel.node_group``);
     # in a LeaderWorkerSet these come from its environment (LWS_GROUP_SIZE, ...).
     nnodes: int = flag(
-        1, help="pods (nodes) the engine's ranks span, one rank each for now: "
-        "pipeline_parallel_size x tensor_parallel_size must equal it (default: "
-        "$LWS_GROUP_SIZE, else 1)")
+        1, help="pods (nodes) the engine's ranks span: one rank each "
+        "(pipeline_parallel_size x tensor_parallel_size equal to it), or one pipeline stage "
+        "of tensor_parallel_size ranks each (pipeline_parallel_size equal to it) "
+        "(default: $LWS_GROUP_SIZE, else 1)")
     node_rank: int = flag(
         0, help="this pod's place in its node group: 0 is the leader (serves HTTP, joins the "
         "router), others are workers that join it (default: $LWS_WORKER_INDEX, else 0)")
@@ -236,10 +237,21 @@ class EngineConfig:
                              f"got {self.node_rank!r}")
         if not 0 < self.master_port < 65536:
             raise ValueError(f"master_port must be in 1..65535, got {self.master_port!r}")
-        if self.nnodes > 1 and self.world_size != self.nnodes:
-            raise ValueError(f"pipeline_parallel_size x tensor_parallel_size "
-                             f"({self.pipeline_parallel_size} x {self.tensor_parallel_size}) "
-                             f"must equal nnodes ({self.nnodes}): one rank per pod for now")
+        if self.nnodes > 1:
+            self._check_node_layout()
+
+    def _check_node_layout(self) -> None:
+        """A node group holds one rank per pod, or one pipeline stage of T ranks per pod (the
+        pod's ranks then are one tensor-parallel group: ``parallel.node_group``); anything else
+        (a stage split over pods, several stages in a pod) is refused, naming the flags."""
+        pp, tp, n = self.pipeline_parallel_size, self.tensor_parallel_size, self.nnodes
+        if pp * tp == n or pp == n:
+            return
+        raise ValueError(
+            f"--pipeline-parallel-size {pp} x --tensor-parallel-size {tp} ranks do not fit "
+            f"--nnodes {n} pods: a node group holds one rank per pod (pipeline x tensor "
+            f"parallel = nnodes) or one pipeline stage of tensor_parallel_size ranks per pod "
+            f"(pipeline parallel = nnodes)")
 
     def _check_pipeline(self) -> None:
         """What pipeline stages cannot serve yet: refused at start, naming the flag."""
@@ -262,7 +274,8 @@ class EngineConfig:
 
     @property
     def ranks_per_node(self) -> int:
-        """The ranks in this pod (they share its cores)."""
+        """The ranks in each pod (they share its cores): 1, or tensor_parallel_size when each
+        pod is a pipeline stage."""
         return self.world_size // self.nnodes
 
     def _check_lora(self) -> None:

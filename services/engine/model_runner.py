@@ -93,7 +93,8 @@ def node_group(config: EngineConfig) -> NodeGroup | None:
     """The engine's node group when its ranks span pods; None in one pod."""
     if config.nnodes == 1:
         return None
-    return NodeGroup(config.nnodes, config.node_rank, config.master_addr, config.master_port)
+    return NodeGroup(config.nnodes, config.node_rank, config.master_addr, config.master_port,
+                     config.ranks_per_node)
 
 
 def group_identity(config: EngineConfig, model_path: str) -> dict[str, str]:

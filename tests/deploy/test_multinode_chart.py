@@ -103,13 +103,35 @@ def test_pipeline_stages_across_pods(chart) -> None:
         2, 2, 3)
 
 
-@pytest.mark.parametrize(("group", "message"), [
-    ({"size": 2, "tensorParallel": 4}, r"must equal size \(2\): one model rank per pod"),
-    ({"size": 4, "pipelineParallel": 2, "tensorParallel": 3}, r"\(2 x 3\) must equal size"),
-    ({"size": 2, "pipelineParallel": 2}, "runs on the CPU only"),  # the model has gpus: 1
+def test_a_pipeline_stage_of_several_ranks_per_pod(chart, lws_schema) -> None:
+    """pipelineParallel 2 x tensorParallel 2 over 2 CPU pods: a stage of 2 ranks in each pod
+    (the engine reads 4 ranks, 2 per pod, from each pod's flags and LWS environment)."""
+    group = {"size": 2, "pipelineParallel": 2, "tensorParallel": 2}
+    values = {**VALUES, "models": [{**VALUES["models"][1], "gpus": 0, "multiNode": group}]}
+    lws = render(chart, values).get("LeaderWorkerSet", NAME)
+    jsonschema.Draft7Validator(lws_schema).validate(lws)
+    template = lws["spec"]["leaderWorkerTemplate"]
+    assert template["size"] == 2
+    env = {"LWS_LEADER_ADDRESS": "big-0.big.llm", "LWS_GROUP_SIZE": "2"}
+    for pod, index in (("leaderTemplate", 0), ("workerTemplate", 1)):
+        container = _container(template[pod])
+        assert "nvidia.com/gpu" not in container["resources"].get("limits", {})
+        args = [a.replace("$(POD_NAME)", "p").replace("$(POD_IP)", "10.0.0.1")
+                for a in container["args"]]
+        engine, _ = configs_from_args(args, env={**env, "LWS_WORKER_INDEX": str(index)})
+        assert (engine.world_size, engine.ranks_per_node, engine.node_rank) == (4, 2, index)
+
+
+@pytest.mark.parametrize(("group", "gpus", "message"), [
+    ({"size": 2, "tensorParallel": 4}, 1, r"\(1 x 4\) ranks do not fit size \(2\) pods"),
+    ({"size": 4, "pipelineParallel": 2, "tensorParallel": 3}, 0,
+     r"\(2 x 3\) ranks do not fit size \(4\)"),
+    ({"size": 2, "pipelineParallel": 2}, 1, "runs on the CPU only"),
+    ({"size": 2, "pipelineParallel": 2, "tensorParallel": 2}, 2, "runs on the CPU only"),
+    ({"size": 2, "tensorParallel": 2}, 2, "gpus must be 0 or 1 with this multiNode"),
 ])
-def test_what_a_group_cannot_do_yet_is_refused(chart, group, message) -> None:
-    values = {**VALUES, "models": [{**VALUES["models"][1], "multiNode": group}]}
+def test_what_a_group_cannot_do_yet_is_refused(chart, group, gpus, message) -> None:
+    values = {**VALUES, "models": [{**VALUES["models"][1], "gpus": gpus, "multiNode": group}]}
     with pytest.raises(Exception, match=message):
         render(chart, values)
 

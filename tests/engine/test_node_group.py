@@ -1,11 +1,14 @@
 """Ranks in separate pods (a node group, as a LeaderWorkerSet starts them): a leader and a worker
-node started as separate processes on loopback from the LWS environment alone, the two ranks
-being two tensor-parallel shards or two pipeline stages (the worker stage 0, the leader the last).
+node started as separate processes on loopback from the LWS environment alone, the two pods
+holding two tensor-parallel shards or two pipeline stages (the worker stage 0, the leader the
+last), or two stages of two tensor-parallel ranks each (each pod's process starting its local
+worker).
 
 The group serves through the router and the gateway the tokens a single-process engine
 gives; a worker with another dtype is refused with the difference named; a worker SIGKILLed or
-SIGSTOPped takes the leader out of routing within 5 s (its stream in flight ends with an error
-frame, the leader exits non-zero), and a restarted group serves again.
+SIGSTOPped, or a worker pod's local rank SIGKILLed, takes the leader out of routing within 5 s
+(its stream in flight ends with an error frame, the leader exits non-zero), and a restarted
+group serves again.
 """
 
 from __future__ import annotations
@@ -41,9 +44,10 @@ def _lws(index: int) -> dict[str, str]:
             "LWS_WORKER_INDEX": str(index), "OMP_NUM_THREADS": "1"}
 
 
-# How the group's two ranks split the model: two tensor-parallel shards, or two pipeline stages
-# (the leader runs the last: it samples).
-LAYOUTS = {"tp": ["--tensor-parallel-size", "2"], "pp": ["--pipeline-parallel-size", "2"]}
+# How the group's two pods split the model: two tensor-parallel shards, two pipeline stages (the
+# leader runs the last: it samples), or two stages of two tensor-parallel ranks (a pod each).
+LAYOUTS = {"tp": ["--tensor-parallel-size", "2"], "pp": ["--pipeline-parallel-size", "2"],
+           "pp_tp": ["--pipeline-parallel-size", "2", "--tensor-parallel-size", "2"]}
 
 
 def _group_args(port: int, layout: str = "tp") -> list[str]:
@@ -106,10 +110,19 @@ def test_lws_environment_sets_the_node_group() -> None:
     assert exit_info.value.code == 2
     engine, _ = configs_from_args(_group_args(4000, "pp"), env=_lws(1))
     assert (engine.nnodes, engine.pipeline_parallel_size, engine.world_size) == (2, 2, 2)
-    with pytest.raises(SystemExit) as exit_info:  # 2 x 2 ranks in a group of 2 pods
-        configs_from_args([*_group_args(4000, "pp"), "--tensor-parallel-size", "2"],
-                          env=_lws(0))
+    engine, _ = configs_from_args(_group_args(4000, "pp_tp"), env=_lws(1))  # a stage per pod
+    assert (engine.world_size, engine.ranks_per_node) == (4, 2)
+
+
+@pytest.mark.parametrize("sizes", [["--tensor-parallel-size", "4"],  # a stage over 2 pods
+                                   ["--pipeline-parallel-size", "4"],  # 2 stages in a pod
+                                   ["--pipeline-parallel-size", "3"]])
+def test_ranks_that_do_not_fit_the_pods_exit_2_naming_the_flags(sizes, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        configs_from_args([*sizes, "--master-port", "4000"], env=_lws(0))
     assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--pipeline-parallel-size" in err and "--nnodes 2" in err, err
 
 
 def test_a_worker_with_another_dtype_is_refused(fast_model_dir) -> None:
@@ -149,17 +162,18 @@ def _stream_until_error(url: str) -> list[object]:
     return frames
 
 
-def _lose_worker(stack: PagodaStack, worker: ServiceProcess, sig: signal.Signals) -> None:
-    """Sends ``sig`` to the worker node while a stream decodes on the leader: the leader must
-    leave routing within 5 s, end the stream with an error frame and exit non-zero; the
-    worker must not outlive its group."""
+def _lose_worker(stack: PagodaStack, worker: ServiceProcess, sig: signal.Signals,
+                 pid: int | None = None) -> None:
+    """Sends ``sig`` to the worker node (or to ``pid``, one of its local ranks) while a stream
+    decodes on the leader: the leader must leave routing within 5 s, end the stream with an
+    error frame and exit non-zero; the worker must not outlive its group."""
     leader, router = stack.engines[0], stack.routers[0].url
     wait_for(lambda: router_engines(router) == {stack.engine_id(0)}, 10, "router sees it")
     frames: list[object] = []
     streaming = threading.Thread(target=lambda: frames.extend(_stream_until_error(leader.url)))
     streaming.start()
     time.sleep(1.0)  # the request is decoding
-    os.kill(worker.proc.pid, sig)
+    os.kill(pid or worker.proc.pid, sig)
     lost_at = time.monotonic()
     wait_for(lambda: stack.engine_id(0) not in router_engines(router), 5.0,
              "the leader leaves routing")
@@ -216,3 +230,33 @@ def test_a_stopped_worker_takes_the_group_out_of_routing(fast_model_dir) -> None
     stack = _slow_stack(fast_model_dir, port)
     with _launched(_worker(fast_model_dir, port)) as worker, stack:
         _lose_worker(stack, worker, signal.SIGSTOP)
+
+
+def _local_ranks(pid: int) -> list[int]:
+    """The tensor-parallel worker processes under ``pid`` (a pod's local ranks; the leader's
+    are its engine core's children)."""
+    found, todo = [], [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").iterdir():
+            for child in map(int, (task / "children").read_text().split()):
+                todo.append(child)
+                if b"services.engine.tp_worker" in Path(f"/proc/{child}/cmdline").read_bytes():
+                    found.append(child)
+    return found
+
+
+def test_a_stage_of_two_ranks_per_pod_serves_and_a_killed_local_rank_ends_the_group(
+        fast_model_dir) -> None:
+    """Two pods of two tensor-parallel ranks each, one pipeline stage per pod (ranks 0-1 the
+    leader's, the last stage; ranks 2-3 the worker pod's, stage 0), each pod's process
+    starting its one local worker: the tokens of a single-process engine through the router
+    and gateway; the worker pod's local rank SIGKILLed ends the worker pod and so the group."""
+    expected = _reference(fast_model_dir)
+    port = free_port()
+    stack = _slow_stack(fast_model_dir, port, "pp_tp")
+    with _launched(_worker(fast_model_dir, port, layout="pp_tp")) as worker, stack:
+        worker.wait_healthy()
+        assert _complete(stack.base_url, stack.model) == expected
+        (local,) = _local_ranks(worker.proc.pid)
+        assert len(_local_ranks(stack.engines[0].proc.pid)) == 1  # the leader's rank 1
+        _lose_worker(stack, worker, signal.SIGKILL, pid=local)

@@ -1,16 +1,18 @@
 """Tensor parallelism inside one engine: N model ranks over ``torch.distributed``.
 
 The engine process is rank 0: it keeps the scheduler, the block manager and the sampler, and
-runs its own shard of the model. Ranks 1..N-1 are worker processes (``workers`` starts and
-watches them; ``worker_main`` is their life around the model) that receive each step's batch
+runs its own shard of the model. Ranks 1..N-1 are worker processes (``local_workers`` starts
+and watches them, ``workers`` is rank 0's view of the group; ``worker_main`` is their life
+around the model) that receive each step's batch
 (``step_broadcast``) and run theirs. The models shard themselves Megatron style through their
 parallel layers (``models.parallel_layers``, ``models.partition``); ``group`` is the process
 group those layers talk through.
 
-When the ranks span pods (a LeaderWorkerSet), rank 0 does not start them: ``node_group`` says
-where each pod stands, ``node_join`` is the leader's door (the join handshake) and
-``node_links`` the heartbeats that turn a lost or hung pod into the group's end, as the pidfd
-watch does for local workers.
+When the ranks span pods (a LeaderWorkerSet), rank 0 starts only its own pod's: ``node_group``
+says where each pod stands and which ranks it holds (one, or one pipeline stage), each pod's
+process starts the rest of its pod's ranks, ``node_join`` is the leader's door (the join
+handshake) and ``node_links`` the heartbeats that turn a lost or hung pod into the group's end,
+as the pidfd watch does for local workers.
 
 Pipeline parallelism (``pipeline``) reuses all of this for P x T ranks: which ranks form which
 stage, and the point-to-point hand-offs that carry a step from stage to stage.

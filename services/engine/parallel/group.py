@@ -117,6 +117,24 @@ def connect_store(port: int, size: int, host: str = _HOST) -> dist.TCPStore:
     return dist.TCPStore(host, port, size, False, timeout=COLLECTIVE_TIMEOUT)
 
 
+@dataclass(frozen=True, slots=True)
+class Rendezvous:
+    """Where a rank finds rank 0's store, and how it joins the group through it."""
+
+    port: int  # rank 0's store
+    host: str = _HOST  # the leader's address in a node group; this host in one pod
+    prefix: str = ""  # a node group's secret key prefix (``node_join``); "" in one pod
+    loopback: bool = True  # every rank of the group on this host (``join``)
+
+    def wrap(self, store: dist.Store) -> dist.Store:
+        """``store`` under this group's key prefix (rank 0 wraps the store it created)."""
+        return dist.PrefixStore(self.prefix, store) if self.prefix else store
+
+    def connect(self, size: int) -> dist.Store:
+        """A rank other than 0: the store, under the prefix."""
+        return self.wrap(connect_store(self.port, size, self.host))
+
+
 def leave() -> None:
     """Destroys this process's groups (both), if it is in one."""
     if dist.is_initialized():

@@ -8,9 +8,17 @@ its place from vLLM's flags (``--nnodes``, ``--node-rank``, ``--master-addr``,
 every pod of a group (``LWS_LEADER_ADDRESS``, ``LWS_GROUP_SIZE``, ``LWS_WORKER_INDEX``, the
 leader's index being 0). Flags given win over the environment.
 
-For now each pod holds one rank, so ``pipeline_parallel_size x tensor_parallel_size`` equals
-the group size; ranks 0..N-1 are the nodes in order (with pipeline stages the leader's ranks run
-the last stage: ``pipeline``).
+A pod holds ``ranks_per_node`` consecutive ranks: node r holds ranks ``r*R .. r*R+R-1``, the
+first being the pod's own process, the others local workers it starts as a single-pod
+tensor-parallel engine does (``local_workers``). Either each pod holds one rank (any
+``pipeline_parallel_size x tensor_parallel_size`` equal to the group size), or each holds one
+pipeline stage of ``tensor_parallel_size`` ranks (``pipeline_parallel_size`` equal to the group
+size). With ``pipeline``'s layout (ranks ``0..T-1`` the last stage, ``T..2T-1`` stage 0, ...)
+the leader's pod is then the last stage, node 1 stage 0, node 2 stage 1, and so on::
+
+    pods  (N = P = 2, T = 2)   node 0 (leader)      node 1
+    ranks                      0, 1                 2, 3
+    stage                      1 (last: samples)    0
 """
 
 from __future__ import annotations
@@ -33,10 +41,19 @@ class NodeGroup:
     node_rank: int
     master_addr: str  # the leader's address (its rendezvous listens there)
     master_port: int  # the leader's rendezvous port
+    ranks_per_node: int = 1  # model ranks in each pod (the pod's process and its local workers)
+
+    def __post_init__(self) -> None:
+        assert self.ranks_per_node >= 1, self
 
     @property
     def is_leader(self) -> bool:
         return self.node_rank == 0
+
+    @property
+    def first_rank(self) -> int:
+        """The global rank of this pod's own process (its local workers follow it)."""
+        return self.node_rank * self.ranks_per_node
 
     def is_loopback(self) -> bool:
         """Every node on this host (tests, a laptop): the group talks over ``lo``."""

@@ -3,7 +3,8 @@ services.engine.serving.server`` runs when ``--node-rank`` (or ``LWS_WORKER_INDE
 
 It serves no requests and joins no router: it asks the leader to admit it
 (``parallel.node_join``, which refuses another model, weights, dtype, version or engine flags),
-joins the tensor-parallel group and runs its shard of every step the leader sends
+starts the pod's other ranks when it holds several (one pipeline stage of
+``tensor_parallel_size`` ranks), joins the group and runs its shard of every step
 (``parallel.worker_main.run_node_worker``). Its only HTTP route is ``GET /health``: 503 while
 it joins and loads, 200 once its shard is ready. It exits non-zero when it is refused, when the
 leader dies or hangs, or on any failure, so Kubernetes restarts it and a LeaderWorkerSet with
@@ -18,9 +19,10 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from services.engine.config import EngineConfig
-from services.engine.model_runner import group_identity, node_group
+from services.engine.model_runner import TP_WORKER_MODULE, group_identity, node_group
+from services.engine.parallel.group import Rendezvous
+from services.engine.parallel.local_workers import rank_device
 from services.engine.parallel.worker_main import WorkerArgs, run_node_worker
-from services.engine.parallel.workers import rank_device
 from services.engine.serving.server_config import ServerConfig
 from services.engine.tp_worker import build
 
@@ -58,13 +60,16 @@ def run(engine_config: EngineConfig, server_config: ServerConfig, model_path: st
     _Health.rank = nodes.node_rank
     health = ThreadingHTTPServer((server_config.host, server_config.port), _Health)
     threading.Thread(target=health.serve_forever, name="health", daemon=True).start()
-    logger.info("worker node rank=%d of %d: joining the leader at %s:%d (health on :%d)",
-                nodes.node_rank, nodes.nnodes, nodes.master_addr, nodes.master_port,
-                server_config.port)
+    logger.info("worker node rank=%d of %d (ranks %d..%d): joining the leader at %s:%d "
+                "(health on :%d)", nodes.node_rank, nodes.nnodes, nodes.first_rank,
+                nodes.first_rank + nodes.ranks_per_node - 1, nodes.master_addr,
+                nodes.master_port, server_config.port)
     device = rank_device(engine_config.torch_device(), 0)
-    args = WorkerArgs(nodes.node_rank, engine_config.world_size, 0, 0, str(device),
-                      logging.getLogger().getEffectiveLevel(), (engine_config, model_path))
-    run_node_worker(args, nodes, group_identity(engine_config, model_path), build,
-                    _Health.ready.set)
+    # the rendezvous is learnt at admission (run_node_worker)
+    args = WorkerArgs(nodes.first_rank, engine_config.world_size, Rendezvous(0), 0,
+                      str(device), logging.getLogger().getEffectiveLevel(),
+                      (engine_config, model_path))
+    run_node_worker(args, nodes, group_identity(engine_config, model_path), TP_WORKER_MODULE,
+                    build, _Health.ready.set)
     health.shutdown()
     logger.info("worker node rank=%d stopped", nodes.node_rank)
