@@ -68,8 +68,8 @@ class GatewayConfig(FlowFlags):
         metavar="URL",
         help="pin the gateway to the one engine at this URL, with no router: the OpenAI front "
         "of an engine pod (the chart runs it beside the engine, http://127.0.0.1:PORT, as a "
-        "Gateway API InferencePool's target); excludes --router-url, --pd-disaggregation, "
-        "--flow-control and --allow-runtime-lora-updating",
+        "Gateway API InferencePool's target); excludes --router-url, --pd-disaggregation and "
+        "--flow-control; with --allow-runtime-lora-updating a load reaches this engine alone",
     )
     api_keys: tuple[str, ...] = flag(
         (),
@@ -162,7 +162,9 @@ class GatewayConfig(FlowFlags):
     allow_runtime_lora_updating: bool = flag(
         False,
         help=f"serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (admin keys only "
-        f"when keys are configured); ${RUNTIME_LORA_ENV}=true turns it on too, as in vLLM",
+        f"when keys are configured); ${RUNTIME_LORA_ENV}=true turns it on too, as in vLLM. "
+        "With --engine-url the adapter is loaded on that one engine, registered nowhere, as "
+        "vLLM's server loads it on itself",
     )
     tool_call_parser: str | None = flag(
         None,
@@ -249,10 +251,6 @@ class GatewayConfig(FlowFlags):
         if self.flow_control:
             raise ValueError("engine_url excludes --flow-control: in front of a Gateway API "
                              "pool the endpoint picker (the router's ext_proc) queues requests")
-        if self.allow_runtime_lora_updating:
-            raise ValueError("engine_url excludes --allow-runtime-lora-updating: load adapters "
-                             "through a gateway with a router, whose registry reaches every "
-                             "engine")
 
     @classmethod
     def from_args(

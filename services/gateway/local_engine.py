@@ -7,12 +7,16 @@ SSE, the internal credential). It answers what ``RouterClient`` does (``Routing`
 - ``route``: that engine, while its last ``/health`` said it serves the request's model. When
   it has failed the request (``exclude``), no other engine is left to try: a 503, as vLLM's
   server answers when its engine fails.
-- ``engines``: the engine's ``GET /health`` (model, block size, context length) as one
-  ``EngineInfo``. Loading, draining or unreachable is ``RouterUnavailable``: ``/ready`` turns
-  503 and the pod leaves the pool's ready endpoints. The health answer names no LoRA
-  adapters, so a request naming one is a 404 here (the chart's HTTPRoutes match base models).
+- ``engines``: the engine's ``GET /health`` (model, block size, context length) and its LoRA
+  adapters (``GET /internal/lora/adapters``, what its heartbeat reports: ``--lora-modules``
+  and runtime loads) as one ``EngineInfo``, so a request naming an adapter is served as
+  through the router, and ``/v1/models`` lists them. Loading, draining or unreachable is
+  ``RouterUnavailable``: ``/ready`` turns 503 and the pod leaves the pool's ready endpoints.
 - ``loads``: None, unknown: in front of a pool, flow control runs in the picker.
-- ``call_json``: there is no adapter registry here (the config refuses runtime loading).
+- ``call_json``: the adapter registry's calls (``lora_admin``, with
+  ``--allow-runtime-lora-updating``). There is no registry here: a load is this engine's
+  alone, so registering is a no-op that succeeds and the load goes to the engine
+  (``lora_admin``'s fan-out, to this one engine, with the same checks and admin keys).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import aiohttp
 
 from services.gateway.admission import NO_ENGINE_CODE
 from services.gateway.router_client import EngineInfo, RouterUnavailable
+from services.protocol.lora_api import ADAPTERS_PATH, REGISTRY_PATH
 from services.protocol.messages import RouteRequest, RouteResponse
 from services.protocol.openai import OpenAIError
 
@@ -84,14 +89,40 @@ class LocalEngine:
         if status != 200:
             raise RouterUnavailable(f"the engine is not serving ({status}: "
                                     f"{str(body.get('status'))[:40]})")
-        info = EngineInfo.from_dict({**body, "engine_id": self.engine_id, "url": self.url})
+        adapters = await self._adapters()
+        info = EngineInfo.from_dict({**body, "engine_id": self.engine_id, "url": self.url,
+                                     "adapters": adapters})
         if info is None:
             raise RouterUnavailable(f"the engine's {HEALTH_PATH} lacks its model or block size")
         return info
+
+    async def _adapters(self) -> list[Any]:
+        """The engine's adapters (raw rows, which ``EngineInfo.from_dict`` checks). An engine
+        older than the route (404) serves none that this front can name."""
+        url = self.url + ADAPTERS_PATH
+        try:
+            async with self._session.get(url, timeout=self._timeout) as resp:
+                if resp.status == 404:
+                    return []
+                if resp.status != 200:  # refused our credential, or not ready after all
+                    raise RouterUnavailable(f"the engine's {ADAPTERS_PATH} answered "
+                                            f"{resp.status}")
+                body = await resp.json(content_type=None)
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            raise RouterUnavailable(f"the engine at {self.url} does not answer "
+                                    f"({type(exc).__name__})") from None
+        rows = body.get("adapters") if isinstance(body, dict) else None
+        return rows if isinstance(rows, list) else []
 
     async def loads(self, model: str) -> None:
         return None
 
     async def call_json(self, method: str, path: str, body: Any = None
                         ) -> tuple[int, dict[str, Any]]:
-        raise RouterUnavailable("no adapter registry beside a pinned engine")
+        """The registry's answers when there is none: registering succeeds and changes
+        nothing (``lora_admin`` then loads on this engine), and nothing was ever registered.
+        Other engines of the pool are not reached: a runtime load through a pinned front is
+        this pod's alone, as vLLM's ``/v1/load_lora_adapter`` is its server's."""
+        if path != REGISTRY_PATH or method not in ("POST", "DELETE"):
+            raise RouterUnavailable(f"no router beside a pinned engine for {method} {path}")
+        return 200, {} if method == "POST" else {"was_registered": False}

@@ -17,6 +17,12 @@ answer comes when all have it (vLLM's ``Success: ...`` text). If every engine re
 is unregistered and the engines' 400 is the answer; if only some fail, it stays registered
 (they retry when they restart or the registry changes) and the answer is a 502 naming them.
 Unload: unknown is a 404; else unregistered, then unloaded on every engine.
+
+Pinned to one engine (``--engine-url``, an engine pod's OpenAI front) there is no registry
+(``LocalEngine.call_json``): the same checks and keys, and the load or unload reaches that one
+engine, as vLLM's own server loads an adapter on itself. Other pods of the pool do not get it.
+An engine whose model's registry changes later (a load or unload through a gateway with a
+router) drops the runtime adapters the registry does not hold: use one way per model.
 """
 
 from __future__ import annotations

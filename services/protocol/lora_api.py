@@ -3,7 +3,9 @@
 * Engine (internal, JSON): ``POST /internal/lora/load`` with ``LoadAdapter`` reads, validates
   and registers an adapter (200 with its ``AdapterStatus``; the same name and path again: 200,
   nothing changes; 400 naming the field or module; 409 when the name holds another path);
-  ``POST /internal/lora/unload`` with ``UnloadAdapter`` (200, or 404 for an unknown name).
+  ``POST /internal/lora/unload`` with ``UnloadAdapter`` (200, or 404 for an unknown name);
+  ``GET /internal/lora/adapters``: ``{"adapters": [AdapterStatus]}``, what its heartbeat
+  reports (an OpenAI front pinned to the engine, with no router, learns its adapters there).
 * Router (JSON): ``GET /adapters?model=M`` lists the runtime adapters registered for a base
   model (``{"adapters": [{"lora_name", "lora_path"}], "generation": n}``); ``POST /adapters``
   (``RegisterAdapter``) and ``DELETE /adapters`` (``UnregisterAdapter``) change that registry,
@@ -30,6 +32,7 @@ from services.protocol.wire import (
 
 LOAD_PATH = "/internal/lora/load"
 UNLOAD_PATH = "/internal/lora/unload"
+ADAPTERS_PATH = "/internal/lora/adapters"
 REGISTRY_PATH = "/adapters"
 
 MAX_ADAPTERS = 256  # adapters one heartbeat lists

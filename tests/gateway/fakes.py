@@ -21,6 +21,7 @@ from services.protocol.engine_api import (
     TokenLogprobs,
     TokensFrame,
 )
+from services.protocol.lora_api import ADAPTERS_PATH
 from services.protocol.messages import RouteRequest, RouteResponse
 
 
@@ -73,11 +74,15 @@ class FakeEngine:
         # model once loaded, 503 while loading or draining.
         self.health_status = 200
         self.model = "smol"
+        # What GET /internal/lora/adapters answers (AdapterStatus maps); None: a 404, as an
+        # engine older than the route.
+        self.adapters: list[dict] | None = None
 
     async def start(self) -> str:
         app = web.Application()
         app.router.add_post(GENERATE_PATH, self._generate)
         app.router.add_get("/health", self._health)
+        app.router.add_get(ADAPTERS_PATH, self._adapters)
         self._runner, self.url = await serve(app)
         return self.url
 
@@ -86,6 +91,11 @@ class FakeEngine:
             return web.json_response({"status": "loading"}, status=self.health_status)
         return web.json_response({"status": "ok", "model": self.model, "block_size": 16,
                                   "max_model_len": 2048})
+
+    async def _adapters(self, request: web.Request) -> web.Response:
+        if self.adapters is None:
+            return web.json_response({"error": {"message": "not found"}}, status=404)
+        return web.json_response({"adapters": self.adapters})
 
     async def stop(self) -> None:
         if self._runner is not None:

@@ -7,6 +7,7 @@ on cue."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
@@ -29,8 +30,18 @@ TEXT = "one two three four"
 @pytest_asyncio.fixture
 async def pinned(tokenizer: Tokenizer, default_model_path: Path
                  ) -> AsyncIterator[tuple[FakeEngine, str]]:
+    async with _pinned(tokenizer, default_model_path, None) as both:
+        yield both
+
+
+@asynccontextmanager
+async def _pinned(tokenizer: Tokenizer, default_model_path: Path, adapters: list[dict] | None
+                  ) -> AsyncIterator[tuple[FakeEngine, str]]:
+    """A fake engine serving ``adapters`` (None: no adapter route), and the front pinned to
+    it, started once the engine answers as it will."""
     engine = FakeEngine("the-engine")
     engine.behaviour.script = tokenizer.encode(TEXT, add_special_tokens=False)
+    engine.adapters = adapters
     await engine.start()
     config = GatewayConfig(host="127.0.0.1", port=0, engine_url=engine.url, api_keys=(KEY,),
                            models=(ModelSpec(MODEL, str(default_model_path)),))
@@ -103,3 +114,32 @@ async def test_an_engine_of_another_model_serves_nothing(pinned: tuple[FakeEngin
             await c.completions.create(model=MODEL, prompt="x", max_tokens=16)
     assert "serves 'other-model'" in str(exc.value)
     assert not engine.requests
+
+
+SQL = {"name": "sql", "version": "v1-sql", "residency": 2, "path": "/adapters/sql"}
+
+
+async def test_the_engines_adapters_are_listed_and_served(tokenizer: Tokenizer,
+                                                         default_model_path: Path) -> None:
+    """The engine's adapters (its internal list, which its heartbeat reports too) reach the
+    front: listed by /v1/models with parent and root, and a request naming one runs on the
+    engine under it; a name it does not serve is a 404."""
+    async with _pinned(tokenizer, default_model_path, [SQL]) as (engine, url), client(url) as c:
+        cards = {m.id: m for m in (await c.models.list()).data}
+        assert sorted(cards) == sorted([MODEL, "sql"])
+        assert (cards["sql"].parent, cards["sql"].root) == (MODEL, "/adapters/sql")
+        out = await c.completions.create(model="sql", prompt="x", max_tokens=16)
+        assert out.model == "sql" and out.choices[0].text == TEXT
+        with pytest.raises(openai.NotFoundError):
+            await c.completions.create(model="nosql", prompt="x", max_tokens=16)
+        assert [r.lora_name for r in engine.requests] == ["sql"]
+
+
+async def test_an_engine_without_the_adapter_route_serves_no_adapter(
+        pinned: tuple[FakeEngine, str]) -> None:
+    engine, url = pinned  # an engine older than the route: a 404, no adapters
+    async with client(url) as c:
+        assert [m.id for m in (await c.models.list()).data] == [MODEL]
+        out = await c.completions.create(model=MODEL, prompt="x", max_tokens=16)
+        assert out.choices[0].text == TEXT
+    assert engine.requests[0].lora_name is None

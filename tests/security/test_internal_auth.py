@@ -33,6 +33,7 @@ OLD = "old-token-Xa81kLm2Qp7Zr4Tw"
 NEW = "new-token-Hb35vNc9Ye6Ud0Js"
 ENGINE_ROUTES = [("POST", engine_api.GENERATE_PATH), ("POST", engine_api.ABORT_PATH),
                  ("POST", lora_api.LOAD_PATH), ("POST", lora_api.UNLOAD_PATH),
+                 ("GET", lora_api.ADAPTERS_PATH),  # adapter names and paths: internal
                  ("GET", "/no-such-route")]  # unknown routes too: no probing without it
 ROUTER_ROUTES = [("POST", "/route"), ("GET", "/engines"), ("GET", "/adapters?model=m"),
                  ("POST", "/adapters"), ("DELETE", "/adapters"), ("GET", "/no-such-route")]

@@ -23,11 +23,10 @@ from collections.abc import Iterable
 
 from services.common.lora_registry import AdapterRegistry
 from services.common.redis_index import KVIndexPublisher, connect
-from services.engine.lora.manager import LoRAStats
 from services.engine.serving.core_client import CoreClient
+from services.engine.serving.lora_api import served_adapters
 from services.engine.serving.lora_sync import RegistrySync
 from services.protocol.kv_events import KVEvent
-from services.protocol.lora_api import MAX_ADAPTERS, AdapterStatus
 from services.protocol.messages import EngineHeartbeat
 
 logger = logging.getLogger(__name__)
@@ -75,7 +74,7 @@ class EnginePublisher:
             timestamp=time.time(),
             max_model_len=info.max_model_len,
             step_ms=round(core.step_ms, 3),
-            adapters=_adapters(s.lora),
+            adapters=served_adapters(s.lora),
             kv_role=info.kv_role,
             kv_transfer_address=info.kv_transfer_address,
             kv_layout=info.kv_layout,
@@ -118,10 +117,3 @@ def without_tokens(events: Iterable[KVEvent]) -> list[KVEvent]:
     """The events with no token ids (hashes, parents, media and kinds unchanged)."""
     return [dataclasses.replace(e, token_ids=()) if e.token_ids else e for e in events]
 
-
-def _adapters(lora: LoRAStats | None) -> list[AdapterStatus]:
-    """The heartbeat's adapters: the readiest first, at most ``MAX_ADAPTERS``."""
-    if lora is None:
-        return []
-    ranked = sorted(lora.adapters, key=lambda a: (-a.residency, a.name))[:MAX_ADAPTERS]
-    return [AdapterStatus(a.name, a.version, a.residency, a.path) for a in ranked]
