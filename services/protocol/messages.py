@@ -112,8 +112,15 @@ class EngineHeartbeat(Message):
     kv_transfer_address: str | None = field(metadata=bounds(MAX_ADDRESS_CHARS, min_len=1),
                                             default=None)
     kv_layout: str | None = field(metadata=bounds(MAX_KV_LAYOUT_CHARS, min_len=1), default=None)
+    # The port of the OpenAI front that serves this engine (its pod's sidecar, or serve's
+    # front beside it), on the URL's host: what the endpoint picker answers Envoy with for
+    # this engine (0: none advertised; the picker's --ext-proc-target-port, else the URL's).
+    openai_port: int = 0
 
     def _check(self) -> None:
+        if not 0 <= self.openai_port <= 65535:
+            raise ValueError(f"EngineHeartbeat.openai_port must be in 0..65535, got "
+                             f"{self.openai_port!r}")
         _check_transfer_address("EngineHeartbeat.kv_transfer_address", self.kv_transfer_address)
         _check_kv_layout("EngineHeartbeat.kv_layout", self.kv_layout)
         if self.kv_role not in ENGINE_ROLES:

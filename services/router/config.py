@@ -148,7 +148,8 @@ class RouterConfig(FlowFlags):
     ext_proc_target_port: int = flag(
         0, help="picker: the port of the endpoints it answers, in place of each engine's own "
         "(its URL's): the engine pods' OpenAI front, the InferencePool's targetPorts (0: the "
-        "engine's port)",
+        "engine's port); an engine that advertises its front's port (the engine's "
+        "--openai-port, in its heartbeat) is answered with that one",
     )
     ext_proc_tenant_from_key: bool = flag(
         True, help="picker: scope the cache salt to the tenant of the request's bearer key, "

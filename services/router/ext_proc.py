@@ -122,19 +122,22 @@ class Picker:
 
     def __init__(self, router: Router, prompts: PromptReader, limits: PickerLimits,
                  flow: FlowController | None = None, target_port: int = 0) -> None:
-        """``target_port``: the port of the endpoints answered (0: each engine's own). Engine
-        pods serve OpenAI on another port than the engine's internal API (the chart's
-        sidecar, the pool's targetPorts): Envoy must get that one, and the subset hint and
-        the served read-back name it too."""
+        """``target_port``: the port of the endpoints answered for engines that advertise
+        none of their own (0: each engine's own). Engines serve OpenAI on another port than
+        their internal API (the chart's sidecar, the pool's targetPorts; serve's front per
+        engine): Envoy must get that one, and the subset hint and the served read-back name
+        it too."""
         self.router = router
         self.prompts = prompts
         self.limits = limits
         self.flow = flow  # queues while the model's engines are saturated (None: off)
         self.target_port = target_port
 
-    def endpoint(self, url: str) -> str:
-        """An engine (by its URL) as Envoy names it: ``ip:port`` of the data path."""
-        return em.endpoint_of(url, self.target_port)
+    def endpoint(self, c: Candidate) -> str:
+        """An engine as Envoy names it: ``ip:port`` of the data path, the port its heartbeat
+        advertises (``--openai-port``: on one machine each engine's front has its own), else
+        ``target_port``, else its URL's."""
+        return em.endpoint_of(c.url, c.openai_port or self.target_port)
 
     async def pick(self, given: PickInput, subset: frozenset[str] | None) -> Picked:
         """Raises Refusal; 503 when tokenizing or picking take longer than the body may. In
@@ -173,8 +176,8 @@ class Picker:
         ranked = pick.ranked[: self.limits.endpoints]
         if self._shed(pick.ranked):  # not sent anywhere: nothing to write back
             raise Refusal(429, "every engine of the model is saturated", "overloaded")
-        endpoints = [self.endpoint(c.url) for c in ranked]
-        return Picked(endpoints, {self.endpoint(c.url): c.engine_id for c in ranked}, req,
+        endpoints = [self.endpoint(c) for c in ranked]
+        return Picked(endpoints, {self.endpoint(c): c.engine_id for c in ranked}, req,
                       pick.settle)
 
     def _shed(self, candidates: list[Candidate]) -> bool:
@@ -195,9 +198,9 @@ class Picker:
         return "fallback"
 
 
-def _admit(subset: frozenset[str], endpoint_of: Callable[[str], str]) -> Admit:
+def _admit(subset: frozenset[str], endpoint_of: Callable[[Candidate], str]) -> Admit:
     def admit(c: Candidate) -> bool:
-        endpoint = endpoint_of(c.url)
+        endpoint = endpoint_of(c)
         return endpoint in subset or endpoint.rpartition(":")[0].strip("[]") in subset
 
     return admit

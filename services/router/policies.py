@@ -40,6 +40,7 @@ class Candidate:
     # Leading blocks of the prompt a peer of the same layout holds in its pool, when more than
     # this engine reaches itself (``services.router.pairing``): pulled, not recomputed.
     peer_blocks: int = 0
+    openai_port: int = 0  # its OpenAI front's port (heartbeat's; 0: none advertised)
 
     @property
     def load(self) -> int:

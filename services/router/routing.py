@@ -353,6 +353,7 @@ def _candidate(view: EngineView) -> Candidate:
         total_blocks=hb.total_blocks,
         kv_layout=hb.kv_layout,
         kv_transfer_address=hb.kv_transfer_address,
+        openai_port=hb.openai_port,
     )
 
 

@@ -220,6 +220,26 @@ async def test_target_port_answers_each_pods_openai_front(
         assert 'pagoda_router_ext_proc_served_total{endpoint="fallback"} 1.0' in metrics
 
 
+async def test_an_engines_advertised_front_port_comes_first(
+    redis_url: str, publisher: KVIndexPublisher, default_model_path: Path
+) -> None:
+    """Engines on one host (``serve --ext-proc-port``) each advertise their own front's port
+    (``--openai-port``, in the heartbeat): the picker answers it, ahead of
+    --ext-proc-target-port, which still serves an engine that advertises none."""
+    fronts = {"e1": 9301, "e2": 9302, "e3": 0}
+    for i, (name, front) in enumerate(fronts.items()):
+        hb = replace(heartbeat(name, url=f"http://127.0.0.1:{8201 + i}", waiting=i),
+                     openai_port=front)
+        await publisher.publish_heartbeat(hb, ttl_s=300)
+    async with (picker(redis_url, default_model_path, ext_proc_target_port=8000,
+                       ext_proc_endpoints=3) as (_, stub),
+                ep.stream(stub) as s):
+        await s.send(ep.headers(), ep.body(ep.chat_body(TEXT, MODEL), True))
+        answer, _body = await s.read_all(2)
+        picked = endpoint_of(answer, "request_headers").split(",")
+    assert sorted(picked) == ["127.0.0.1:8000", "127.0.0.1:9301", "127.0.0.1:9302"]
+
+
 async def test_body_timeout_and_stream_limit(
     redis_url: str, publisher: KVIndexPublisher, default_model_path: Path
 ) -> None:

@@ -78,6 +78,7 @@ class EnginePublisher:
             kv_role=info.kv_role,
             kv_transfer_address=info.kv_transfer_address,
             kv_layout=info.kv_layout,
+            openai_port=self.cfg.openai_port,
         )
         try:
             if self._pending:

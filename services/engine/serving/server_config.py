@@ -29,6 +29,12 @@ class ServerConfig:
     advertise_url: str | None = flag(
         None, help="how gateways reach this engine (default: http://HOST:PORT)"
     )
+    openai_port: int = flag(
+        0, help="the port of the OpenAI front serving this engine (Pagoda's gateway pinned to "
+        "it, --engine-url) on the same host, advertised in heartbeats: the router's endpoint "
+        "picker answers Envoy with it for this engine (0: none; the picker's "
+        "--ext-proc-target-port, else this engine's port)",
+    )
     redis_url: str | None = flag(
         None, help="Redis for heartbeats and KV events (default: none, no routing index)"
     )
@@ -82,8 +88,9 @@ class ServerConfig:
     insecure_no_internal_auth: bool = insecure_flag()
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        for name in ("port", "openai_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} must be in 0..65535, got {getattr(self, name)}")
         for name in ("heartbeat_interval_s", "heartbeat_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
