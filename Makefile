@@ -54,6 +54,7 @@ test-gpu:
 	PYTHONPATH=. $(PY) benchmarks/gpu_throughput.py
 
 # The router as a Gateway API endpoint picker (Envoy ext_proc, gRPC): make serve EXT_PROC_PORT=9002
+#   [each engine also gets its OpenAI front, the pinned gateway; the picker answers its port]
 # Disaggregated prefill/decode on one machine: make serve PREFILL_ENGINES=1 DECODE_ENGINES=1
 #   [PD_TRANSPORT=store: the KV goes through a KV store serve starts, not engine to engine]
 # Speculative decoding: make serve SPECULATIVE_CONFIG='{"method": "ngram", "num_speculative_tokens": 4}'

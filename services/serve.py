@@ -6,6 +6,11 @@ the router and the gateway; Ctrl-C (or SIGTERM) stops all of it, engines first d
     python -m services.serve --port 8000 --engines 1 [--model PATH] [engine flags]
     python -m services.serve --prefill-engines 1 --decode-engines 1   # disaggregated P/D
     python -m services.serve --prefill-engines 1 --decode-engines 1 --pd-transport store
+    python -m services.serve --ext-proc-port 9002   # the router is an Envoy endpoint picker too
+
+With ``--ext-proc-port`` each engine also gets its OpenAI front: Pagoda's gateway pinned to it
+(``--engine-url``, what the chart's ``openai`` sidecar runs), with the same API keys; the
+engine advertises the front's port (``--openai-port``) and the picker answers Envoy with it.
 
 Every child gets the internal credential in ``$PAGODA_INTERNAL_TOKENS``: the one in serve's
 environment, else a random token made for this run (``child_env``).
@@ -120,11 +125,30 @@ def router_flags(args: ServeConfig, port: int, redis_url: str, engine_urls: list
     return flags
 
 
+def key_flags(args: ServeConfig) -> list[str]:
+    """The API keys of every OpenAI server serve starts: the gateway and the engines' fronts."""
+    flags = []
+    for key in args.api_keys:
+        flags += ["--api-key", key]
+    for key in args.admin_api_keys:
+        flags += ["--admin-api-key", key]
+    return flags
+
+
+def front_flags(args: ServeConfig, port: int, engine_url: str, model_name: str,
+                model_dir: Path) -> list[str]:
+    """An engine's OpenAI front (with ``--ext-proc-port``): the gateway pinned to it, as the
+    chart's sidecar is. Runtime adapter loads stay the gateway's (its registry reaches every
+    engine; the fronts list what their engine then serves)."""
+    return ["--host", "127.0.0.1", "--port", str(port), "--engine-url", engine_url,
+            "--model", f"{model_name}={model_dir}", *key_flags(args)]
+
+
 PROG = "python -m services.serve"
 # --pd-transport: the P/D connector of each
 PD_TRANSPORTS = {"tcp": "PagodaPDConnector", "store": "PagodaStorePDConnector"}
 # Set by serve for each engine (--port and --model are serve's own flags as well).
-_FIXED_ENGINE_FLAGS = {"--port", "--model", "--engine-id", "--redis-url"}
+_FIXED_ENGINE_FLAGS = {"--port", "--model", "--engine-id", "--redis-url", "--openai-port"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +178,8 @@ class ServeConfig:
         "gateway's --pd-min-prompt-tokens; 0: none does)")
     ext_proc_port: int = flag(
         0, help="the router also serves Envoy's ext_proc (a Gateway API endpoint picker) on "
-        "this gRPC port, on loopback (0: off)",
+        "this gRPC port, on loopback, and each engine gets an OpenAI front (the gateway pinned "
+        "to it), the endpoint the picker answers for it (0: off)",
     )
     allow_runtime_lora_updating: bool = flag(
         False, help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (or "
@@ -173,6 +198,9 @@ class ServeConfig:
             raise ValueError("prefill_engines and decode_engines go together, each >= 1")
         if self.pd_min_prompt_tokens < 0:
             raise ValueError(f"pd_min_prompt_tokens must be >= 0, got {self.pd_min_prompt_tokens}")
+        if self.ext_proc_port and self.pd:
+            raise ValueError("ext_proc_port excludes prefill_engines and decode_engines: an "
+                             "engine's OpenAI front serves it alone, never two legs")
         if self.pd_transport not in PD_TRANSPORTS:
             raise ValueError(f"pd_transport must be one of {', '.join(PD_TRANSPORTS)}, got "
                              f"{self.pd_transport!r}")
@@ -241,7 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return p
 
     def stop_all(*_: object) -> None:
-        for _name, p in reversed(procs):  # gateway first, engines (drained), redis last
+        for _name, p in reversed(procs):  # fronts, gateway, engines (drained), redis
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
         for name, p in reversed(procs):
@@ -271,6 +299,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             # The store's MAC key, shared by the engines of this run (unless one is set).
             env.setdefault(SECRET_ENV, secrets.token_hex(32))
         engine_urls = []
+        # With the picker, each engine's OpenAI front: its port is known before the engine
+        # starts, which advertises it (the picker's answer for that engine).
+        fronts = [free_port() for _ in roles] if args.ext_proc_port else []
         for i, cpus in enumerate(engine_cores(sorted(os.sched_getaffinity(0)), len(roles))):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
@@ -280,6 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                       "--model", str(model_dir), "--engine-id", f"engine-{i}",
                                       "--redis-url", redis_url, "--cpu-threads", str(len(cpus)),
                                       "--dtype", args.dtype,
+                                      *(["--openai-port", str(fronts[i])] if fronts else []),
                                       *pd_flags(roles[i], args.pd_transport, store_url),
                                       *engine_flags],
                       cpus=cpus if len(roles) > 1 else None)
@@ -291,11 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         wait_http(f"http://127.0.0.1:{router_port}/health", 60, p)
         gw_cmd = [_PY, "-m", "services.gateway", "--host", "127.0.0.1", "--port", str(args.port),
                   "--router-url", f"http://127.0.0.1:{router_port}",
-                  "--model", f"{model_name}={model_dir}"]
-        for key in args.api_keys:
-            gw_cmd += ["--api-key", key]
-        for key in args.admin_api_keys:
-            gw_cmd += ["--admin-api-key", key]
+                  "--model", f"{model_name}={model_dir}", *key_flags(args)]
         if args.allow_runtime_lora_updating:
             gw_cmd.append("--allow-runtime-lora-updating")
         if args.pd:
@@ -303,13 +331,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                        "--pd-min-prompt-tokens", str(args.pd_min_prompt_tokens)]
         p = start("gateway", gw_cmd)
         wait_http(f"http://127.0.0.1:{args.port}/health", 120, p)
+        for i, front in enumerate(fronts):
+            p = start(f"openai-front-{i}", [_PY, "-m", "services.gateway",
+                                            *front_flags(args, front, engine_urls[i],
+                                                         model_name, model_dir)])
+            wait_http(f"http://127.0.0.1:{front}/ready", 120, p)
         logger.info("Pagoda is serving %s at http://127.0.0.1:%d/v1 (Ctrl-C stops)",
                     model_name, args.port)
         for i, url in enumerate(engine_urls):  # vLLM's metric families live on each engine
             logger.info("engine-%d metrics: %s/metrics", i, url)
         if args.ext_proc_port:
-            logger.info("endpoint picker (Envoy ext_proc, gRPC): 127.0.0.1:%d",
-                        args.ext_proc_port)
+            logger.info("endpoint picker (Envoy ext_proc, gRPC): 127.0.0.1:%d; it answers "
+                        "each engine's OpenAI front: %s", args.ext_proc_port,
+                        ", ".join(f"engine-{i} 127.0.0.1:{f}" for i, f in enumerate(fronts)))
         logger.info("gateway metrics: http://127.0.0.1:%d/metrics; router metrics: "
                     "http://127.0.0.1:%d/metrics", args.port, router_port)
         while all(p.poll() is None for _, p in procs):
