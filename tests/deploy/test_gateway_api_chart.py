@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 import yaml
 
-from tests.deploy.conftest import GATEWAY_API
+from tests.deploy.conftest import GATEWAY_API, LORA
 from tests.deploy.helpers import Render, flag, render, selects
 
 helm = pytest.importorskip("helm_python", reason="pip install helm-python-sdk")
@@ -109,12 +109,38 @@ def test_each_engine_pod_serves_openai_beside_its_engine(on: Render) -> None:
 
 
 def test_the_picker_answers_the_openai_port(on: Render) -> None:
+    """Both ways the picker learns the front's port agree with the pools': each engine
+    advertises it (--openai-port, in its heartbeat), and the router's fallback flag."""
     from services.router.config import RouterConfig
 
     config = RouterConfig.from_args(on.container(ROUTER)["args"])
     for model in MODELS:
         pool = on.get("InferencePool", f"demo-pagoda-engine-{model}")["spec"]
         assert pool["targetPorts"] == [{"number": config.ext_proc_target_port}]
+        engine = on.get("Deployment", f"demo-pagoda-engine-{model}")["spec"]["template"][
+            "spec"]["containers"][0]
+        assert pool["targetPorts"] == [{"number": int(flag(engine, "openai-port"))}]
+
+
+def test_a_pools_route_matches_its_models_adapters(chart: Any) -> None:
+    """A request naming a declared LoRA adapter (the model header body-based routing sets) is
+    routed to its base model's pool, whose fronts serve it; the route still validates."""
+    values = {**GATEWAY_API, "gateway": LORA["gateway"], "models": LORA["models"]}
+    on = render(chart, values)
+    served = {"tuned": ["meta-llama/Llama-3.1-8B-Instruct", "sql", "chat-v2"],
+              "small": ["small", "summarize"]}
+    schema = crd_schema("gateway.networking.k8s.io_httproutes.yaml", "v1")
+    for model, names in served.items():
+        route = on.get("HTTPRoute", f"demo-pagoda-engine-{model}")
+        jsonschema.validate(route, schema)
+        matches = route["spec"]["rules"][0]["matches"]
+        assert [m["headers"] for m in matches] == [
+            [{"type": "Exact", "name": "x-gateway-model-name", "value": n}] for n in names]
+        assert all(m["path"] == {"type": "PathPrefix", "value": "/v1"} for m in matches)
+    many = [{"name": f"a{i}", "path": f"a{i}"} for i in range(64)]  # 65 names with the base
+    tuned = {**LORA["models"][0], "lora": {**LORA["models"][0]["lora"], "modules": many}}
+    with pytest.raises(Exception, match="at most 64"):
+        render(chart, {**values, "models": [tuned]})
 
 
 @pytest.mark.parametrize(("change", "message"), [

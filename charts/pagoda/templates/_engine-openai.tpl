@@ -2,8 +2,9 @@
 Gateway that forwards an OpenAI request to the pod the picker chose needs something in that
 pod that speaks OpenAI: Pagoda's gateway, pinned to the engine beside it (--engine-url, no
 router), with the gateway's own API keys and the internal credential towards the engine. Its
-port (named openai) is the InferencePool's targetPort and the port the picker answers
-(--ext-proc-target-port). It drains as long as the engine does: SIGTERM reaches both after
+port (named openai) is the InferencePool's targetPort and the port the picker answers (the
+engine advertises it, --openai-port; the router's --ext-proc-target-port is the same). It
+serves the engine's LoRA adapters as well, read from the engine. It drains as long as the engine does: SIGTERM reaches both after
 the same preStop, and its open streams get the engine's --shutdown-timeout.
 Call with (dict "root" $ "model" $m "shutdown" SECONDS). */}}
 {{- define "pagoda.engine.openaiContainer" -}}
