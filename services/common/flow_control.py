@@ -12,12 +12,20 @@ headroom, and otherwise waits in a queue per (priority band, tenant) until they 
   no report): no flow control (holding for an engine is ``EngineWait``'s job, and a router that
   cannot answer must not stop traffic).
 - Bands are strict: a lower priority value (vLLM's order: lower is more urgent) is always
-  released first. Inside a band tenants take turns (round robin), each in arrival order, so a
-  tenant sending ten times the rate of another gets no more of the released places while both
-  wait.
+  released first. A request more urgent than every request this door holds or has in flight
+  for the model is not held at all: the engines' priority scheduling puts it ahead of all of
+  them, and holding it would only add the reports' lag to its first token (one such request
+  per band: the next of its band waits its turn). Inside a band tenants take turns (round
+  robin), each in arrival order, so a tenant sending ten times the rate of another gets no
+  more of the released places while both wait.
 - Shedding: a request whose priority is at or past ``sheddable_priority`` that is not released
   within ``shed_after_s`` is refused (``Shed``: a 429 with Retry-After). Others wait until
   released (their caller's own deadline bounds them).
+- Freed places: the engines' reports lag a request's end (a heartbeat, then the next read),
+  so while requests wait, the end of one this door sent (``finished``) is taken as a place at
+  once, for ``credit_s``: the most urgent waiter goes then, not at the next report. A report
+  that already counts that end may add it twice: at most the ends of one ``credit_s`` too many
+  released, corrected by the next report.
 - Bounds: at most ``max_queued`` requests per model and ``max_queued_per_tenant`` per tenant
   and model wait; past either, ``Shed`` at once. A tenant's or band's entry goes when it
   empties, so memory follows what waits now, not every tenant ever seen (a model's entry
@@ -31,6 +39,7 @@ name, the rest are "other".
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -56,6 +65,7 @@ class FlowConfig:
     max_queued: int = 1024  # per model
     max_queued_per_tenant: int = 256  # per model and tenant
     poll_s: float = 0.02  # how often a waiting queue re-reads the engines' load
+    credit_s: float = 0.1  # how long a request's end counts as a place (reports lag it)
 
     def __post_init__(self) -> None:
         for name in ("queue_depth", "max_queued", "max_queued_per_tenant"):
@@ -63,7 +73,7 @@ class FlowConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.kv_usage <= 1:
             raise ValueError(f"flow_kv_usage must be in (0, 1], got {self.kv_usage}")
-        for name in ("shed_after_s", "poll_s"):
+        for name in ("shed_after_s", "poll_s", "credit_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
@@ -188,6 +198,11 @@ class _ModelQueue:
     snapshot_at: float = -1.0
     pump: asyncio.Task[None] | None = None
     refresh: asyncio.Future[int | None] | None = None  # a load read in progress
+    # Requests let through and not yet ``finished``, by band (entries go at 0).
+    in_flight: dict[int, int] = field(default_factory=dict)
+    # When requests of this model ended while others waited (``finished``), oldest first.
+    freed: deque[float] = field(default_factory=deque)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)  # a place freed: pump now
 
     def push(self, w: _Waiter) -> None:
         band = self.bands.setdefault(w.priority, OrderedDict())
@@ -238,18 +253,50 @@ class FlowController:
         q = self._models.get(model)
         return 0 if q is None else q.size
 
+    def finished(self, model: str, priority: int) -> None:
+        """A request this door let through (``admit`` returned) has ended: while others wait,
+        its place goes to the next of them now (see the module doc)."""
+        q = self._models.get(model)
+        if q is None:
+            return
+        left = q.in_flight.get(priority, 0) - 1
+        if left > 0:
+            q.in_flight[priority] = left
+        else:
+            q.in_flight.pop(priority, None)
+        if not q.size:
+            return  # nobody waits: the reports are enough
+        if len(q.freed) < q.size:  # more places than waiters would only be dropped
+            q.freed.append(asyncio.get_running_loop().time())
+        q.wake.set()
+
     async def admit(self, model: str, tenant: str | None, priority: int) -> None:
         """Returns once the request may go to an engine. Raises ``Shed``."""
         if not self.cfg.enabled:
             return
         tenant = tenant or ANONYMOUS
         q = self._models.setdefault(model, _ModelQueue())
-        if not q.size and await self._take(model, q):
-            self._count_released(model, tenant, priority, 0.0)
+        if (not q.size and await self._take(model, q)) or self._most_urgent(q, priority):
+            self._let_through(model, q, tenant, priority, 0.0)
             return
         self._check_bounds(model, q, tenant, priority)
         await self._wait(model, q, _Waiter(tenant, priority,
                                            asyncio.get_running_loop().create_future()))
+
+    @staticmethod
+    def _most_urgent(q: _ModelQueue, priority: int) -> bool:
+        """More urgent than everything waiting and in flight here (see the module doc); it
+        takes a place of the headroom like any other."""
+        bands = (*q.bands, *q.in_flight)
+        if not bands or not all(priority < band for band in bands):
+            return False  # (nothing of this door's to pass: the engines are others')
+        q.released_since += 1
+        return True
+
+    def _let_through(self, model: str, q: _ModelQueue, tenant: str, priority: int,
+                     waited: float) -> None:
+        q.in_flight[priority] = q.in_flight.get(priority, 0) + 1
+        self._count_released(model, tenant, priority, waited)
 
     def _check_bounds(self, model: str, q: _ModelQueue, tenant: str, priority: int) -> None:
         if q.size >= self.cfg.max_queued:
@@ -282,7 +329,7 @@ class FlowController:
             if not w.released.done():  # shed, or its client went away: it leaves the queue
                 q.remove(w)
                 w.released.cancel()
-        self._count_released(model, w.tenant, w.priority, loop.time() - start)
+        self._let_through(model, q, w.tenant, w.priority, loop.time() - start)
 
     async def _pump(self, model: str, q: _ModelQueue) -> None:
         """Releases waiters while there is headroom, re-reading the load every ``poll_s``;
@@ -293,7 +340,10 @@ class FlowController:
                 assert w is not None
                 w.released.set_result(None)
             if q.size:
-                await asyncio.sleep(self.cfg.poll_s)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(q.wake.wait(), self.cfg.poll_s)
+                q.wake.clear()
+        q.freed.clear()
 
     async def _take(self, model: str, q: _ModelQueue) -> bool:
         """Takes one place of the model's headroom (from a snapshot at most ``poll_s`` old)."""
@@ -301,9 +351,19 @@ class FlowController:
             await self._refresh(model, q)
         if q.snapshot_headroom is None:
             return True  # no engine, or no report: not ours to hold
-        if q.released_since >= q.snapshot_headroom:
+        if q.released_since < q.snapshot_headroom:
+            q.released_since += 1
+            return True
+        return self._take_freed(q)
+
+    def _take_freed(self, q: _ModelQueue) -> bool:
+        """One place a request's end freed within ``credit_s``, if any."""
+        now = asyncio.get_running_loop().time()
+        while q.freed and now - q.freed[0] > self.cfg.credit_s:
+            q.freed.popleft()
+        if not q.freed:
             return False
-        q.released_since += 1
+        q.freed.popleft()
         return True
 
     async def _refresh(self, model: str, q: _ModelQueue) -> None:

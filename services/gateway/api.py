@@ -91,11 +91,13 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
                      HoldCost(request.get(TENANT_KEY), share), req.kv_transfer_params,
                      req.priority)
     timer: asyncio.TimerHandle | None = None
+    admitted = False
     state.metrics.in_flight.labels(endpoint, model.name).inc()
     try:
         try:
             async with asyncio.timeout_at(deadline):
                 await _admit(state, model, request.get(TENANT_KEY), req.priority)
+                admitted = True
                 await gen.start()
         except TimeoutError:
             raise timed_out from None
@@ -111,6 +113,8 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
             timer.cancel()
         state.generations.discard(gen)
         await gen.aclose()
+        if admitted:  # its place on an engine is free: flow control need not wait for a report
+            state.flow.finished(model.name, req.priority)
         state.metrics.in_flight.labels(endpoint, model.name).dec()
         if span.is_recording():
             _trace_usage(span, plan, gen)

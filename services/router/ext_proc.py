@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 import grpc
@@ -115,6 +115,7 @@ class Picked:
     route: RouteRequest
     # The choice's write-back to Redis, run once Envoy has its answer (Router.pick)
     settle: Callable[[], Awaitable[None]] | None = None
+    priority: int = 0  # the request's (flow control counts it in flight until the stream ends)
 
 
 class Picker:
@@ -149,7 +150,8 @@ class Picker:
                 await self.flow.admit(req.route.model, req.tenant, req.priority)
             except Shed as shed:
                 raise Refusal(429, shed.message, "overloaded", shed.retry_after) from None
-        return await self._timed(self._pick(req.route, subset))
+        picked = await self._timed(self._pick(req.route, subset))
+        return replace(picked, priority=req.priority)
 
     async def _timed(self, work: Awaitable[T]) -> T:
         try:
@@ -183,6 +185,12 @@ class Picker:
     def _shed(self, candidates: list[Candidate]) -> bool:
         limit = self.limits.shed_waiting
         return limit > 0 and all(c.waiting + c.pending >= limit for c in candidates)
+
+    def finished(self, picked: Picked) -> None:
+        """The request's stream ended (its response, or Envoy gave up): flow control's place
+        for it is free."""
+        if self.flow is not None:
+            self.flow.finished(picked.route.model, picked.priority)
 
     async def served(self, picked: Picked, endpoint: str | None) -> str:
         """Accounts for the endpoint that served: 'primary', 'fallback' or 'unreported'."""
@@ -352,6 +360,8 @@ class ExtProcService(pb_grpc.ExternalProcessorServicer):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "ext_proc stream too long")
         finally:
             stream.release()  # Envoy gave up mid-body, or the stream timed out
+            if stream.picked is not None:
+                self.picker.finished(stream.picked)
 
     async def _serve(self, stream: _Stream, requests: AsyncIterator[pb.ProcessingRequest],
                      context: grpc.aio.ServicerContext) -> None:

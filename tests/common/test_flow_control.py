@@ -97,12 +97,17 @@ def test_bands_are_strict_and_tenants_take_turns_in_a_band() -> None:
         await asyncio.sleep(0.01)
         tasks.append(asyncio.create_task(client("urgent", "small", 0)))
         await asyncio.sleep(0.01)
+        # More urgent than all that waits: not held (the engines' priority scheduling puts it
+        # first); a second of its band waits its turn, ahead of the lower band.
+        assert order == ["urgent"] and flow.queued("m") == 8
+        tasks.append(asyncio.create_task(client("urgent2", "small", 0)))
+        await asyncio.sleep(0.01)
         assert flow.queued("m") == 9
         await _release_one_by_one(flow, engines, 9)
         await asyncio.gather(*tasks)
-        assert order[0] == "urgent"  # a lower band always first
-        assert order[1:5] == ["big0", "small0", "big1", "small1"]  # turns, not arrival order
-        assert order[5:] == ["big2", "big3", "big4", "big5"]
+        assert order[:2] == ["urgent", "urgent2"]  # a lower band always first
+        assert order[2:6] == ["big0", "small0", "big1", "small1"]  # turns, not arrival order
+        assert order[6:] == ["big2", "big3", "big4", "big5"]
 
     asyncio.run(run())
 
@@ -112,6 +117,7 @@ def test_a_sheddable_request_is_refused_within_shed_after_s_others_wait() -> Non
         engines = Engines(waiting=1)
         flow = _controller(engines, sheddable_priority=1, shed_after_s=0.2)
         patient = asyncio.create_task(flow.admit("m", "t", 0))
+        await asyncio.sleep(0.01)  # it waits first (else, more urgent than all, it would pass)
         start = time.monotonic()
         with pytest.raises(Shed) as shed:
             await flow.admit("m", "t", 5)
@@ -163,3 +169,57 @@ def test_an_unknown_load_or_no_engine_holds_nothing() -> None:
 def test_metric_labels_are_bounded() -> None:
     labels = BoundedLabels(limit=2)
     assert [labels(v) for v in ("a", "b", "c", "a", "d")] == ["a", "b", "other", "a", "other"]
+
+
+def test_a_finished_request_frees_its_place_before_the_next_report() -> None:
+    """The engines' reports lag a request's end: while others wait, ``finished`` hands its
+    place on at once (for ``credit_s``); with nobody waiting it is a no-op, and the bands in
+    flight are forgotten at zero (memory follows what is in flight, not every band seen)."""
+    async def run() -> None:
+        engines = Engines(waiting=0)
+        flow = _controller(engines, credit_s=0.5)
+        await flow.admit("m", "a", 1)  # through (room), now in flight
+        engines.set_waiting(1)  # saturated, and the reports stay so
+        await asyncio.sleep(POLL * 2)
+        waiter = asyncio.create_task(flow.admit("m", "b", 1))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()  # held: the reports say saturated
+        flow.finished("m", 1)
+        await asyncio.wait_for(waiter, 0.5)  # the freed place, not a report
+        extra = asyncio.create_task(flow.admit("m", "c", 1))
+        await asyncio.sleep(0.05)
+        assert not extra.done()  # one end, one place
+        flow.finished("m", 1)
+        await asyncio.wait_for(extra, 0.5)
+        for _ in range(2):
+            flow.finished("m", 1)
+        assert flow._models["m"].in_flight == {}
+        for p in range(100):  # a client's many distinct priorities leave nothing behind
+            engines.set_waiting(0)
+            await asyncio.sleep(POLL * 2)
+            await flow.admit("m", "a", p)
+            flow.finished("m", p)
+        assert flow._models["m"].in_flight == {}
+
+    asyncio.run(run())
+
+
+def test_the_most_urgent_request_of_this_door_is_not_held() -> None:
+    async def run() -> None:
+        engines = Engines(waiting=1)  # saturated by others: nothing of this door's in flight
+        flow = _controller(engines)
+        alone = asyncio.create_task(flow.admit("m", "a", 0))
+        await asyncio.sleep(0.05)
+        assert not alone.done()  # held: nothing of ours to pass
+        engines.set_waiting(0)
+        await asyncio.wait_for(alone, 0.5)
+        engines.set_waiting(1)
+        await asyncio.sleep(POLL * 2)
+        await asyncio.wait_for(flow.admit("m", "a", -1), 0.05)  # more urgent than p0 in flight
+        same = asyncio.create_task(flow.admit("m", "b", 0))  # not more urgent than -1
+        await asyncio.sleep(0.05)
+        assert not same.done()
+        same.cancel()
+        await asyncio.gather(same, return_exceptions=True)
+
+    asyncio.run(run())

@@ -145,10 +145,6 @@ def test_sheddable_is_429_within_shed_after_s_non_sheddable_is_served(stack: Pag
     assert kept.status == 200
 
 
-# The target, not yet reached: on an idle AVX2-only machine the priority-0 p50 TTFT
-# under the flood was 2.1x the idle engine's (92 vs 44 ms, 2026-12-02); the assertion stays
-# the target's, and the mark goes when the flow control meets it.
-@pytest.mark.xfail(reason="priority-0 p50 TTFT 2.1x idle under a flood; target 2x", strict=False)
 def test_priority_0_ttft_under_a_priority_1_flood_within_2x_idle(stack: PagodaStack) -> None:
     async def ttfts(session: aiohttp.ClientSession, n: int) -> list[float]:
         out = []
@@ -170,4 +166,6 @@ def test_priority_0_ttft_under_a_priority_1_flood_within_2x_idle(stack: PagodaSt
             return idle, loaded
 
     idle, loaded = asyncio.run(run())
+    print(f"priority-0 p50 TTFT: idle {idle * 1e3:.1f} ms, under the flood {loaded * 1e3:.1f} ms "
+          f"({loaded / idle:.2f}x)")
     assert loaded <= 2 * idle, (idle, loaded)

@@ -353,9 +353,14 @@ async def test_flow_control_queues_sheds_sheddable_with_retry_after_and_releases
     flags = {"flow_control": True, "flow_queue_depth": 2, "sheddable_priority": 1,
              "shed_after_s": 0.5}
     loop = asyncio.get_running_loop()
-    async with picker(redis_url, default_model_path, **flags) as (_, stub), \
+    async with picker(redis_url, default_model_path, **flags) as (client, stub), \
             ep.stream(stub) as patient, ep.stream(stub) as sheddable:
         await patient.send(ep.headers(key="k1"), ep.body(ep.chat_body(TEXT, MODEL), True))
+        # It waits first: arriving after a less urgent waiter, it would pass at once (the
+        # most urgent request of this door is not held).
+        while "pagoda_router_flow_queued{" not in (text := await (
+                await client.get("/metrics")).text()) or 'band="0"' not in text:
+            await asyncio.sleep(0.02)
         start = loop.time()
         await sheddable.send(ep.headers(key="k2"),
                              ep.body(ep.chat_body(TEXT, MODEL, priority=5), True))
