@@ -62,6 +62,9 @@ class DictConnector:
     def request_finished(self, req: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         return (True, {"remote_block_ids": list(block_ids)}) if self.hold else (False, None)
 
+    def take_announced(self) -> dict:
+        return {}
+
     def start_load_kv(self, loads: list[tuple[str, list[Any], list[int]]]) -> None:
         for rid, hashes, ids in loads:
             for h, block_id in zip(hashes, ids, strict=True):
