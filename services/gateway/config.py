@@ -122,6 +122,11 @@ class GatewayConfig(FlowFlags):
         "prefill leg and are computed by the decode engine itself (llm-d's selective P/D: a "
         "short prompt is cheaper to compute than to queue behind long ones on a prefill "
         "engine); 0: every prompt takes the prefill leg")
+    pd_stream_kv: bool = flag(
+        False, help="with --pd-disaggregation: the prefill engine streams the prompt's KV "
+        "(its PagodaPDConnector): the decode leg starts when the prefill engine admits the "
+        "prompt and pulls each block as the prefill's chunks compute it, so only the last "
+        "chunk's blocks move after the prefill")
     router_timeout: float = flag(
         5.0, help="seconds per router call (with --engine-url: per call of the engine's /health)")
     engines_refresh: float = flag(
