@@ -189,6 +189,8 @@ class GatewayConfig(FlowFlags):
     def __post_init__(self) -> None:
         if self.pd_min_prompt_tokens < 0:
             raise ValueError(f"pd_min_prompt_tokens must be >= 0, got {self.pd_min_prompt_tokens}")
+        if self.pd_stream_kv and not self.pd_disaggregation:
+            raise ValueError("pd_stream_kv needs --pd-disaggregation (it streams the prefill leg)")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.engine_url is not None:
