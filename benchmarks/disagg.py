@@ -284,14 +284,23 @@ async def transfer_vs_prefill(serve: Serve, model: str, w: Workload, seed: int,
         print(f"  transfer / prefill: {transfer_s / prefill_s:.3f} (the issue asks <= 0.10)")
 
 
-async def sequential_ttft(base: str, model: str, prompts: int, tokens: int,
-                          seed: int) -> list[float]:
-    """``prompts`` fresh long prompts, one after another: each one's time to first token."""
+async def sequential_ttft(base: str, model: str, prompts: int, tokens: int, seed: int,
+                          prefill_engine: str) -> list[tuple[float, float]]:
+    """``prompts`` fresh long prompts, one after another: each one's time to first token and
+    its prefill time on the prefill engine (``vllm:request_prefill_time_seconds``' delta), so
+    that what P/D adds past the prefill shows apart from the prefill's own variation."""
     timeout = aiohttp.ClientTimeout(total=1800)
+    name = "vllm:request_prefill_time_seconds_sum"
+    out = []
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        return [(await stream(session, base, "/v1/completions",
-                              {"model": model, "prompt": long_prompt(seed + i, tokens),
-                               "max_tokens": 2}, long=True)).ttft for i in range(prompts)]
+        for i in range(prompts):
+            before = scrape(prefill_engine).get(name, 0.0)
+            s = await stream(session, base, "/v1/completions",
+                             {"model": model, "prompt": long_prompt(seed + i, tokens),
+                              "max_tokens": 2}, long=True)
+            await asyncio.sleep(0.3)  # the prefill leg's histogram: observed as it finishes
+            out.append((s.ttft, scrape(prefill_engine).get(name, 0.0) - before))
+    return out
 
 
 def cpu_flags() -> list[str]:
@@ -307,6 +316,7 @@ def stream_compare(args: argparse.Namespace, model_flags: list[str], tmp: str) -
     print(f"work: {prompts} prompts of {tokens} tokens (2 out) one after another on an idle "
           f"1P1D stack; greedy, float32; KV over tcp", flush=True)
     ttfts: dict[str, list[float]] = {}
+    gaps: dict[str, list[float]] = {}
     for name, extra in (("not streamed", []), ("streamed", ["--pd-stream-kv"])):
         serve = Serve(["--prefill-engines", "1", "--decode-engines", "1", *extra, *model_flags,
                        *args.engine_flags.split()], Path(tmp) / f"serve-{len(ttfts)}.log")
@@ -314,9 +324,13 @@ def stream_compare(args: argparse.Namespace, model_flags: list[str], tmp: str) -
             serve.wait()
             model = _served_model(serve.port)
             base = f"http://127.0.0.1:{serve.port}"
-            asyncio.run(sequential_ttft(base, model, 1, 64, args.seed + 7))  # warm up
-            ttfts[name] = asyncio.run(sequential_ttft(base, model, prompts, tokens, args.seed))
-            print(f"{name}: TTFT (ms) {[round(1000 * t) for t in ttfts[name]]}", flush=True)
+            prefill = serve.engines[0]
+            asyncio.run(sequential_ttft(base, model, 1, 64, args.seed + 7, prefill))  # warm-up
+            runs = asyncio.run(sequential_ttft(base, model, prompts, tokens, args.seed, prefill))
+            ttfts[name] = [t for t, _ in runs]
+            gaps[name] = [t - p for t, p in runs]
+            print(f"{name}: TTFT (ms) {[round(1000 * t) for t in ttfts[name]]}; TTFT - prefill "
+                  f"(ms) {[round(1000 * g) for g in gaps[name]]}", flush=True)
             w = Workload(0, 0, 1, tokens, 0.0, 2)
             asyncio.run(transfer_vs_prefill(serve, model, w, args.seed + 1000))
             if extra:
@@ -324,11 +338,14 @@ def stream_compare(args: argparse.Namespace, model_flags: list[str], tmp: str) -
                       "prefill's; TTFT is the figure to compare)")
         finally:
             serve.stop()
-    print(f"\n| {prompts} prompts of {tokens} tokens | mean TTFT (ms) | p99 TTFT (ms) |")
-    print("| --- | --- | --- |")
+    print(f"\n| {prompts} prompts of {tokens} tokens | mean TTFT (ms) | p99 TTFT (ms) | "
+          "mean TTFT - prefill (ms) | p99 TTFT - prefill (ms) |")
+    print("| --- | --- | --- | --- | --- |")
     for name, values in ttfts.items():
+        g = gaps[name]
         print(f"| {name} | {1000 * sum(values) / len(values):.0f} | "
-              f"{1000 * percentile(values, 0.99):.0f} |")
+              f"{1000 * percentile(values, 0.99):.0f} | {1000 * sum(g) / len(g):.0f} | "
+              f"{1000 * percentile(g, 0.99):.0f} |")
     off, on = ttfts["not streamed"], ttfts["streamed"]
     print(f"streamed / not streamed: mean {sum(on) / sum(off):.2f}x, p99 "
           f"{percentile(on, 0.99) / percentile(off, 0.99):.2f}x")
