@@ -6,6 +6,7 @@ workload: steady chat streams decode while long prompts arrive.
     .venv/bin/python benchmarks/disagg.py            # the figures (several minutes)
     .venv/bin/python benchmarks/disagg.py --quick    # a short check that it all runs
     .venv/bin/python benchmarks/disagg.py --transport store   # P/D through a KV store
+    .venv/bin/python benchmarks/disagg.py --stream-compare    # P/D's KV streamed or not
 
 What P/D should buy: in an aggregated engine a long prompt's prefill steps hold up every
 decode that shares the engine (inter-token latency spikes); with P/D the decode engine never
@@ -16,6 +17,13 @@ throughput. Then, on the P/D stack alone and idle, one fresh long prompt: its KV
 client's time to first token less the prefill leg's latency) against its prefill time (the
 prefill engine's ``vllm:request_prefill_time_seconds``). Last, if ``benchmarks/peer_pull.py``
 exists, its figures (a prefix pulled from a peer against recomputing it).
+
+``--stream-compare`` measures instead what streaming the KV buys (the gateway's
+``--pd-stream-kv``: the decode leg pulls each block as the prefill's chunks compute it): two
+P/D stacks in one run, without and with it, each sent the same long prompts one after another
+on an otherwise idle stack; the time to first token of each, mean and p99, and each stack's
+transfer against prefill. Give the engines steps shorter than the prompt (the CPU default is
+256 tokens), or there is one chunk and nothing to overlap.
 
 Every figure comes with the machine line (CPU, ISA flags, usable cores). Run it on a machine
 nothing else is using: the engines are pinned to cores, the load is not.
@@ -276,6 +284,73 @@ async def transfer_vs_prefill(serve: Serve, model: str, w: Workload, seed: int,
         print(f"  transfer / prefill: {transfer_s / prefill_s:.3f} (the issue asks <= 0.10)")
 
 
+async def sequential_ttft(base: str, model: str, prompts: int, tokens: int, seed: int,
+                          prefill_engine: str) -> list[tuple[float, float]]:
+    """``prompts`` fresh long prompts, one after another: each one's time to first token and
+    its prefill time on the prefill engine (``vllm:request_prefill_time_seconds``' delta), so
+    that what P/D adds past the prefill shows apart from the prefill's own variation."""
+    timeout = aiohttp.ClientTimeout(total=1800)
+    name = "vllm:request_prefill_time_seconds_sum"
+    out = []
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for i in range(prompts):
+            before = scrape(prefill_engine).get(name, 0.0)
+            s = await stream(session, base, "/v1/completions",
+                             {"model": model, "prompt": long_prompt(seed + i, tokens),
+                              "max_tokens": 2}, long=True)
+            await asyncio.sleep(0.3)  # the prefill leg's histogram: observed as it finishes
+            out.append((s.ttft, scrape(prefill_engine).get(name, 0.0) - before))
+    return out
+
+
+def cpu_flags() -> list[str]:
+    """``grep -o 'avx[^ ]*\\|amx[^ ]*' /proc/cpuinfo | sort -u``: every AVX and AMX flag."""
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return sorted(set(re.findall(r"\b(?:avx|amx)\S*", text)))
+
+
+def stream_compare(args: argparse.Namespace, model_flags: list[str], tmp: str) -> None:
+    """P/D without and with --pd-stream-kv, in one run: TTFT of the same long prompts."""
+    prompts = 3 if args.quick else args.stream_prompts
+    tokens = args.long_tokens or (512 if args.quick else 2000)
+    print(f"work: {prompts} prompts of {tokens} tokens (2 out) one after another on an idle "
+          f"1P1D stack; greedy, float32; KV over tcp", flush=True)
+    ttfts: dict[str, list[float]] = {}
+    gaps: dict[str, list[float]] = {}
+    for name, extra in (("not streamed", []), ("streamed", ["--pd-stream-kv"])):
+        serve = Serve(["--prefill-engines", "1", "--decode-engines", "1", *extra, *model_flags,
+                       *args.engine_flags.split()], Path(tmp) / f"serve-{len(ttfts)}.log")
+        try:
+            serve.wait()
+            model = _served_model(serve.port)
+            base = f"http://127.0.0.1:{serve.port}"
+            prefill = serve.engines[0]
+            asyncio.run(sequential_ttft(base, model, 1, 64, args.seed + 7, prefill))  # warm-up
+            runs = asyncio.run(sequential_ttft(base, model, prompts, tokens, args.seed, prefill))
+            ttfts[name] = [t for t, _ in runs]
+            gaps[name] = [t - p for t, p in runs]
+            print(f"{name}: TTFT (ms) {[round(1000 * t) for t in ttfts[name]]}; TTFT - prefill "
+                  f"(ms) {[round(1000 * g) for g in gaps[name]]}", flush=True)
+            w = Workload(0, 0, 1, tokens, 0.0, 2)
+            asyncio.run(transfer_vs_prefill(serve, model, w, args.seed + 1000))
+            if extra:
+                print("  (streamed: the pull starts with the prefill, so its time includes the "
+                      "prefill's; TTFT is the figure to compare)")
+        finally:
+            serve.stop()
+    print(f"\n| {prompts} prompts of {tokens} tokens | mean TTFT (ms) | p99 TTFT (ms) | "
+          "mean TTFT - prefill (ms) | p99 TTFT - prefill (ms) |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, values in ttfts.items():
+        g = gaps[name]
+        print(f"| {name} | {1000 * sum(values) / len(values):.0f} | "
+              f"{1000 * percentile(values, 0.99):.0f} | {1000 * sum(g) / len(g):.0f} | "
+              f"{1000 * percentile(g, 0.99):.0f} |")
+    off, on = ttfts["not streamed"], ttfts["streamed"]
+    print(f"streamed / not streamed: mean {sum(on) / sum(off):.2f}x, p99 "
+          f"{percentile(on, 0.99) / percentile(off, 0.99):.2f}x")
+
+
 def _ms(seconds: float | None) -> str:
     return "n/a" if seconds is None else f"{1000 * seconds:.1f} ms"
 
@@ -318,11 +393,23 @@ def main() -> None:
                     help="P/D: shorter prompts skip the prefill engine (selective P/D)")
     ap.add_argument("--transport", choices=("tcp", "store"), default="tcp",
                     help="P/D's KV transfer: engine to engine (tcp) or through a KV store")
+    ap.add_argument("--pd-stream-kv", action="store_true",
+                    help="P/D: the prefill engine streams the prompt's KV (gateway flag)")
+    ap.add_argument("--stream-compare", action="store_true",
+                    help="instead: P/D with and without --pd-stream-kv, TTFT of long prompts")
+    ap.add_argument("--stream-prompts", type=int, default=6,
+                    help="--stream-compare: long prompts per stack")
     args = ap.parse_args()
     # A SIGTERM (timeout, Ctrl-C from a supervisor) still stops the stacks (finally below).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     w = Workload.of(args)
     print(machine_line(), flush=True)
+    if args.stream_compare:
+        print(f"cpu flags: {' '.join(cpu_flags())}", flush=True)
+        tmp = tempfile.mkdtemp(prefix="pagoda-disagg-")
+        print(f"logs: {tmp}", flush=True)
+        stream_compare(args, ["--model", args.model] if args.model else [], tmp)
+        return
     print(f"work: {w.chat_streams} chat streams of {w.chat_tokens} tokens, meanwhile "
           f"{w.long_prompts} prompts of {w.long_tokens} tokens ({w.long_output} out) one every "
           f"{w.long_every_s:.0f}s; greedy, ignore_eos, float32; P/D's KV over "
@@ -332,7 +419,8 @@ def main() -> None:
     setups = {"aggregated": ["--engines", "2"],
               "P/D": ["--prefill-engines", "1", "--decode-engines", "1",
                       "--pd-transport", args.transport,
-                      "--pd-min-prompt-tokens", str(args.pd_min_prompt_tokens)]}
+                      "--pd-min-prompt-tokens", str(args.pd_min_prompt_tokens),
+                      *(["--pd-stream-kv"] if args.pd_stream_kv else [])]}
     tmp = tempfile.mkdtemp(prefix="pagoda-disagg-")  # the stacks' logs stay for a post-mortem
     print(f"logs: {tmp}", flush=True)
     for name, flags in setups.items():

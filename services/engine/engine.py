@@ -312,11 +312,26 @@ class LLMEngine:
     # -- stepping ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestUpdate]:
-        """One step: schedule -> execute -> the scheduler applies the result."""
-        return [
+        """One step: schedule -> execute -> the scheduler applies the result. A request the
+        KV connector announced params for (a streamed P/D prefill) gets an update without
+        tokens carrying them, ahead of its others."""
+        updates = [
             self._update(req, req.output_token_ids[-len(lps):], lps)
             for req, lps in self.step_requests()
         ]
+        if self.kv_connector is not None:
+            announced = self.kv_connector.take_announced()
+            if announced:
+                updates[:0] = [self._announce(self.requests[rid], params)
+                               for rid, params in announced.items() if rid in self.requests]
+        return updates
+
+    def _announce(self, req: Request, params: dict[str, Any]) -> RequestUpdate:
+        return RequestUpdate(req.request_id, [], [], finished=False,
+                             num_prompt_tokens=len(req.prompt_token_ids),
+                             arrival_time=req.arrival_time,
+                             first_scheduled_time=req.first_scheduled_time,
+                             max_tokens=req.params.max_tokens or 0, kv_transfer_params=params)
 
     def step_requests(self) -> list[tuple[Request, list[TokenLogprobs | None]]]:
         """``step`` without building its updates (the offline ``LLM`` reads the requests):

@@ -10,7 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.protocol.engine_api import FinishedFrame, TokenLogprobs, TokensFrame
+from services.protocol.engine_api import (
+    FinishedFrame,
+    KVTransferFrame,
+    TokenLogprobs,
+    TokensFrame,
+)
 from services.protocol.openai import TokenLogprob
 from services.protocol.sampling_params import SamplingParams
 from services.text.detokenizer import IncrementalDetokenizer
@@ -59,11 +64,13 @@ class ChoiceDecoder:
         self.finished = False
         self.kv_transfer_params: dict | None = None  # the engine's, from its finished frame
 
-    def on_frame(self, frame: TokensFrame | FinishedFrame) -> ChoiceDelta:
+    def on_frame(self, frame: TokensFrame | FinishedFrame | KVTransferFrame) -> ChoiceDelta:
         """Folds one tokens or finished frame in. After a delta with a finish_reason the
         choice is over (``finished``): the caller closes the engine stream."""
         if isinstance(frame, FinishedFrame):
             return self._finish(frame)
+        if isinstance(frame, KVTransferFrame):  # a streamed prefill's: for the gateway's legs
+            return ChoiceDelta(self.index)
         if frame.cached_tokens is not None:  # lets usage survive a stop-string close
             self.totals.cached_tokens = frame.cached_tokens
         delta = ChoiceDelta(self.index)

@@ -122,6 +122,11 @@ class GatewayConfig(FlowFlags):
         "prefill leg and are computed by the decode engine itself (llm-d's selective P/D: a "
         "short prompt is cheaper to compute than to queue behind long ones on a prefill "
         "engine); 0: every prompt takes the prefill leg")
+    pd_stream_kv: bool = flag(
+        False, help="with --pd-disaggregation: the prefill engine streams the prompt's KV "
+        "(its PagodaPDConnector): the decode leg starts when the prefill engine admits the "
+        "prompt and pulls each block as the prefill's chunks compute it, so only the last "
+        "chunk's blocks move after the prefill")
     router_timeout: float = flag(
         5.0, help="seconds per router call (with --engine-url: per call of the engine's /health)")
     engines_refresh: float = flag(
@@ -184,6 +189,8 @@ class GatewayConfig(FlowFlags):
     def __post_init__(self) -> None:
         if self.pd_min_prompt_tokens < 0:
             raise ValueError(f"pd_min_prompt_tokens must be >= 0, got {self.pd_min_prompt_tokens}")
+        if self.pd_stream_kv and not self.pd_disaggregation:
+            raise ValueError("pd_stream_kv needs --pd-disaggregation (it streams the prefill leg)")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.engine_url is not None:

@@ -29,6 +29,7 @@ from services.protocol.engine_api import (
     FinishedFrame,
     FrameDecoder,
     GenerateRequest,
+    KVTransferFrame,
     MalformedFrame,
     StreamFrame,
     TokensFrame,
@@ -64,7 +65,7 @@ class EngineStream:
         self._done = False
         self._span = span
 
-    async def frames(self) -> AsyncIterator[TokensFrame | FinishedFrame]:
+    async def frames(self) -> AsyncIterator[TokensFrame | FinishedFrame | KVTransferFrame]:
         """Frames up to and including the ``finished`` one. Raises EngineStreamError."""
         try:
             while True:

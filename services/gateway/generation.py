@@ -32,7 +32,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.models import ServedModel
 from services.gateway.router_client import Routing
 from services.protocol.block_hash import BlockHash
-from services.protocol.engine_api import FinishedFrame, GenerateRequest
+from services.protocol.engine_api import FinishedFrame, GenerateRequest, KVTransferFrame
 from services.protocol.messages import RouteRequest, RouteResponse
 from services.protocol.openai import OpenAIError
 from services.protocol.sampling_params import SamplingParams
@@ -68,6 +68,9 @@ class Upstreams:
     engine_wait: EngineWait | None = None  # holds requests while their model has no engine
     pd: bool = False  # disaggregated prefill/decode: a prefill leg before each choice
     pd_min_prompt_tokens: int = 0  # ... for prompts this long; shorter ones decode directly
+    # ... and the prefill engine streams the prompt's KV: the decode leg starts as soon as the
+    # prefill engine admits the prompt and pulls its blocks as its chunks are computed
+    pd_stream_kv: bool = False
 
 
 class GenerationFailed(Exception):
@@ -112,6 +115,7 @@ class Generation:
         self._queue: asyncio.Queue[ChoiceDelta | GenerationFailed | OpenAIError | _Wakeup] = (
             asyncio.Queue(_QUEUE_SIZE))
         self._readers: list[asyncio.Task[None]] = []
+        self._prefills: list[asyncio.Task[None]] = []  # streamed prefill legs still running
         self._abort: OpenAIError | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -130,10 +134,10 @@ class Generation:
         self._streams = [t.result() for t in tasks]
 
     async def aclose(self) -> None:
-        for t in self._readers:
+        for t in [*self._readers, *self._prefills]:
             t.cancel()
-        if self._readers:
-            await asyncio.gather(*self._readers, return_exceptions=True)
+        if self._readers or self._prefills:
+            await asyncio.gather(*self._readers, *self._prefills, return_exceptions=True)
         for s in self._streams:
             s.close()
 
@@ -274,14 +278,19 @@ class Generation:
         up = self._up
         rid = f"{self.request_id}-{job.index}-prefill"
         params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        kv = {"do_remote_decode": True, **({"kv_stream": True} if up.pd_stream_kv else {})}
         stream = None
         try:
             route = await self._route(job, [], "prefill")
-            req = GenerateRequest(rid, job.prompt_ids, params, self._salt, self._lora,
-                                  {"do_remote_decode": True}, self._priority)
+            req = GenerateRequest(rid, job.prompt_ids, params, self._salt, self._lora, kv,
+                                  self._priority)
             stream = await open_stream(up.session, route.engine_id, route.url, req,
                                        up.connect_timeout, up.tracer)
             async for frame in stream.frames():
+                if isinstance(frame, KVTransferFrame):  # streamed: the decode leg starts now
+                    self._prefills.append(asyncio.create_task(self._prefill_runs_on(stream)))
+                    stream = None  # closed by that task, once the prefill finished
+                    return frame.kv_transfer_params
                 if isinstance(frame, FinishedFrame):
                     return frame.kv_transfer_params
         except (OpenAIError, EngineUnavailable, EngineStreamError, TimeoutError) as exc:
@@ -291,6 +300,20 @@ class Generation:
             if stream is not None:
                 stream.close()
         return None
+
+    async def _prefill_runs_on(self, stream: EngineStream) -> None:
+        """A streamed prefill leg while the decode leg pulls its KV: its stream stays open
+        until it finishes (closing it would abort the prefill). A failure here costs the decode
+        engine a recompute of what it has not pulled, never the client an error."""
+        try:
+            async for frame in stream.frames():
+                if isinstance(frame, FinishedFrame):
+                    return
+        except EngineStreamError as exc:
+            logger.warning("streamed prefill leg failed request_id=%s: %s: the decode engine "
+                           "computes what it did not pull", self.request_id, exc)
+        finally:
+            stream.close()
 
     async def _route(self, job: ChoiceJob, exclude: list[str], role: str | None = None,
                      kv_layout: str | None = None) -> RouteResponse:

@@ -141,7 +141,7 @@ async def _resources(
             EngineWait(config.engine_wait_timeout, config.engine_wait_max_requests, metrics,
                        max_bytes=config.engine_wait_max_bytes,
                        max_tenant_bytes=config.engine_wait_max_tenant_bytes),
-            config.pd_disaggregation, config.pd_min_prompt_tokens,
+            config.pd_disaggregation, config.pd_min_prompt_tokens, config.pd_stream_kv,
         )
         flow = FlowController(config.flow_config(), router.loads,
                               FlowMetrics(metrics.registry, "pagoda_gateway"))

@@ -10,6 +10,8 @@ stream of msgpack frames, one after another: ``TokensFrame``, ``FinishedFrame`` 
      "usage": {"prompt_tokens", "completion_tokens", "cached_tokens"},
      "kv_transfer_params": {...} (only when the KV connector returned some)}  (last frame)
     {"type": "error", "message": ...}                                   (last frame, on failure)
+    {"type": "kv_transfer", "kv_transfer_params": {...}}   (a streamed P/D prefill, before any
+                                                            token: where its KV can be pulled)
 
 A request the engine refuses (malformed body, bad params, prompt too long) gets a 400 with a
 JSON OpenAI error before any frame, its ``param`` naming the field at fault. Closing the stream
@@ -274,9 +276,32 @@ class ErrorFrame:
         return cls(str(raw.get("message"))[:_MAX_ERROR_CHARS])
 
 
-StreamFrame = TokensFrame | FinishedFrame | ErrorFrame
+@dataclass(frozen=True, slots=True)
+class KVTransferFrame:
+    """The KV connector announced params before the request finished (a prefill asked with
+    ``"kv_stream": true``: the decode leg may start pulling now). Only to a request that
+    asked for it, so a client that does not know it never sees one."""
+
+    kv_transfer_params: dict[str, Any]
+
+    def to_msgpack(self) -> bytes:
+        return msgpack.packb({"type": "kv_transfer", "kv_transfer_params": self.kv_transfer_params})
+
+    @classmethod
+    def _from_map(cls, raw: dict[str, Any]) -> KVTransferFrame:
+        try:
+            params = kv_params.check(raw.get("kv_transfer_params"))
+        except BadRequest:
+            params = None
+        if params is None:
+            raise MalformedFrame("malformed engine frame: kv_transfer_params")
+        return cls(params)
+
+
+StreamFrame = TokensFrame | FinishedFrame | ErrorFrame | KVTransferFrame
 _FRAME_TYPES: dict[str, Any] = {
     "tokens": TokensFrame, "finished": FinishedFrame, "error": ErrorFrame,
+    "kv_transfer": KVTransferFrame,
 }
 _MAX_ERROR_CHARS = 500
 

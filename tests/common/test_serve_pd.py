@@ -42,3 +42,9 @@ def test_bad_combinations_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
             args_from(argv)
         assert exit_info.value.code == 2, argv
     assert "kv-transfer-config" in capsys.readouterr().err
+
+
+def test_streamed_kv_is_the_gateways_flag() -> None:
+    config, rest = args_from(["--prefill-engines", "1", "--decode-engines", "1",
+                              "--pd-stream-kv"])
+    assert config.pd_stream_kv and rest == []  # not an engine flag

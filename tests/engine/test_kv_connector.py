@@ -62,6 +62,9 @@ class DictConnector:
     def request_finished(self, req: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         return (True, {"remote_block_ids": list(block_ids)}) if self.hold else (False, None)
 
+    def take_announced(self) -> dict:
+        return {}
+
     def start_load_kv(self, loads: list[tuple[str, list[Any], list[int]]]) -> None:
         for rid, hashes, ids in loads:
             for h, block_id in zip(hashes, ids, strict=True):
@@ -171,6 +174,7 @@ class _Part:
         self.tokens, self.hold = tokens, hold
         self.calls: list[tuple] = []
         self.report = FinishedTransfers()
+        self.announced: dict[str, dict] = {}
 
     def get_num_new_matched_tokens(self, req: Any, num_computed: int) -> tuple[int, bool]:
         return (self.tokens, True) if self.tokens else (0, False)
@@ -183,6 +187,10 @@ class _Part:
 
     def request_finished(self, req: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         return (True, {"from": self.tokens}) if self.hold else (False, None)
+
+    def take_announced(self) -> dict[str, dict]:
+        announced, self.announced = self.announced, {}
+        return announced
 
     def start_load_kv(self, metadata: str) -> None:
         self.calls.append(("load", metadata))
@@ -218,6 +226,9 @@ def test_multi_connector_loads_from_the_first_that_has_tokens_and_saves_to_all()
     assert multi.get_finished().sending == set()
     third.report.sending.add("q")
     assert multi.get_finished().sending == {"q"}
+    second.announced["a"], third.announced["b"] = {"x": 1}, {"y": 2}  # every one's, once
+    assert multi.take_announced() == {"a": {"x": 1}, "b": {"y": 2}}
+    assert multi.take_announced() == {}
 
 
 def test_kv_transfer_config_reads_vllm_json_and_names_a_bad_key() -> None:

@@ -398,8 +398,9 @@ def test_kv_transfer_params_on_the_engine_api_are_checked_where_they_enter(
 
 
 class _FaultyServer:
-    """A transfer port that proves the credential, reads the ask, then stalls (``slow``) or
-    sends half a block and hangs up (``cut``)."""
+    """A transfer port that proves the credential, reads the ask, then stalls (``slow``),
+    sends half a block and hangs up (``cut``) or sends a block that fails its checksum
+    (``corrupt``)."""
 
     def __init__(self, mode: str) -> None:
         self.mode, self.sock = mode, socket.create_server(("127.0.0.1", 0))
@@ -426,6 +427,10 @@ class _FaultyServer:
                 pd_wire.send_json(conn, {"ok": True, "count": ask["count"]})
                 if self.mode == "cut":
                     conn.sendall(struct.pack(">I", 1 << 16) + b"\0" * 100)
+                elif self.mode == "corrupt":  # a frame whose checksum does not match
+                    conn.sendall(struct.pack(">I", 16) + b"\1" * 16)
+                    conn.settimeout(5)
+                    conn.recv(1)
                 else:
                     conn.settimeout(5)
                     conn.recv(1)  # until the puller gives up
@@ -525,3 +530,186 @@ def test_a_prefix_pulled_from_a_peer_matches_and_never_crosses_tenants(
         stop.set()
     puller.block_manager.reset_prefix_cache()
     assert peer.block_manager.num_free_blocks == peer.block_manager.num_total_blocks
+
+
+# -- streamed: the decode leg pulls while the prefill's chunks are computed ------------------
+
+STREAM = {"do_remote_decode": True, "kv_stream": True}
+CHUNK = 2 * BS  # the streaming prefill engine's step budget: a long prompt takes several steps
+
+
+def _chunked_prefill(model: Path, num_blocks: int = 160) -> LLM:
+    return LLM(str(model), num_blocks=num_blocks, block_size=BS, max_num_seqs=16,
+               max_num_batched_tokens=CHUNK, kv_transfer_config={
+        "kv_connector": "PagodaPDConnector", "kv_role": "kv_producer", "kv_transfer_timeout": 6.0,
+        "kv_connector_extra_config": {"read_timeout_s": 0.5, "max_connections": 3,
+                                      "stream_wait_s": 2.0}})
+
+
+@pytest.fixture(scope="module")
+def streamed(fast_model_dir: Path, engines: tuple[LLMEngine, LLMEngine]
+             ) -> Iterator[tuple[LLMEngine, LLMEngine]]:
+    """A prefill engine whose prompts take several steps, and the decode engine of
+    ``engines`` (the internal token is set while ``engines`` lives)."""
+    prefill = _chunked_prefill(fast_model_dir)
+    yield prefill.engine, engines[1]
+    prefill.shutdown()
+
+
+def _streamed(prefill: LLMEngine, decode: LLMEngine, rid: str, prompt: list[int],
+              edit: Any = None, stall_s: float = 0.0, abort_after: int | None = None
+              ) -> tuple[list[int], Any, int, dict]:
+    """The prefill leg asks to stream; the decode leg starts on its announcement; then both
+    engines step in turn (the prefill held back ``stall_s`` first, or aborted after
+    ``abort_after`` steps). Returns the decode leg's tokens and request, the prefill steps
+    after the announcement, and the announced params."""
+    prefill.add_request(rid, prompt, PREFILL, kv_transfer_params=dict(STREAM))
+    params = None
+    while params is None:
+        params = next((u.kv_transfer_params for u in prefill.step()
+                       if u.request_id == rid and u.kv_transfer_params), None)
+    kv = edit(dict(params)) if edit is not None else dict(params)
+    req = decode.add_request(rid, prompt, GREEDY, kv_transfer_params=kv)
+    tokens, left = [], 0
+    resume, deadline = time.monotonic() + stall_s, time.monotonic() + 30
+    while decode.has_unfinished_requests():
+        assert time.monotonic() < deadline
+        if prefill.has_unfinished_requests() and time.monotonic() >= resume:
+            if abort_after is not None and left == abort_after:
+                prefill.abort_request(rid)
+            prefill.step()
+            left += 1
+        tokens += [t for u in decode.step() for t in u.new_token_ids]
+    while prefill.has_unfinished_requests():
+        prefill.step()
+    return tokens, req, left, params
+
+
+def _reference(decode: LLMEngine, rid: str, prompt: list[int]) -> list[int]:
+    alone, _, _ = _run(decode, rid, prompt, GREEDY)
+    assert decode.block_manager.reset_prefix_cache()
+    return alone
+
+
+@pytest.mark.parametrize("n", [5 * BS + 5, 6 * BS, 2 * BS + 1])
+def test_streamed_decode_matches_one_engine_and_overlaps_the_prefill(
+        streamed: tuple[LLMEngine, LLMEngine], n: int) -> None:
+    """Partial and exact last blocks, several chunks: the params come while the prefill still
+    runs, every full block before the last token arrives pulled, the output is one engine's."""
+    prefill, decode = streamed
+    prompt = _prompt(500 + n, n)
+    alone = _reference(decode, f"s-alone{n}", prompt)
+    tokens, req, left, params = _streamed(prefill, decode, f"s{n}", prompt)
+    assert params["remote_streaming"] is True and params["remote_num_blocks"] == (n - 1) // BS
+    assert left >= 1  # announced before the prefill's last step
+    assert tokens == alone and req.num_cached_tokens == (n - 1) // BS * BS
+    assert _all_free(prefill) and len(prefill.kv_connector.held) == 0
+    assert decode.block_manager.reset_prefix_cache()
+
+
+def test_a_prefill_aborted_mid_stream_costs_a_recompute(
+        streamed: tuple[LLMEngine, LLMEngine]) -> None:
+    prefill, decode = streamed
+    prompt = _prompt(601, 6 * BS + 3)
+    alone = _reference(decode, "s-abort-ref", prompt)
+    tokens, req, _, _ = _streamed(prefill, decode, "s-abort", prompt, abort_after=1)
+    assert tokens == alone and req.num_cached_tokens < 6 * BS  # some arrived, not all
+    assert _all_free(prefill) and len(prefill.kv_connector.held) == 0
+    assert decode.block_manager.reset_prefix_cache()
+
+
+def test_a_stalled_prefill_times_out_into_a_recompute(
+        streamed: tuple[LLMEngine, LLMEngine]) -> None:
+    prefill, decode = streamed
+    connector = decode.kv_connector
+    prompt = _prompt(611, 6 * BS + 3)
+    alone = _reference(decode, "s-stall-ref", prompt)
+    before = decode.transfer_stats.snapshot().failures.get("timeout", 0)
+    wait, connector.stream_wait_s = connector.stream_wait_s, 0.2
+    try:  # the puller waits 0.2 + 0.5 s for a block; the prefill is held back 1.5 s
+        tokens, req, _, _ = _streamed(prefill, decode, "s-stall", prompt, stall_s=1.5)
+    finally:
+        connector.stream_wait_s = wait
+    assert tokens == alone and req.num_cached_tokens < 6 * BS
+    assert decode.transfer_stats.snapshot().failures.get("timeout", 0) == before + 1
+    assert _all_free(prefill, timeout=8.0)
+    assert decode.block_manager.reset_prefix_cache()
+
+
+def test_a_streamed_grant_still_needs_its_signature_and_a_good_checksum(
+        streamed: tuple[LLMEngine, LLMEngine]) -> None:
+    prefill, decode = streamed
+    prompt = _prompt(621, 4 * BS + 3)
+    alone = _reference(decode, "s-fault-ref", prompt)
+    corrupt = _FaultyServer("corrupt")
+    try:
+        for rid, edit, reason in (
+                ("s-unsigned", lambda p: {**p, "remote_port": corrupt.port}, "unsigned"),
+                ("s-corrupt", lambda p: _signed(p, remote_port=corrupt.port), "checksum"),
+                ("s-unknown", lambda p: _signed(p, remote_transfer_id="z" * 32), "refused")):
+            before = decode.transfer_stats.snapshot().failures.get(reason, 0)
+            tokens, req, _, _ = _streamed(prefill, decode, rid, prompt, edit=edit)
+            assert tokens == alone and req.num_cached_tokens == 0, rid
+            assert decode.transfer_stats.snapshot().failures.get(reason, 0) == before + 1, rid
+            assert decode.block_manager.reset_prefix_cache()
+    finally:
+        corrupt.close()
+    assert _all_free(prefill, timeout=8.0)  # never pulled: given up at the expiry
+    assert len(prefill.kv_connector.held) == 0
+
+
+def test_a_prefill_preempted_mid_stream_never_serves_a_reused_block(
+        fast_model_dir: Path, engines: tuple[LLMEngine, LLMEngine]) -> None:
+    """A small pool: a decoding request holds blocks while the streamed prompt prefills, and
+    the prompt runs out of blocks mid-prompt, so the scheduler preempts it (the newest). Its
+    stream ends there; the decode engine keeps what arrived, recomputes the rest."""
+    decode = engines[1]
+    llm = _chunked_prefill(fast_model_dir, num_blocks=11)
+    prefill = llm.engine
+    try:
+        prompt = _prompt(701, 6 * BS + 5)  # 7 blocks; with the other request's 5, 12 > 11
+        alone = _reference(decode, "s-preempt-ref", prompt)
+        prefill.add_request("other", _prompt(702, 4 * BS), SamplingParams(
+            max_tokens=12, temperature=0, ignore_eos=True))
+        prefill.step()
+        prefill.step()  # its prompt (two chunks) computed; it decodes from here on
+        tokens, req, _, _ = _streamed(prefill, decode, "s-preempt", prompt)
+        assert tokens == alone and req.num_cached_tokens < 6 * BS
+        assert prefill.scheduler.num_preemptions >= 1
+        assert _all_free(prefill) and len(prefill.kv_connector.held) == 0
+        assert decode.block_manager.reset_prefix_cache()
+    finally:
+        llm.shutdown()
+
+
+def test_a_peer_naming_a_streamed_transfer_waits_a_bounded_time(
+        streamed: tuple[LLMEngine, LLMEngine]) -> None:
+    """An attacker with the credential and the grant (the worst case): one pull at a time, the
+    ready blocks, then the server gives up once the prefill stalls past ``stream_wait_s``; the
+    transfer is over, so nothing stays held."""
+    from services.engine.kv_connector import pd_wire
+
+    prefill, _ = streamed
+    prompt = _prompt(631, 6 * BS + 3)
+    prefill.add_request("s-port", prompt, PREFILL, kv_transfer_params=dict(STREAM))
+    params = None
+    while params is None:  # the first step: 2 blocks computed
+        params = next((u.kv_transfer_params for u in prefill.step() if u.kv_transfer_params),
+                      None)
+    ask = {"transfer_id": params["remote_transfer_id"], "first": 0, "count": 6,
+           "last_hash": prefill.requests["s-port"].block_hashes[5].hex(),
+           "layout": params["kv_layout"]}
+    with _connect(prefill) as s, _connect(prefill) as t:
+        s.sendall(_frame(json.dumps({**ask, "proof": _hello(s, TOKEN)}).encode()))
+        assert _answer(s) == {"ok": True, "count": 6}
+        t.sendall(_frame(json.dumps({**ask, "proof": _hello(t, TOKEN)}).encode()))
+        assert _answer(t) == {"ok": False, "error": "the transfer is being pulled"}
+        started, data = time.monotonic(), b""
+        s.settimeout(10)
+        while chunk := s.recv(1 << 20):
+            data += chunk
+        assert time.monotonic() - started < 2.0 + 1.5  # stream_wait_s 2
+    assert len(data) == 2 * (4 + 8 + pd_wire.block_bytes(prefill.kv_connector.caches))
+    while prefill.has_unfinished_requests():
+        prefill.step()
+    assert _all_free(prefill) and len(prefill.kv_connector.held) == 0

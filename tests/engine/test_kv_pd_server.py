@@ -1,7 +1,9 @@
 """P/D between two real engine server processes: the prefill leg's finished frame carries the
 kv_transfer_params, the decode leg with them answers as one engine would while its prompt was
 served from the pull (cached_tokens); with the prefill engine killed, the decode engine
-recomputes and still answers; both ends count the transfer on /metrics."""
+recomputes and still answers; both ends count the transfer on /metrics. Streamed, the params
+come in a ``kv_transfer`` frame ahead of any token, and a prefill engine killed while its
+blocks stream costs the decode engine a recompute of the rest."""
 
 from __future__ import annotations
 
@@ -23,14 +25,15 @@ BS = 16
 ENV = {"OMP_NUM_THREADS": "1"}  # the session's internal token (tests/conftest.py) inherited
 
 
-def _engine(model: Path, redis: RedisServer, name: str, role: str) -> ServiceProcess:
+def _engine(model: Path, redis: RedisServer, name: str, role: str,
+            *extra: str) -> ServiceProcess:
     config = {"kv_connector": "PagodaPDConnector", "kv_role": role,
               "kv_connector_extra_config": {"host": "127.0.0.1"}}
     return ServiceProcess(
         "services.engine.serving.server",
         ["--model", str(model), "--engine-id", name, "--redis-url", redis.url,
          "--num-blocks", "128", "--block-size", str(BS),
-         "--kv-transfer-config", json.dumps(config)], env=ENV)
+         "--kv-transfer-config", json.dumps(config), *extra], env=ENV)
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +51,11 @@ def pair(fast_model_dir: Path) -> Iterator[tuple[ServiceProcess, ServiceProcess]
 
 
 async def _generate(url: str, rid: str, prompt: list[int], max_tokens: int,
-                    kv: dict[str, Any] | None) -> tuple[list[int], engine_api.FinishedFrame]:
+                    kv: dict[str, Any] | None, salt: str | None = None
+                    ) -> tuple[list[int], engine_api.FinishedFrame]:
     body = engine_api.GenerateRequest(rid, prompt, SamplingParams(
-        max_tokens=max_tokens, temperature=0, ignore_eos=True), kv_transfer_params=kv)
+        max_tokens=max_tokens, temperature=0, ignore_eos=True), cache_salt=salt,
+        kv_transfer_params=kv)
     tokens, dec = [], engine_api.FrameDecoder()
     session = aiohttp.ClientSession(headers=internal_headers())
     async with session as s, s.post(url + engine_api.GENERATE_PATH, data=body.to_msgpack()) as r:
@@ -104,3 +109,54 @@ def test_two_engine_processes_serve_prefill_then_decode(
         assert await _metric(decode.url, "vllm:nixl_num_failed_transfers_total") == 1
 
     asyncio.run(main())
+
+
+async def _announced(url: str, rid: str, prompt: list[int]
+                     ) -> tuple[aiohttp.ClientSession, aiohttp.ClientResponse, dict[str, Any]]:
+    """A streamed prefill leg, open: its session, response, and the params it announced."""
+    body = engine_api.GenerateRequest(rid, prompt, SamplingParams(
+        max_tokens=1, temperature=0, ignore_eos=True),
+        kv_transfer_params={"do_remote_decode": True, "kv_stream": True})
+    session = aiohttp.ClientSession(headers=internal_headers())
+    resp = await session.post(url + engine_api.GENERATE_PATH, data=body.to_msgpack())
+    assert resp.status == 200, await resp.text()
+    dec = engine_api.FrameDecoder()
+    async for chunk in resp.content.iter_any():
+        for frame in dec.feed(chunk):
+            assert isinstance(frame, engine_api.KVTransferFrame), frame  # before any token
+            return session, resp, frame.kv_transfer_params
+    raise AssertionError("no kv_transfer frame")
+
+
+def test_a_prefill_engine_killed_mid_stream_costs_a_recompute(fast_model_dir: Path) -> None:
+    """The prefill engine steps slowly (a prompt of 9 chunks at 0.4 s a step): the decode leg
+    starts on its announcement, blocks arrive as chunks complete, then the prefill engine is
+    killed; the decode engine keeps what arrived and computes the rest."""
+    with RedisServer() as redis:
+        prefill = _engine(fast_model_dir, redis, "s-prefill", "kv_producer",
+                          "--max-num-batched-tokens", str(BS), "--debug-step-delay-s",
+                          "0.4").launch()
+        decode = _engine(fast_model_dir, redis, "s-decode", "kv_consumer").launch()
+        try:
+            prefill.wait_healthy()
+            decode.wait_healthy()
+
+            async def main() -> None:
+                prompt = [7 + (i * 19) % 800 for i in range(8 * BS + 3)]
+                alone, _ = await _generate(decode.url, "s-alone", prompt, 8, None, "ref")
+                session, resp, params = await _announced(prefill.url, "s-p", prompt)
+                assert params["remote_streaming"] is True and params["remote_num_blocks"] == 8
+                pull = asyncio.create_task(_generate(decode.url, "s-d", prompt, 8, params))
+                await asyncio.sleep(1.5)  # a few blocks in
+                prefill.kill()
+                resp.close()
+                await session.close()
+                tokens, done = await pull
+                assert tokens == alone and 0 < done.cached_tokens < 8 * BS
+                assert await _metric(decode.url, "pagoda:kv_transfer_failures_total",
+                                     'reason="connection"') == 1
+
+            asyncio.run(main())
+        finally:
+            prefill.stop()
+            decode.stop()

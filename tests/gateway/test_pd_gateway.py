@@ -3,7 +3,9 @@ decode engine pulls its KV and generates, and the client (the openai package, st
 not) sees one completion, the same as one engine computing it all. With the prefill engine
 dead the answer is the same (the decode engine recomputes); with the decode engine killed
 mid-stream the stream ends with an error (an engine crash, as today). A prompt shorter than
---pd-min-prompt-tokens skips the prefill leg (selective P/D)."""
+--pd-min-prompt-tokens skips the prefill leg (selective P/D). With --pd-stream-kv the decode leg
+starts on the prefill engine's announcement and pulls while the prefill's chunks are computed:
+the same answers, the whole prompt's full blocks pulled."""
 
 from __future__ import annotations
 
@@ -119,3 +121,29 @@ def test_the_openai_client_streamed_and_not_then_faults(pagoda: PagodaStack) -> 
                 pagoda.engines[1].kill()
                 time.sleep(0.2)
     assert got
+
+
+@pytest.fixture(scope="module")
+def streamed(fast_model_dir: Path) -> Iterator[PagodaStack]:
+    """--pd-stream-kv, and a prefill engine whose prompts take several steps."""
+    def role(kv_role: str, *extra: str) -> list[str]:
+        return ["--block-size", str(BS), *extra, "--kv-transfer-config", json.dumps(
+            {"kv_connector": "PagodaPDConnector", "kv_role": kv_role})]
+
+    with PagodaStack(fast_model_dir, engines=2, routers=1, policy="round-robin",
+                     engine_args=[role("kv_producer", "--max-num-batched-tokens", str(BS)),
+                                  role("kv_consumer")],
+                     gateway_args=["--pd-disaggregation", "--pd-stream-kv"],
+                     env={"PAGODA_INTERNAL_TOKENS": "pd-gateway-test-token-0123456789"}
+                     ) as stack:
+        yield stack
+
+
+@pytest.mark.parametrize("n", [6 * BS + 5, 5 * BS])
+def test_streamed_kv_answers_as_one_engine(streamed: PagodaStack, n: int) -> None:
+    prompt = [23 + n + (i * 47) % 700 for i in range(n)]
+    pd = _complete(streamed, prompt=prompt)
+    assert pd["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // BS * BS
+    alone = _complete(streamed, prompt=prompt, kv_transfer_params={})  # on either engine
+    assert pd["choices"][0]["text"] == alone["choices"][0]["text"]
+    assert _stream_text(streamed, prompt=prompt, max_tokens=8) == alone["choices"][0]["text"]

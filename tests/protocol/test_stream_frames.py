@@ -10,6 +10,7 @@ from services.protocol.engine_api import (
     ErrorFrame,
     FinishedFrame,
     FrameDecoder,
+    KVTransferFrame,
     MalformedFrame,
     TokenLogprobs,
     TokensFrame,
@@ -19,6 +20,7 @@ from services.protocol.engine_api import (
 def test_frames_round_trip_across_chunk_boundaries() -> None:
     lp = TokenLogprobs(7, -0.25, 1, [(7, -0.25), (9, -1.5)])
     sent = [
+        KVTransferFrame({"do_remote_prefill": True, "remote_streaming": True}),
         TokensFrame([7], [lp], cached_tokens=32),
         TokensFrame([8, 9], [None, lp]),
         TokensFrame([10]),
@@ -44,6 +46,8 @@ def test_frames_round_trip_across_chunk_boundaries() -> None:
     {"type": "finished", "finish_reason": 3, "stop_reason": None, "usage": {}},
     {"type": "finished", "finish_reason": "stop", "stop_reason": None,
      "usage": {"prompt_tokens": 1, "completion_tokens": -1, "cached_tokens": 0}},
+    {"type": "kv_transfer"},
+    {"type": "kv_transfer", "kv_transfer_params": {"nested": {"a": 1}}},
 ])
 def test_malformed_frames_are_refused(raw: object) -> None:
     with pytest.raises(MalformedFrame):

@@ -15,7 +15,10 @@ scheduler side (``Scheduler``)
       loads). ``block_ids`` is all of the request's blocks; those to fill start at
       ``num_computed_tokens // block_size``.
     * ``build_connector_meta()``: at the end of ``schedule``, what the worker side needs for
-      the step (the loads just planned); the engine hands it to ``start_load_kv``.
+      the step (the loads just planned); the engine hands it to ``start_load_kv``. No step
+      has run since the schedule's preemptions: blocks they freed are not written yet.
+    * ``take_announced()``: after each step, params to hand a running request's client
+      before it finishes (a streamed P/D prefill: where its KV can be pulled while it runs).
     * ``request_finished(request, block_ids)``: a request finished or was aborted. Returns
       ``(delay_free, kv_transfer_params)``: with ``delay_free`` the scheduler keeps its blocks
       until ``get_finished`` names it in ``sending`` (or ``kv_transfer_timeout`` passes);
@@ -60,6 +63,7 @@ class ConnectorRequest(Protocol):
     block_hashes: list[BlockHash]
     num_cached_tokens: int
     num_computed_tokens: int
+    num_preemptions: int  # grows each time its blocks are freed to be recomputed
     # The client's params while it runs (P/D: where to pull its prompt's KV, or that its
     # blocks are to be held), the connector's answer once it finished.
     kv_transfer_params: dict[str, Any] | None
@@ -108,6 +112,8 @@ class KVConnector(Protocol):
 
     def request_finished(self, request: ConnectorRequest,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]: ...
+
+    def take_announced(self) -> dict[str, dict[str, Any]]: ...
 
     # -- worker side -----------------------------------------------------------------------
 

@@ -62,6 +62,9 @@ class MultiConnector:
             self._holding[request.request_id] = holders
         return bool(holders), params
 
+    def take_announced(self) -> dict[str, dict[str, Any]]:
+        return {rid: p for c in self.connectors for rid, p in c.take_announced().items()}
+
     # -- worker side -----------------------------------------------------------------------
 
     def start_load_kv(self, metadata: MultiMetadata) -> None:

@@ -22,11 +22,19 @@ does not verify) costs a recompute, never an error; blocks that arrived before a
 kept. A pull slower than recomputing its tokens (``ComputeRate``; at least ``min_pull_s``)
 is abandoned for a recompute.
 
+Streamed (``{"do_remote_decode": true, "kv_stream": true}``, ``pd_stream``): the prefill
+engine issues the transfer id when it admits the request and announces the params at once
+(with ``"remote_streaming": true``); the decode engine's pull then receives each block as the
+prefill's chunks complete it, waiting at most ``stream_wait_s`` for the next one and never past
+the grant's expiry (the "slower than recomputing" budget does not apply: the prefill is
+computing it meanwhile). A prefill preempted or aborted mid-stream ends the stream: the blocks
+that arrived are kept, the rest recomputed.
+
 ``kv_connector_extra_config``: ``host`` (bind, default 127.0.0.1), ``advertise_host`` (what
 the params name, default ``host``), ``port`` (0: any), ``engine_id``, ``read_timeout_s`` (5),
 ``min_pull_s`` (0.25), ``max_connections`` (16), ``max_held_transfers`` (1024),
-``pull_threads`` (4). The credential is the internal one (``$PAGODA_INTERNAL_TOKENS``); the
-connector does not start without it.
+``pull_threads`` (4), ``stream_wait_s`` (30). The credential is the internal one
+(``$PAGODA_INTERNAL_TOKENS``); the connector does not start without it.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ from services.engine.kv_connector.base import ConnectorContext, ConnectorRequest
 from services.engine.kv_connector.compute_rate import ComputeRate
 from services.engine.kv_connector.config import KVTransferConfig, checked_extra
 from services.engine.kv_connector.pd_server import MAX_PEER_BLOCKS, HeldTransfers, TransferServer
+from services.engine.kv_connector.pd_stream import StreamedPrefills, asks_stream
 from services.engine.kv_connector.pd_wire import WireError
 from services.engine.kv_connector.peer_blocks import PeerBlocks
 from services.engine.kv_connector.transfer_stats import TransferStats
@@ -55,7 +64,7 @@ logger = logging.getLogger(__name__)
 
 _EXTRA = {"host": str, "advertise_host": str, "port": int, "engine_id": str,
           "read_timeout_s": (int, float), "min_pull_s": (int, float), "max_connections": int,
-          "max_held_transfers": int, "pull_threads": int}
+          "max_held_transfers": int, "pull_threads": int, "stream_wait_s": (int, float)}
 GRANT = "pagoda-kv/2 transfer grant"
 # ``kv_transfer_params["kv_transport"]``: which connector's params they are (absent: this one's).
 TRANSPORT, TCP = "kv_transport", "tcp"
@@ -74,6 +83,7 @@ class Pull:
     block_ids: list[int]
     last_hash: str  # hex chain hash of the last block: the server checks it is its own
     hashes: list[str] | None = None  # a prefix pulled from a peer: every block's chain hash
+    expires: float | None = None  # a streamed prefill's: its grant's expiry (monotonic)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +92,10 @@ class Remote:
     port: int
     transfer_id: str
     num_blocks: int
+    # A streamed prefill's grant (``pd_stream``): its blocks arrive as its chunks are computed,
+    # so the pull waits for each, up to the grant's expiry (unix s). Not in the signature: it
+    # only sets how long this engine waits on an engine the grant already names.
+    streaming_until: float | None = None
 
     @classmethod
     def parse(cls, params: Any, layout: str,
@@ -107,7 +121,8 @@ class Remote:
             return "unsigned"
         if expires < time.time():
             return "expired"
-        return cls(host, port, tid, n)
+        return cls(host, port, tid, n,
+                   float(expires) if params.get("remote_streaming") is True else None)
 
     @classmethod
     def peer(cls, params: Any) -> Remote | None:
@@ -131,6 +146,8 @@ class PagodaPDConnector:
         self.layout = pd_wire.layout_digest(ctx.model_name, self.block_size, ctx.kv_caches)
         self.credential: InternalCredential = resolve(None, False, "kv transfer")
         self.read_timeout_s = float(extra.get("read_timeout_s", 5.0))
+        # A streamed pull's wait for the prefill's next block (either end).
+        self.stream_wait_s = float(extra.get("stream_wait_s", 30.0))
         self.min_pull_s = float(extra.get("min_pull_s", 0.25))
         self.stats = TransferStats()
         self.rate: ComputeRate = ctx.compute_rate or ComputeRate()
@@ -139,6 +156,7 @@ class PagodaPDConnector:
         self.advertise_host = extra.get("advertise_host", host)
         self.held: HeldTransfers | None = None
         self.server: TransferServer | None = None
+        self.streams: StreamedPrefills | None = None
         # Prefix blocks served to peers by hash (the engine thread pins them: ``save_kv``).
         self.peers: PeerBlocks | None = PeerBlocks() if self.role.saves else None
         self.block_manager = ctx.block_manager
@@ -148,7 +166,9 @@ class PagodaPDConnector:
                                       spec.kv_transfer_timeout / 2, self.stats)
             self.server = TransferServer(host, extra.get("port", 0), self.credential, self.held,
                                          ctx.kv_caches, self.layout, self.read_timeout_s,
-                                         extra.get("max_connections", 16), self.peers)
+                                         extra.get("max_connections", 16), self.peers,
+                                         self.stream_wait_s)
+            self.streams = StreamedPrefills(self.held, self.block_size, ctx.block_manager)
         self._pool = ThreadPoolExecutor(extra.get("pull_threads", 4), "kv-pd-pull")
         self._arrived: queue.SimpleQueue[tuple[str, int]] = queue.SimpleQueue()
         self._asked: tuple[str, Remote, int, int] | None = None  # id, remote, first, count
@@ -190,6 +210,8 @@ class PagodaPDConnector:
 
     def update_state_after_alloc(self, request: ConnectorRequest, block_ids: list[int],
                                  num_external_tokens: int) -> None:
+        if self.streams is not None and asks_stream(request.kv_transfer_params):
+            self.streams.open(request, self._grant)
         if not num_external_tokens:
             return
         assert self._asked is not None and self._asked[0] == request.request_id
@@ -198,17 +220,28 @@ class PagodaPDConnector:
         self._tried.add(rid)
         hashes = None if remote.transfer_id else [
             h.hex() for h in request.block_hashes[first:first + count]]
+        expires = None if remote.streaming_until is None else \
+            time.monotonic() + remote.streaming_until - time.time()
         self._planned.append(Pull(rid, remote.host, remote.port, remote.transfer_id, first,
                                   block_ids[first:first + count],
-                                  request.block_hashes[first + count - 1].hex(), hashes))
+                                  request.block_hashes[first + count - 1].hex(), hashes,
+                                  expires))
 
     def build_connector_meta(self) -> list[Pull]:
+        if self.streams:
+            self.streams.ended()  # before this schedule's step can write a preempted one's
         planned, self._planned = self._planned, []
         return planned
+
+    def take_announced(self) -> dict[str, dict[str, Any]]:
+        return {} if self.streams is None else self.streams.take_announced()
 
     def request_finished(self, request: ConnectorRequest,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._tried.discard(request.request_id)
+        streamed = None if self.streams is None else self.streams.finish(request, block_ids)
+        if streamed is not None:
+            return streamed
         params = request.kv_transfer_params
         if self.held is None or not isinstance(params, dict) or \
                 params.get("do_remote_decode") is not True:
@@ -248,6 +281,8 @@ class PagodaPDConnector:
         # read. (The prompts' held blocks are read from the pool when pulled.)
         if self.peers is not None:
             self.peers.serve(self.block_manager)
+        if self.streams:  # the streamed prefills' blocks this step completed may be sent
+            self.streams.advance()
 
     def get_finished(self, timeout: float = 0.0) -> FinishedTransfers:
         out = FinishedTransfers()
@@ -268,7 +303,9 @@ class PagodaPDConnector:
         started = time.monotonic()
         arrived = [0]  # blocks written so far: kept when the rest fails
         try:
-            self._fetch(pull, self._budget(len(pull.block_ids)), arrived)
+            budget = self.read_timeout_s if pull.expires is not None else \
+                self._budget(len(pull.block_ids))
+            self._fetch(pull, budget, arrived)
         except Exception as exc:  # noqa: BLE001 - any failure is a recompute, never a hang
             reason = exc.reason if isinstance(exc, WireError) else "connection"
             logger.warning("request_id=%s: pulling its KV from %s:%s failed after %d of %d "
@@ -310,10 +347,13 @@ class PagodaPDConnector:
                     f"refused: {error}")
             size = pd_wire.block_bytes(self.caches)
             for block_id in pull.block_ids[:count]:
+                if pull.expires is not None:  # streamed: each block once the prefill has it
+                    deadline = min(pull.expires, time.monotonic() + self.stream_wait_s +
+                                   self.read_timeout_s)
                 try:
                     frame = pd_wire.recv_frame(s, size + 8, deadline)
                 except pd_wire.TooSlow:
-                    if budget_s >= self.read_timeout_s:
+                    if budget_s >= self.read_timeout_s or pull.expires is not None:
                         raise
                     raise pd_wire.SlowerThanRecompute(
                         f"not done in {budget_s:.3f} s, the time to recompute it") from None

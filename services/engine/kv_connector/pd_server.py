@@ -8,6 +8,11 @@ here), a range inside it and the chain hash of the range's last block (so only t
 of the same tenant and adapter gets it), never a block id, and connections and held transfers
 are bounded in number. A transfer is served once: its blocks are copied out of the pool under
 the table's lock, then it is done.
+
+A streamed transfer (``HeldTransfers.open_stream``) is issued when the prefill is admitted and
+its blocks are sent as its chunks fill them: the pull waits for each next block, at most
+``stream_wait_s`` and never past the transfer's expiry, so a peer naming a live transfer id
+holds a connection slot for a bounded time and no memory beyond the run being sent.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,65 +42,176 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class Held:
     request_id: str
-    block_ids: list[int]  # the pool's, in token order; never sent to a peer
-    hashes: list[BlockHash]  # their chain hashes: a pull names the last one it wants
+    block_ids: list[int]  # the pool's, in token order, of the blocks ready to send; never sent
+    hashes: list[BlockHash]  # every block's chain hash: a pull names the last one it wants
     expires: float  # monotonic: unpulled by then, it is given up
+    finished: bool = True  # the request left (its blocks are held); False: it still prefills
+    reading: bool = False  # a pull reads it now (one at a time)
+    over: bool = False  # a pull ended: it is never served again
 
 
 class HeldTransfers:
-    """Transfer id -> held blocks; shared by the engine thread and the server's threads."""
+    """Transfer id -> held blocks; shared by the engine thread and the server's threads.
+
+    A transfer is either complete when issued (``add``: a finished prefill's blocks) or
+    streamed (``open_stream``: issued when the prefill is admitted, its blocks made ready by
+    the engine thread as its chunks are computed, ``advance``). Either is served by one pull
+    (``runs``), which waits for blocks not ready yet; ``cancel`` ends a streamed one whose
+    blocks are no longer the prompt's (its request was preempted or aborted). Blocks are
+    copied out under the lock, and the engine thread takes the lock before any block of a
+    cancelled transfer can be reused, so a block sent is always its final computed KV.
+    """
 
     def __init__(self, max_held: int, expiry_s: float, stats: TransferStats) -> None:
         self.max_held, self.expiry_s, self.stats = max_held, expiry_s, stats
         self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)  # blocks became ready, or a transfer ended
         self._held: dict[str, Held] = {}
         self._done: set[str] = set()  # request ids whose blocks may be freed now
 
     def add(self, request_id: str, block_ids: list[int],
             hashes: list[BlockHash]) -> str | None:
-        """A new transfer id for these blocks, or None when the table is full."""
+        """A new transfer id for these (computed) blocks, or None when the table is full."""
         assert len(hashes) == len(block_ids)
+        return self._issue(Held(request_id, list(block_ids), list(hashes),
+                                time.monotonic() + self.expiry_s))
+
+    def open_stream(self, request_id: str, hashes: list[BlockHash]) -> str | None:
+        """A transfer id for a prompt still being prefilled: its ``len(hashes)`` blocks are
+        served as ``advance`` makes them ready. None when the table is full."""
+        assert hashes
+        return self._issue(Held(request_id, [], list(hashes), time.monotonic() + self.expiry_s,
+                                finished=False))
+
+    def _issue(self, held: Held) -> str | None:
         with self._lock:
             if len(self._held) >= self.max_held:
                 return None
             transfer_id = secrets.token_urlsafe(24)
-            self._held[transfer_id] = Held(request_id, list(block_ids), list(hashes),
-                                           time.monotonic() + self.expiry_s)
+            self._held[transfer_id] = held
             return transfer_id
 
-    def copy_out(self, transfer_id: str, first: int, count: int, last_hash: str,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[bytes] | str:
-        """The blocks ``first .. first+count`` of a live transfer, copied out of the pool (then
-        the transfer is over), or why not. ``last_hash`` (hex) must be the chain hash of the
-        range's last block: the asker's prompt, tenant and adapter are the held one's."""
-        with self._lock:
+    # -- the engine thread -----------------------------------------------------------------
+
+    def advance(self, transfer_id: str, block_ids: list[int]) -> None:
+        """The streamed transfer's leading ``block_ids`` hold final KV now."""
+        with self._ready:
             held = self._held.get(transfer_id)
-            if held is None or held.expires <= time.monotonic():
-                return "unknown transfer id"
-            if not (0 <= first and 0 < count and first + count <= len(held.block_ids)):
-                return "blocks out of the transfer's range"
-            if not hmac.compare_digest(held.hashes[first + count - 1].hex(), last_hash):
-                return "another prompt's blocks"
-            del self._held[transfer_id]
-            self._done.add(held.request_id)
-            # Copied while the lock keeps get_finished from reporting the blocks free.
-            return [pd_wire.read_block(kv_caches, b) for b in held.block_ids[first:first + count]]
+            if held is None:
+                return  # expired meanwhile
+            assert held.block_ids == block_ids[:len(held.block_ids)], "ready blocks changed"
+            assert len(block_ids) <= len(held.hashes)
+            held.block_ids = list(block_ids)
+            self._ready.notify_all()
+
+    def cancel(self, transfer_id: str) -> None:
+        """Ends a streamed transfer for good. Returns only once no pull is copying its blocks:
+        the caller may then let them be reused."""
+        with self._ready:
+            self._held.pop(transfer_id, None)
+            self._ready.notify_all()
+
+    def finish(self, transfer_id: str, block_ids: list[int]) -> bool:
+        """The streamed transfer's request finished with all its blocks computed: whether its
+        blocks must be held (False: its pull is over, or it expired)."""
+        with self._ready:
+            held = self._held.get(transfer_id)
+            if held is None or held.over:
+                self._held.pop(transfer_id, None)
+                return False
+            assert len(block_ids) == len(held.hashes)
+            held.block_ids, held.finished = list(block_ids), True
+            held.expires = time.monotonic() + self.expiry_s  # from now, as a complete one's
+            self._ready.notify_all()
+            return True
 
     def take_done(self) -> set[str]:
-        """Request ids whose blocks were pulled or expired since the last call."""
+        """Request ids whose held blocks were pulled or expired since the last call."""
         now = time.monotonic()
-        with self._lock:
+        with self._ready:
             expired = [t for t, h in self._held.items() if h.expires <= now]
             for tid in expired:
                 self._done.add(self._held.pop(tid).request_id)
             if expired:
                 self.stats.add_expired(len(expired))
+                self._ready.notify_all()
             done, self._done = self._done, set()
             return done
+
+    # -- the server's threads --------------------------------------------------------------
+
+    def runs(self, transfer_id: str, first: int, count: int, last_hash: str,
+             kv_caches: list[tuple[torch.Tensor, torch.Tensor]], wait_s: float) -> Runs | str:
+        """The one pull of a live transfer's blocks ``first .. first+count`` (``Runs``), or
+        why not. ``last_hash`` (hex) must be the chain hash of the range's last block: the
+        asker's prompt, tenant and adapter are the held one's."""
+        with self._lock:
+            held = self._held.get(transfer_id)
+            if held is None or held.expires <= time.monotonic() or held.over:
+                return "unknown transfer id"
+            if held.reading:
+                return "the transfer is being pulled"
+            if not (0 <= first and 0 < count and first + count <= len(held.hashes)):
+                return "blocks out of the transfer's range"
+            if not hmac.compare_digest(held.hashes[first + count - 1].hex(), last_hash):
+                return "another prompt's blocks"
+            held.reading = True
+        return Runs(self, transfer_id, held, first, first + count, kv_caches, wait_s)
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._held)
+
+
+class Runs:
+    """One pull of a held transfer: iterates runs of block bytes, in order, each as soon as
+    its blocks are ready (waiting at most ``wait_s`` for the next, never past the transfer's
+    expiry: ``TooSlow``; ``Refused`` when it was cancelled or expired meanwhile). ``close``
+    (always: it is a context manager) ends the transfer for good, however far it got."""
+
+    def __init__(self, table: HeldTransfers, transfer_id: str, held: Held, at: int, stop: int,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], wait_s: float) -> None:
+        self.count = stop - at
+        self._table, self._tid, self._held = table, transfer_id, held
+        self._at, self._stop, self._caches, self._wait_s = at, stop, kv_caches, wait_s
+
+    def __enter__(self) -> Runs:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def __iter__(self) -> Iterator[list[bytes]]:
+        return self
+
+    def __next__(self) -> list[bytes]:
+        if self._at >= self._stop:
+            raise StopIteration
+        table, held = self._table, self._held
+        with table._ready:
+            deadline = min(time.monotonic() + self._wait_s, held.expires)
+            while table._held.get(self._tid) is held and len(held.block_ids) <= self._at:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise pd_wire.TooSlow("the prefill did not reach the next block in time")
+                table._ready.wait(left)
+            if table._held.get(self._tid) is not held:
+                raise pd_wire.Refused("the transfer was cancelled or expired")
+            ready = min(len(held.block_ids), self._stop)
+            # Copied under the lock: cancel (then reuse) and take_done wait for it.
+            run = [pd_wire.read_block(self._caches, b) for b in held.block_ids[self._at:ready]]
+        self._at = ready
+        return run
+
+    def close(self) -> None:
+        table, held = self._table, self._held
+        with table._ready:
+            if held.over:
+                return
+            held.reading, held.over = False, True
+            if held.finished and table._held.get(self._tid) is held:
+                del table._held[self._tid]
+                table._done.add(held.request_id)
 
 
 class TransferServer:
@@ -104,8 +221,9 @@ class TransferServer:
     def __init__(self, host: str, port: int, credential: InternalCredential,
                  held: HeldTransfers, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  layout: str, read_timeout_s: float, max_connections: int,
-                 peers: PeerBlocks | None = None) -> None:
+                 peers: PeerBlocks | None = None, stream_wait_s: float = 30.0) -> None:
         self.credential, self.held, self.kv_caches = credential, held, kv_caches
+        self.stream_wait_s = stream_wait_s  # a streamed pull's wait for the prefill's next block
         self.peers = peers
         self.layout, self.read_timeout_s = layout, read_timeout_s
         self._slots = threading.BoundedSemaphore(max_connections)
@@ -156,18 +274,21 @@ class TransferServer:
         if not pd_wire.client_proven(self.credential, nonces, ask.get("proof")):
             pd_wire.send_json(conn, {"ok": False, "error": "unauthorized"})
             raise pd_wire.Unauthorized("a peer without the internal credential")
-        blocks = self._by_hash(ask, deadline) if "hashes" in ask else self._blocks_for(ask)
-        if isinstance(blocks, str):
-            pd_wire.send_json(conn, {"ok": False, "error": blocks})
-            raise pd_wire.Refused(blocks)
-        started = time.monotonic()
-        pd_wire.send_json(conn, {"ok": True, "count": len(blocks)})
-        conn.settimeout(self.read_timeout_s)  # sends: a peer that stops reading is dropped
-        for data in blocks:
-            pd_wire.send_frame(conn, pd_wire.checksummed(data))
-        self.held.stats.done("sent", sum(map(len, blocks)), time.monotonic() - started)
+        runs = self._by_hash(ask, deadline) if "hashes" in ask else self._runs_for(ask)
+        if isinstance(runs, str):
+            pd_wire.send_json(conn, {"ok": False, "error": runs})
+            raise pd_wire.Refused(runs)
+        with runs:
+            started, sent = time.monotonic(), 0
+            pd_wire.send_json(conn, {"ok": True, "count": runs.count})
+            conn.settimeout(self.read_timeout_s)  # sends: a peer that stops reading is dropped
+            for run in runs:  # a streamed transfer's: as the prefill computes them
+                for data in run:
+                    pd_wire.send_frame(conn, pd_wire.checksummed(data))
+                sent += sum(map(len, run))
+        self.held.stats.done("sent", sent, time.monotonic() - started)
 
-    def _by_hash(self, ask: dict[str, Any], deadline: float) -> list[bytes] | str:
+    def _by_hash(self, ask: dict[str, Any], deadline: float) -> _Copied | str:
         """A peer's prefix pull: the leading run of the asked chain hashes this engine's cache
         holds (maybe none), pinned while copied."""
         hashes = ask.get("hashes")
@@ -186,11 +307,11 @@ class TransferServer:
         if ids is None:
             return "the engine is busy"
         try:
-            return [pd_wire.read_block(self.kv_caches, b) for b in ids]
+            return _Copied([pd_wire.read_block(self.kv_caches, b) for b in ids])
         finally:
             self.peers.unpin(ids)
 
-    def _blocks_for(self, ask: dict[str, Any]) -> list[bytes] | str:
+    def _runs_for(self, ask: dict[str, Any]) -> Runs | str:
         tid, first, count = ask.get("transfer_id"), ask.get("first"), ask.get("count")
         last_hash = ask.get("last_hash")
         if not isinstance(tid, str) or not _is_int(first) or not _is_int(count) or \
@@ -198,7 +319,27 @@ class TransferServer:
             return "transfer_id, last_hash (strings), first and count (integers) are required"
         if ask.get("layout") != self.layout:
             return "KV layout mismatch"
-        return self.held.copy_out(tid, first, count, last_hash, self.kv_caches)
+        return self.held.runs(tid, first, count, last_hash, self.kv_caches, self.stream_wait_s)
+
+
+@dataclass(slots=True)
+class _Copied:
+    """Blocks already copied out (a peer's prefix pull), served as ``Runs`` are: one run."""
+
+    blocks: list[bytes]
+
+    @property
+    def count(self) -> int:
+        return len(self.blocks)
+
+    def __iter__(self) -> Iterator[list[bytes]]:
+        return iter([self.blocks])
+
+    def __enter__(self) -> _Copied:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        pass
 
 
 MAX_PEER_BLOCKS = 1024  # one ask's hashes (16k tokens of 16): ~35 KB of JSON

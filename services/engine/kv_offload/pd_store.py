@@ -235,6 +235,9 @@ class PagodaStorePDConnector:
                        "remote_engine_id": self.engine_id, "remote_request_id": rid,
                        "remote_num_blocks": n, "kv_layout": self.layout}
 
+    def take_announced(self) -> dict[str, Any]:
+        return {}  # a store leg answers once its blocks are stored (``kv_stream`` is ignored)
+
     def _write_ready(self, production: _Production, block_ids: list[int]) -> None:
         """Hands the writer the leg's blocks computed since the last call (engine thread:
         their bytes are read now, while the request owns them and their KV is final; a block

@@ -162,6 +162,9 @@ class KVTiers:
             load.aborted = True
         return False, None
 
+    def take_announced(self) -> dict[str, dict[str, Any]]:
+        return {}  # nothing to tell a client before its request ends
+
     # -- the connector's worker side --------------------------------------------------------
 
     def start_load_kv(self, jobs: list[LoadJob]) -> None:

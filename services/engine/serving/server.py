@@ -354,6 +354,8 @@ async def _stream(
         if spans is not None:
             spans.on_update(item)
         now = time.monotonic()
+        if item.kv_transfer_params is not None and not item.finished:  # announced: at once
+            await resp.write(engine_api.KVTransferFrame(item.kv_transfer_params).to_msgpack())
         if item.new_token_ids:
             if last is None:
                 metrics.ttft.labels(model).observe(now - start)
@@ -397,6 +399,9 @@ def _coalesced(item: RequestUpdate, updates: asyncio.Queue) -> tuple[object, obj
             new_token_ids=item.new_token_ids + nxt.new_token_ids,
             new_logprobs=item.new_logprobs + nxt.new_logprobs,
             prompt_logprobs=item.prompt_logprobs or nxt.prompt_logprobs,
+            # An announcement survives a merge, except into the finished update (its own).
+            kv_transfer_params=nxt.kv_transfer_params if nxt.finished or
+            nxt.kv_transfer_params is not None else item.kv_transfer_params,
         )
     return item, None
 
