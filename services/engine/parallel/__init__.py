@@ -11,7 +11,7 @@ group those layers talk through.
 When the ranks span pods (a LeaderWorkerSet), rank 0 starts only its own pod's: ``node_group``
 says where each pod stands and which ranks it holds (one, or one pipeline stage), each pod's
 process starts the rest of its pod's ranks, ``node_join`` is the leader's door (the join
-handshake) and ``node_links`` the heartbeats that turn a lost or hung pod into the group's end,
+handshake) and ``heartbeat`` the heartbeats that turn a lost or hung pod into the group's end,
 as the pidfd watch does for local workers.
 
 Pipeline parallelism (``pipeline``) reuses all of this for P x T ranks: which ranks form which
