@@ -12,8 +12,8 @@ import time
 import pytest
 
 from services.engine.parallel import node_join
-from services.engine.parallel.node_group import NodeGroup
 from services.engine.parallel.heartbeat import SILENCE_S, Heartbeats
+from services.engine.parallel.node_group import NodeGroup
 from tests.support.redis_server import free_port
 
 IDENTITY = {"model": "m", "dtype": "float32", "weights digest": "abc"}

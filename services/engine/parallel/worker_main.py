@@ -35,9 +35,9 @@ from services.common.logs import setup_logging
 from services.engine.parallel import group as tp_group
 from services.engine.parallel import node_join
 from services.engine.parallel.group import Rendezvous, TPGroup
+from services.engine.parallel.heartbeat import Heartbeats
 from services.engine.parallel.local_workers import LocalWorkers, WorkerArgs
 from services.engine.parallel.node_group import NodeGroup
-from services.engine.parallel.heartbeat import Heartbeats
 from services.engine.parallel.step_broadcast import StepBatch, receive_step
 
 logger = logging.getLogger(__name__)

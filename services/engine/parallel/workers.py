@@ -37,9 +37,9 @@ import torch
 from services.engine.parallel import group as tp_group
 from services.engine.parallel import node_join
 from services.engine.parallel.group import Rendezvous
+from services.engine.parallel.heartbeat import Heartbeats
 from services.engine.parallel.local_workers import STOP_GRACE_S, LocalWorkers, rank_device
 from services.engine.parallel.node_group import NodeGroup
-from services.engine.parallel.heartbeat import Heartbeats
 from services.engine.parallel.step_broadcast import send_stop
 from services.engine.parallel.worker_main import EXIT_CODE
 
