@@ -6,8 +6,10 @@ starts the other ranks of its pod): a fresh interpreter that imports the entry m
 it needs, never the user's script (so a script read from standard input, or one without a
 ``__main__`` guard, starts workers like any other). The entry calls ``run_worker`` with a
 ``build`` function; ``run_worker`` reads the ``WorkerArgs`` its starter wrote (pickled) to its
-standard input, arms the death signal, joins the group at its ``Rendezvous``, builds the rank's
-step function with ``build`` and runs each step rank 0 sends until told to stop.
+standard input, arms the death signal, pings its starter over its heartbeat link
+(``heartbeat``: a hung worker is told from a busy one), joins the group at its
+``Rendezvous``, builds the rank's step function with ``build`` and runs each step rank 0 sends
+until told to stop.
 
 A worker never outlives its starter: it dies with the thread that started it
 (``PR_SET_PDEATHSIG``), and one whose starter died before that was armed (its parent is no

@@ -11,6 +11,9 @@ Failure is never a hang:
   process's pidfd), logs which rank and its exit code, kills the other workers and exits the
   engine process with status 1, at once, whatever rank 0 was doing (blocked in a collective
   with the dead rank, on NCCL, it would otherwise wait forever). The pod restarts.
+* a worker that hangs (SIGSTOP, stuck): its heartbeat link to rank 0 (``heartbeat``, a byte
+  every 0.5 s from a thread of its own) goes silent, and 2.5 s of silence is handled as its
+  exit, long before the step watchdog (``--step-timeout-s``) would notice.
 * the engine process dying: the kernel kills every worker (``PR_SET_PDEATHSIG``, bound to the
   thread that started them: the engine's own thread), and any collective in progress on gloo
   fails at once.
