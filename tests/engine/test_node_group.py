@@ -185,13 +185,15 @@ def _lose_worker(stack: PagodaStack, worker: ServiceProcess, sig: signal.Signals
     assert any(isinstance(f, engine_api.ErrorFrame) for f in frames), frames[-3:]
     log = leader.log_text()
     # The link watch names the lost worker, unless a collective of the step in flight saw the
-    # closed connection first and took the core down itself (seen once in the full suite on
-    # 2 cores, SIGKILL only): then the server says its core died. A stopped worker closes
-    # nothing, so only the link watch can notice it.
-    assert "worker node rank 1" in log or (
-        sig == signal.SIGKILL and "the engine core died" in log), log[-2000:]
+    # closed connection first and took the core down itself (seen on 2 cores when the worker
+    # pod dies: SIGKILL, or a lost local rank, which ends the pod): then the server says its
+    # core died. A stopped worker pod closes nothing, so only the link watch can notice it.
+    pod_died = sig == signal.SIGKILL or pid is not None
+    assert "worker node rank 1" in log or (pod_died and "the engine core died" in log), \
+        log[-2000:]
     if sig == signal.SIGSTOP:
-        os.kill(worker.proc.pid, signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):  # a local rank dies with its pod
+            os.kill(pid or worker.proc.pid, signal.SIGCONT)
     assert worker.proc.wait(10) != 0
 
 
@@ -260,3 +262,17 @@ def test_a_stage_of_two_ranks_per_pod_serves_and_a_killed_local_rank_ends_the_gr
         (local,) = _local_ranks(worker.proc.pid)
         assert len(_local_ranks(stack.engines[0].proc.pid)) == 1  # the leader's rank 1
         _lose_worker(stack, worker, signal.SIGKILL, pid=local)
+
+
+def test_a_stopped_local_rank_of_a_worker_pod_takes_the_group_out_of_routing(
+        fast_model_dir) -> None:
+    """The worker pod's local rank SIGSTOPped (its pod's process still heartbeats to the
+    leader): its silent link to its pod's process ends that process, and so the group, within
+    seconds, not after the leader's step watchdog."""
+    port = free_port()
+    stack = _slow_stack(fast_model_dir, port, "pp_tp")
+    with _launched(_worker(fast_model_dir, port, layout="pp_tp")) as worker, stack:
+        worker.wait_healthy()
+        (local,) = _local_ranks(worker.proc.pid)
+        _lose_worker(stack, worker, signal.SIGSTOP, pid=local)
+        assert "went silent" in worker.log_text(), worker.log_tail()

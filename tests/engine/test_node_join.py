@@ -12,8 +12,8 @@ import time
 import pytest
 
 from services.engine.parallel import node_join
+from services.engine.parallel.heartbeat import SILENCE_S, Heartbeats
 from services.engine.parallel.node_group import NodeGroup
-from services.engine.parallel.node_links import SILENCE_S, NodeLinks
 from tests.support.redis_server import free_port
 
 IDENTITY = {"model": "m", "dtype": "float32", "weights digest": "abc"}
@@ -73,10 +73,10 @@ def test_a_silent_peer_is_not_admitted_forever() -> None:
         node_join.Door(leader).admit(IDENTITY, 1, "p", timeout_s=0.5)
 
 
-def _links() -> tuple[NodeLinks, socket.socket, list[str]]:
+def _links() -> tuple[Heartbeats, socket.socket, list[str]]:
     ours, theirs = socket.socketpair()
     lost: list[str] = []
-    return NodeLinks({"worker node rank 1": ours}, lost.append).start(), theirs, lost
+    return Heartbeats({"worker node rank 1": ours}, lost.append).start(), theirs, lost
 
 
 def _wait(lost: list[str], seconds: float) -> float:

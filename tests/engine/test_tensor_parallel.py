@@ -13,6 +13,7 @@ a user's script read from standard input, or without a ``__main__`` guard, start
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -383,3 +384,20 @@ def test_a_dead_worker_ends_the_engine_within_seconds(tiny_model_dir) -> None:
         print(f"\nengine exited {took:.2f}s after its worker was killed (status {code})")
         assert code != 0 and took < 5, proc.log_tail()
         assert "worker rank 1 (pid" in proc.log_text() and "exited with code -9" in proc.log_text()
+
+
+def test_a_hung_worker_ends_the_engine_within_seconds(tiny_model_dir) -> None:
+    """A stopped worker (SIGSTOP) never exits: its silent heartbeat link ends the engine as its
+    death would, long before the step watchdog."""
+    with _server(tiny_model_dir("LlamaForCausalLM")) as proc:
+        worker = _worker_pid(proc)
+        assert len(_generate(proc.url)) == 4  # serving: the worker pings
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            code, took = _exit_within(proc, 10)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)
+        print(f"\nengine exited {took:.2f}s after its worker was stopped (status {code})")
+        assert code != 0 and took < 5, proc.log_tail()
+        assert "worker rank 1 (pid" in proc.log_text() and "went silent" in proc.log_text()

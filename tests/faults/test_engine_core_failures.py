@@ -10,6 +10,10 @@ and ``--debug-step-delay-s`` past ``--step-timeout-s`` (a step that never ends i
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import re
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -117,3 +121,34 @@ def test_the_watchdog_and_fault_flags_are_checked(argv, capsys) -> None:
         configs_from_args(argv)
     assert exit_info.value.code == 2
     assert f"{argv[0]} must be >= 0" in capsys.readouterr().err
+
+
+def test_a_hung_tensor_parallel_worker_takes_the_engine_out_of_routing(tiny_model_dir) -> None:
+    """A core process's worker rank SIGSTOPped: its silent heartbeat link ends the core within
+    seconds (not the step watchdog's --step-timeout-s), so /health stops answering 200, the
+    heartbeat leaves Redis within 5 s and the server exits 1."""
+    with RedisServer() as redis_server:
+        client = redis.Redis.from_url(redis_server.url)
+        heartbeat = RedisKeys().heartbeat(MODEL, ENGINE_ID)
+        proc = _server(tiny_model_dir("LlamaForCausalLM"), "process",
+                       "--tensor-parallel-size", "2", "--redis-url", redis_server.url,
+                       "--heartbeat-interval-s", "0.2").start()
+        worker = 0
+        try:
+            wait_for(lambda: client.exists(heartbeat), 60, "the engine's heartbeat")
+            found = re.search(r"worker rank=1 pid=(\d+) started", proc.log_text())
+            assert found, proc.log_tail()
+            worker = int(found.group(1))
+            os.kill(worker, signal.SIGSTOP)
+            stopped = time.monotonic()
+            wait_for(lambda: not client.exists(heartbeat), 5, "the heartbeat leaving Redis")
+            print(f"\nthe engine left Redis {time.monotonic() - stopped:.2f}s after SIGSTOP")
+            assert _health(proc.url) != 200
+            assert proc.proc.wait(15) == 1
+            assert "worker rank 1 (pid" in proc.log_text() and "went silent" in proc.log_text()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                if worker:
+                    os.kill(worker, signal.SIGKILL)
+            proc.kill()
+            client.close()

@@ -11,8 +11,8 @@ group those layers talk through.
 When the ranks span pods (a LeaderWorkerSet), rank 0 starts only its own pod's: ``node_group``
 says where each pod stands and which ranks it holds (one, or one pipeline stage), each pod's
 process starts the rest of its pod's ranks, ``node_join`` is the leader's door (the join
-handshake) and ``node_links`` the heartbeats that turn a lost or hung pod into the group's end,
-as the pidfd watch does for local workers.
+handshake) and ``heartbeat`` the heartbeat links that turn a lost or hung pod, or a hung local
+rank, into the group's end, as the pidfd watch does for a local rank's death.
 
 Pipeline parallelism (``pipeline``) reuses all of this for P x T ranks: which ranks form which
 stage, and the point-to-point hand-offs that carry a step from stage to stage.

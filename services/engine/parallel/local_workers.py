@@ -15,6 +15,12 @@ group's stop (``worker_main.run_worker``), so such an exit is not a failure: a w
 the stop in the same broadcast as its local workers, and one of them may be gone before the
 pod's own process calls ``close``.
 
+A worker that hangs (SIGSTOP, stuck) has no exit to see: each also has a heartbeat link to
+its starter (``heartbeat``, a socket pair), pinged from a thread of its own whatever its step
+thread is doing; 2.5 s of silence, or the link closing while the worker runs, is reported to
+``on_exit`` as its death would be. A link that closes because the worker died defers to the
+pidfd, which tells the exit code.
+
 The workers die with the thread that started them (``PR_SET_PDEATHSIG``, armed in
 ``worker_main``): the starter's death ends them.
 """
@@ -26,6 +32,7 @@ import logging
 import os
 import pickle
 import select
+import socket
 import subprocess
 import sys
 import threading
@@ -38,10 +45,14 @@ from typing import Any
 import torch
 
 from services.engine.parallel.group import Rendezvous
+from services.engine.parallel.heartbeat import Heartbeats
 
 logger = logging.getLogger(__name__)
 
 STOP_GRACE_S = 10.0
+# How long a worker whose link closed may take to become an exit the pidfd tells (its kernel
+# closes its sockets just before it exits).
+_DEATH_SETTLE_S = 0.3
 # The directory that holds the ``services`` package: on the workers' import path whatever
 # the engine's working directory or ``sys.path`` tweaks.
 _SOURCE_ROOT = str(Path(__file__).resolve().parents[3])
@@ -58,6 +69,7 @@ class WorkerArgs:
     device: str  # this rank's device
     log_level: int
     payload: Any  # what the entry module's ``build`` needs (the engine's config, model path)
+    heartbeat_fd: int = -1  # its end of the heartbeat link to its starter (-1: none)
 
 
 def rank_device(device: torch.device, local_rank: int) -> torch.device:
@@ -96,14 +108,21 @@ class LocalWorkers:
         self._closing = threading.Event()
         level = logging.getLogger().getEffectiveLevel()
         self.procs: list[subprocess.Popen[bytes]] = []
+        links: dict[str, socket.socket] = {}
         for local in range(1, count):
+            ours, theirs = socket.socketpair()
             args = WorkerArgs(first_rank + local, size, rendezvous, os.getpid(),
-                              str(rank_device(device, local)), level, payload)
-            self.procs.append(_start(module, args))
+                              str(rank_device(device, local)), level, payload, theirs.fileno())
+            with theirs:  # the worker holds its own copy
+                proc = _start(module, args)
+            self.procs.append(proc)
+            links[f"tensor-parallel worker rank {args.rank} (pid {proc.pid})"] = ours
         self._pidfds = {os.pidfd_open(p.pid): p for p in self.procs}
         self._watch_thread = threading.Thread(target=self._watch, name="tp-watchdog",
                                               daemon=True)
         self._watch_thread.start()
+        self._heartbeats = Heartbeats(links, self._link_lost, from_first_ping=True,
+                                     name="tp-heartbeats").start()
 
     @property
     def pids(self) -> list[int]:
@@ -132,6 +151,17 @@ class LocalWorkers:
             for fd in self._pidfds:
                 os.close(fd)
 
+    def _link_lost(self, why: str) -> None:
+        """A worker's link closed or went silent: a hang is reported here; a death (some
+        worker exits within ``_DEATH_SETTLE_S``) is the pidfd watch's to report, with its
+        exit code, or not at all if it stopped cleanly."""
+        deadline = time.monotonic() + _DEATH_SETTLE_S
+        while time.monotonic() < deadline:
+            if self._closing.is_set() or not self.all_alive():
+                return
+            time.sleep(0.05)
+        self._on_exit(why)
+
     def stopping(self) -> None:
         """The starter is about to stop the group: an exit from now on is no failure."""
         self._closing.set()
@@ -155,6 +185,7 @@ class LocalWorkers:
                 p.kill()
                 p.wait()
         self._watch_thread.join()  # every worker has exited: it returns at once
+        self._heartbeats.close()
 
     def kill(self) -> None:
         """Ends the workers at once (the starter failed: no stop can reach them)."""
@@ -166,8 +197,9 @@ def _start(module: str, args: WorkerArgs) -> subprocess.Popen[bytes]:
     """``python -P -m module`` (``-P``: the working directory is not on its import path) with
     ``args`` on its standard input; stdout and stderr are the starter's."""
     path = os.pathsep.join(p for p in (_SOURCE_ROOT, os.environ.get("PYTHONPATH")) if p)
+    keep = (args.heartbeat_fd,) if args.heartbeat_fd >= 0 else ()
     proc = subprocess.Popen([sys.executable, "-P", "-m", module], stdin=subprocess.PIPE,
-                            env={**os.environ, "PYTHONPATH": path})
+                            env={**os.environ, "PYTHONPATH": path}, pass_fds=keep)
     with contextlib.suppress(BrokenPipeError), proc.stdin:  # broken: it died at start, and
         pickle.dump(args, proc.stdin)  # the watch reports its exit code
     logger.info("tensor-parallel worker rank=%d pid=%d started", args.rank, proc.pid)

@@ -1,5 +1,5 @@
 """The join handshake of a node group: the leader admits each worker node before the process
-group forms, and the admitted connection becomes the pair's heartbeat link (``node_links``).
+group forms, and the admitted connection becomes the pair's heartbeat link (``heartbeat``).
 
     worker -> leader   {"token": <internal credential or "">, "rank": r, "identity": {...}}
     leader -> worker   {"ok": true, "store_port": P, "prefix": <32 hex>}

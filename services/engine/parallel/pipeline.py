@@ -15,7 +15,7 @@ hand-off is point-to-point on the world's gloo group (the step group), sent with
 process the batches in the order rank 0 submitted them, which is what lets rank 0 keep
 several in flight (``pipeline_batches``). A stop travels the same way.
 
-A dead or hung rank: the same watch as tensor parallelism's (``workers``, ``node_links``).
+A dead or hung rank: the same watch as tensor parallelism's (``workers``, ``heartbeat``).
 """
 
 from __future__ import annotations

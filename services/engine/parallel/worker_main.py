@@ -6,8 +6,10 @@ starts the other ranks of its pod): a fresh interpreter that imports the entry m
 it needs, never the user's script (so a script read from standard input, or one without a
 ``__main__`` guard, starts workers like any other). The entry calls ``run_worker`` with a
 ``build`` function; ``run_worker`` reads the ``WorkerArgs`` its starter wrote (pickled) to its
-standard input, arms the death signal, joins the group at its ``Rendezvous``, builds the rank's
-step function with ``build`` and runs each step rank 0 sends until told to stop.
+standard input, arms the death signal, pings its starter over its heartbeat link
+(``heartbeat``: a hung worker is told from a busy one), joins the group at its
+``Rendezvous``, builds the rank's step function with ``build`` and runs each step rank 0 sends
+until told to stop.
 
 A worker never outlives its starter: it dies with the thread that started it
 (``PR_SET_PDEATHSIG``), and one whose starter died before that was armed (its parent is no
@@ -21,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import socket
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -34,9 +37,9 @@ from services.common.logs import setup_logging
 from services.engine.parallel import group as tp_group
 from services.engine.parallel import node_join
 from services.engine.parallel.group import Rendezvous, TPGroup
+from services.engine.parallel.heartbeat import Heartbeats
 from services.engine.parallel.local_workers import LocalWorkers, WorkerArgs
 from services.engine.parallel.node_group import NodeGroup
-from services.engine.parallel.node_links import NodeLinks
 from services.engine.parallel.step_broadcast import StepBatch, receive_step
 
 logger = logging.getLogger(__name__)
@@ -69,17 +72,34 @@ def run_worker(build: Callable[[WorkerArgs, TPGroup], StepFn]) -> None:
     setup_logging(args.log_level, f"engine-tp{args.rank}")
     if os.getppid() != args.parent_pid:  # the engine died before the death signal was armed
         os._exit(EXIT_CODE)
+    heartbeats = _ping_starter(args)
     try:
         _serve(args, build)
     except BaseException:  # noqa: BLE001 -- _fail logs it, then exits
         _fail(f"tensor-parallel worker rank {args.rank} failed")
+    if heartbeats is not None:
+        heartbeats.close()  # a goodbye: the exit that follows is no failure
+
+
+def _ping_starter(args: WorkerArgs) -> Heartbeats | None:
+    """Pings the starter over the worker's heartbeat link from a thread of its own, so that
+    the starter tells a hung worker (silent) from a busy one (its step releases the GIL). Its
+    starter's silence is not this side's to judge (the starter's own watch does, or it is the
+    engine); its link closing is the starter's death."""
+    if args.heartbeat_fd < 0:
+        return None
+    link = socket.socket(fileno=args.heartbeat_fd)
+    return Heartbeats({f"its starter (pid {args.parent_pid})": link},
+                      lambda why: _fail(f"tensor-parallel worker rank {args.rank}: {why}",
+                                        trace=False),
+                      watch_silence=False).start()
 
 
 def run_node_worker(args: WorkerArgs, nodes: NodeGroup, identity: node_join.Identity,
                     module: str, build: Callable[[WorkerArgs, TPGroup], StepFn],
                     on_ready: Callable[[], None]) -> None:
     """A worker pod's own process (rank ``nodes.first_rank``, ``node_group``): admitted by the
-    leader (``node_join``), watched over its heartbeat link (``node_links``), it starts the
+    leader (``node_join``), watched over its heartbeat link (``heartbeat``), it starts the
     pod's other ranks (``module``, as rank 0 starts a single pod's) and runs its own; returns
     only after a clean stop. A refusal, a lost leader, a local worker's death or any failure
     exits the process with ``EXIT_CODE``, the reason logged: its closed link then ends the
@@ -93,8 +113,8 @@ def run_node_worker(args: WorkerArgs, nodes: NodeGroup, identity: node_join.Iden
         _fail(str(exc), trace=False)
     except BaseException:  # noqa: BLE001 -- _fail logs it, then exits
         _fail(f"{where} could not join its leader")
-    links = NodeLinks({"the leader": admission.link},
-                      lambda why: _fail(f"{where}: {why}", trace=False)).start()
+    links = Heartbeats({"the leader": admission.link},
+                       lambda why: _fail(f"{where}: {why}", trace=False)).start()
     args = replace(args, rendezvous=Rendezvous(admission.store_port, nodes.master_addr,
                                                admission.prefix, nodes.is_loopback()))
     try:

@@ -11,13 +11,16 @@ Failure is never a hang:
   process's pidfd), logs which rank and its exit code, kills the other workers and exits the
   engine process with status 1, at once, whatever rank 0 was doing (blocked in a collective
   with the dead rank, on NCCL, it would otherwise wait forever). The pod restarts.
+* a worker that hangs (SIGSTOP, stuck): its heartbeat link to rank 0 (``heartbeat``, a byte
+  every 0.5 s from a thread of its own) goes silent, and 2.5 s of silence is handled as its
+  exit, long before the step watchdog (``--step-timeout-s``) would notice.
 * the engine process dying: the kernel kills every worker (``PR_SET_PDEATHSIG``, bound to the
   thread that started them: the engine's own thread), and any collective in progress on gloo
   fails at once.
 * an error on rank 0 in the middle of a step (the ranks are then out of step): ``abort``.
 * with ranks in other pods (a node group, ``node_group``): rank 0 admits each worker pod at
   its door (``node_join``), and a worker pod that dies or hangs is seen on its heartbeat link
-  (``node_links``) within seconds, which ``abort`` too. A worker pod's own local workers are
+  (``heartbeat``) within seconds, which ``abort`` too. A worker pod's own local workers are
   its process's to watch: one that dies ends that process, which its link then reports.
 
 Lifecycle: ``close`` (a stop message, a grace period, then a kill) ends the workers and leaves
@@ -37,9 +40,9 @@ import torch
 from services.engine.parallel import group as tp_group
 from services.engine.parallel import node_join
 from services.engine.parallel.group import Rendezvous
+from services.engine.parallel.heartbeat import Heartbeats
 from services.engine.parallel.local_workers import STOP_GRACE_S, LocalWorkers, rank_device
 from services.engine.parallel.node_group import NodeGroup
-from services.engine.parallel.node_links import NodeLinks
 from services.engine.parallel.step_broadcast import send_stop
 from services.engine.parallel.worker_main import EXIT_CODE
 
@@ -67,7 +70,7 @@ class WorkerGroup:
         tp_group.check_free()  # before any worker starts
         self.device = rank_device(device, 0)
         self._closing = False
-        self._links: NodeLinks | None = None
+        self._links: Heartbeats | None = None
         self._local: LocalWorkers | None = None
         self._store = tp_group.create_store(size)  # the rendezvous: kept for the group's life
         # Across pods the store is reached only under a secret prefix (``node_join``).
@@ -93,8 +96,8 @@ class WorkerGroup:
                     nodes.master_addr, nodes.master_port)
         links = node_join.Door(nodes).admit(identity, self._store.port, prefix,
                                             tp_group.COLLECTIVE_TIMEOUT.total_seconds())
-        self._links = NodeLinks({f"worker node rank {r}": c for r, c in links.items()},
-                                self.abort).start()
+        self._links = Heartbeats({f"worker node rank {r}": c for r, c in links.items()},
+                                 self.abort).start()
 
     @property
     def pids(self) -> list[int]:
