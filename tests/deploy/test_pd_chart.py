@@ -180,7 +180,7 @@ def _store_values() -> dict[str, Any]:
     values = copy.deepcopy(DISAGGREGATED)
     values["models"][0]["disaggregation"]["transport"] = "store"
     values["kvStore"] = {"enabled": True}
-    values["gateway"] = {"pdMinPromptTokens": 256}
+    values["gateway"] = {"pdMinPromptTokens": 256, "pdStreamKV": True}
     return values
 
 
@@ -209,7 +209,7 @@ def test_the_store_transport_uses_the_kv_store_and_opens_no_transfer_port(
     gateway = r.container(f"{FULL}-gateway")
     assert "--pd-disaggregation" in gateway["args"]
     parsed = GatewayConfig.from_args([a for a in gateway["args"] if a.startswith("--pd-")])
-    assert parsed.pd_min_prompt_tokens == 256
+    assert (parsed.pd_min_prompt_tokens, parsed.pd_stream_kv) == (256, True)
 
 
 def test_the_store_transport_needs_the_kv_store(chart: Any) -> None:
