@@ -276,7 +276,11 @@ class FlowController:
             return
         tenant = tenant or ANONYMOUS
         q = self._models.setdefault(model, _ModelQueue())
-        if (not q.size and await self._take(model, q)) or self._most_urgent(q, priority):
+        passes = not q.size and await self._take(model, q)
+        if not passes and self._most_urgent(q, priority):
+            q.released_since += 1  # it takes a place of the headroom like any other
+            passes = True
+        if passes:
             self._let_through(model, q, tenant, priority, 0.0)
             return
         self._check_bounds(model, q, tenant, priority)
@@ -285,13 +289,10 @@ class FlowController:
 
     @staticmethod
     def _most_urgent(q: _ModelQueue, priority: int) -> bool:
-        """More urgent than everything waiting and in flight here (see the module doc); it
-        takes a place of the headroom like any other."""
+        """More urgent than everything waiting and in flight here (see the module doc); False
+        when this door has nothing in either (the engines are then busy with others')."""
         bands = (*q.bands, *q.in_flight)
-        if not bands or not all(priority < band for band in bands):
-            return False  # (nothing of this door's to pass: the engines are others')
-        q.released_since += 1
-        return True
+        return bool(bands) and all(priority < band for band in bands)
 
     def _let_through(self, model: str, q: _ModelQueue, tenant: str, priority: int,
                      waited: float) -> None:

@@ -26,7 +26,7 @@ from services.serve import args_from, front_flags, router_flags
 from tests.common.test_make_serve_lora import _serve_argv
 from tests.router import ext_proc_client as ep
 from tests.support.redis_server import free_port
-from tests.support.services import REPO
+from tests.support.services import REPO, wait_for_log
 
 KEY = "sk-serve-picker"
 
@@ -85,16 +85,6 @@ async def _pick(port: int, body: bytes, timeout: float) -> list[str]:
         await asyncio.sleep(0.5)
 
 
-def _wait_for_log(proc: subprocess.Popen, path: Path, marker: str, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        text = path.read_text(errors="replace")
-        if marker in text:
-            return text
-        assert proc.poll() is None, text[-3000:]
-        time.sleep(0.3)
-    raise AssertionError(f"no {marker!r} after {timeout}s:\n{path.read_text()[-3000:]}")
-
 
 def test_serve_picks_each_engines_openai_front(fast_model_dir: Path) -> None:
     """Two engines on one machine: the picker's endpoints are their two fronts (neither the
@@ -110,7 +100,7 @@ def test_serve_picks_each_engines_openai_front(fast_model_dir: Path) -> None:
             cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
             stderr=log)
         try:
-            text = _wait_for_log(proc, Path(log.name), "gateway metrics:", 400)
+            text = wait_for_log(proc, Path(log.name), "gateway metrics:", 400)
             engines = {int(p) for p in re.findall(r"engine-\d metrics: http://127\.0\.0\.1:(\d+)",
                                                   text)}
             body = ep.chat_body("Name three colors.", model)

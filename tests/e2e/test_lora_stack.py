@@ -25,7 +25,7 @@ import pytest
 from services.engine import LLM, LoRARequest, SamplingParams
 from services.protocol import engine_api
 from tests.faults.helpers import wait_for
-from tests.support.lora import HOSTILE, add_hostile_files, release_fifo, write_adapter
+from tests.support.lora import HOSTILE, add_hostile_files, admin_post, release_fifo, write_adapter
 from tests.support.services import internal_headers
 from tests.support.stack import PagodaStack, StackOptions, scrape
 
@@ -66,14 +66,7 @@ def _model_ids(stack: PagodaStack) -> set[str]:
 
 
 def _admin(stack: PagodaStack, route: str, body: dict, key: str = ADMIN) -> tuple[int, str]:
-    req = urllib.request.Request(
-        f"{stack.gateway.url}/v1/{route}", data=json.dumps(body).encode(), method="POST",
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read().decode()
+    return admin_post(stack.gateway.url, route, body, key)
 
 
 def _engine_adapters(stack: PagodaStack, engine_id: str) -> dict[str, int]:

@@ -10,8 +10,6 @@ reaches its engine, behind the gateway's admin keys and path checks.
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +18,7 @@ import openai
 import pytest
 
 from tests.faults.helpers import wait_for
-from tests.support.lora import write_adapter
+from tests.support.lora import admin_post, write_adapter
 from tests.support.services import ServiceProcess
 from tests.support.stack import PagodaStack, StackOptions
 
@@ -73,14 +71,7 @@ def _cards(url: str) -> dict[str, tuple[str | None, str | None]]:
 
 
 def _admin(url: str, route: str, body: dict, key: str = ADMIN) -> tuple[int, str]:
-    req = urllib.request.Request(
-        f"{url}/v1/{route}", data=json.dumps(body).encode(), method="POST",
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read().decode()
+    return admin_post(url, route, body, key)
 
 
 def _greedy(url: str, model: str) -> tuple[str, int]:

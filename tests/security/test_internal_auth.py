@@ -26,7 +26,7 @@ from services.router.server import create_app as router_app
 from services.serve import child_env
 from tests.security.conftest import KEY_A, Reply, http
 from tests.support.redis_server import free_port
-from tests.support.services import REPO, ServiceProcess, internal_headers
+from tests.support.services import REPO, ServiceProcess, internal_headers, wait_for_log
 from tests.support.stack import PagodaStack
 
 OLD = "old-token-Xa81kLm2Qp7Zr4Tw"
@@ -243,7 +243,7 @@ def test_serve_children_require_the_credential_it_made(fast_model_dir: Path) -> 
              "--shutdown-timeout", "0"],
             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log)
         try:
-            text = _wait_for_log(proc, Path(log.name), "Pagoda is serving", 180)
+            text = wait_for_log(proc, Path(log.name), "Pagoda is serving", 180)
             engine = re.search(r"engine-0 metrics: (http://\S+)/metrics", text).group(1)
             router = re.search(r"router metrics: (http://\S+)/metrics", text).group(1)
             for url in (engine + engine_api.ABORT_PATH, router + "/route"):
@@ -263,14 +263,3 @@ def test_serve_children_require_the_credential_it_made(fast_model_dir: Path) -> 
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
-
-
-def _wait_for_log(proc: subprocess.Popen, path: Path, marker: str, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        text = path.read_text(errors="replace")
-        if marker in text:
-            return text
-        assert proc.poll() is None, text[-3000:]
-        time.sleep(0.3)
-    raise AssertionError(f"no {marker!r} after {timeout}s:\n{path.read_text()[-3000:]}")

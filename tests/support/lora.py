@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -120,3 +122,15 @@ def release_fifo(fifo: Path) -> None:
         os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
     except OSError:
         pass  # no reader waits
+
+
+def admin_post(base_url: str, route: str, body: dict, key: str) -> tuple[int, str]:
+    """POST /v1/<route> (the runtime adapter routes) with ``key``: (status, body), errors too."""
+    req = urllib.request.Request(
+        f"{base_url}/v1/{route}", data=json.dumps(body).encode(), method="POST",
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()

@@ -141,3 +141,15 @@ def stop_all(procs: Iterable[ServiceProcess | None]) -> None:
         p.terminate()
     for p in live:
         p.stop()
+
+
+def wait_for_log(proc: subprocess.Popen, path: Path, marker: str, timeout: float) -> str:
+    """The log at ``path`` of a process started by the test, once it holds ``marker``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = path.read_text(errors="replace")
+        if marker in text:
+            return text
+        assert proc.poll() is None, text[-3000:]
+        time.sleep(0.3)
+    raise AssertionError(f"no {marker!r} after {timeout}s:\n{path.read_text()[-3000:]}")
