@@ -14,8 +14,6 @@ Rows::
     num_blocks:    2        1        3        1         written entries of each table row
     temperature, top_k, top_p, min_p, greedy, logprobs ... one entry per row
     lora_slot:     -1       3        -1       0     the adapter's device slot (-1: base model)
-    draft_tokens:  [d1 d2 ..] ...                       speculative decoding: the next step's
-                                                        drafts (prompt lookup writes them)
 
 A request that leaves (finished, aborted, preempted) gives its row back at once: the last row
 moves into the hole (compaction), so rows ``0 .. num_rows - 1`` are always the live ones. A
@@ -29,8 +27,9 @@ views of these rows or a request's live lists.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -48,6 +47,14 @@ from services.engine.structured.masks import GrammarState
 
 if TYPE_CHECKING:
     from services.engine.lora.slots import DeviceSlots
+
+
+class RowFollower(Protocol):
+    """State kept per row outside the batch (a step feature's, such as the verifier's)."""
+
+    def join(self, row: int) -> None: ...
+
+    def move(self, src: int, dst: int) -> None: ...
 
 
 @dataclass(slots=True)
@@ -139,10 +146,10 @@ class InputBatch:
 
     def __init__(self, max_rows: int, max_blocks_per_seq: int, vocab_size: int,
                  device: torch.device, lora_slots: DeviceSlots | None = None,
-                 num_spec_tokens: int = 0) -> None:
+                 followers: Sequence[RowFollower] = ()) -> None:
         """``lora_slots``: the adapters' device slots (an engine with LoRA enabled); a joining
-        row of an adapter takes one, a leaving row gives it back. ``num_spec_tokens``: the
-        drafts a row may hold (speculative decoding)."""
+        row of an adapter takes one, a leaving row gives it back. ``followers``: per-row state
+        kept outside the batch, told when a row is taken and when compaction moves one."""
         self.max_rows = max_rows
         self.vocab_size = vocab_size
         self.num_rows = 0
@@ -164,10 +171,7 @@ class InputBatch:
         self.penalty_slot = np.full(max_rows, -1, dtype=np.int64)
         self.lora_slots = lora_slots
         self.lora_slot = np.full(max_rows, -1, dtype=np.int64)
-        # Speculative decoding (``spec_step``): each row's drafts for the next step, and how
-        # many of its tokens the draft model has in its KV cache (-1: just joined).
-        self.draft_tokens = np.zeros((max_rows, max(num_spec_tokens, 1)), dtype=np.int64)
-        self.draft_computed = np.zeros(max_rows, dtype=np.int64)
+        self.followers = list(followers)
         self.features = RowFeatures()
         self.penalties = PenaltyCounts(vocab_size, device)
 
@@ -198,7 +202,8 @@ class InputBatch:
                               if p.min_tokens > 0 else [])
         self.penalty_slot[row] = self.penalties.take(req) if has_penalty(p) else -1
         self.lora_slot[row] = -1 if req.lora is None else self.lora_slots.acquire(req.lora)
-        self.draft_computed[row] = -1
+        for f in self.followers:
+            f.join(row)
         self.features.count(req, +1)
         return row
 
@@ -230,11 +235,12 @@ class InputBatch:
         self.block_table[dst, :n] = self.block_table[src, :n]
         self.num_blocks[dst] = self.blocks_written[dst] = n
         for arr in (self.temperature, self.greedy, self.top_k, self.top_p, self.min_p,
-                    self.logprobs, self.penalty_slot, self.lora_slot, self.draft_tokens,
-                    self.draft_computed):
+                    self.logprobs, self.penalty_slot, self.lora_slot):
             arr[dst] = arr[src]
         for lst in (self.generator, self.logit_bias, self.grammar, self.stop_ids):
             lst[dst] = lst[src]
+        for f in self.followers:
+            f.move(src, dst)
 
     # -- every step ---------------------------------------------------------------------------
 
@@ -253,7 +259,7 @@ class InputBatch:
                 self.penalties.catch_up(slot, req)
 
     def trim_blocks(self, req: Request, num_blocks: int) -> None:
-        """The request gave its last blocks back (speculative decoding's rejected slots): its
+        """The request gave its last blocks back (slots it no longer needs): its
         table row ends after ``num_blocks`` (the next ``refresh`` writes what comes after)."""
         row = req.batch_row
         if num_blocks < self.blocks_written[row]:
@@ -261,9 +267,9 @@ class InputBatch:
 
     def sampling_batch(self, rows: np.ndarray, ahead: np.ndarray | None = None) -> SamplingBatch:
         """The sampler's inputs for ``rows`` (the sampling requests' rows, in logits order):
-        gathered copies, so the step owns them. ``ahead`` (speculative decoding, one row per
-        verified position): how many drafts each row's position comes after, counted as
-        output for min_tokens."""
+        gathered copies, so the step owns them. ``ahead`` (a row per scored position): how
+        many tokens not yet appended each row's position comes after, counted as output for
+        min_tokens."""
         f = self.features
         greedy = temperature = truncation = generators = None
         if f.sampling:
@@ -292,6 +298,13 @@ class InputBatch:
             banned=self._banned(rows, ahead) if f.min_tokens else None,
             penalties=self._penalties(rows) if f.penalties else None,
         )
+
+    def draw_params(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray,
+                                                     list[torch.Generator | None] | None]:
+        """What drawing a token for ``rows`` needs besides the logits (gathered copies): greedy,
+        temperature (1 on greedy rows) and the seeded rows' generators (None: no seeded row)."""
+        gens = [self.generator[r] for r in rows.tolist()] if self.features.seeded else None
+        return self.greedy[rows], self.temperature[rows], gens
 
     def lora_slots_of(self, rows: np.ndarray) -> np.ndarray | None:
         """The adapter slot of each of ``rows`` (a gathered copy); None when no live row has

@@ -27,7 +27,6 @@ from services.engine import (
     pp_stage,
     prompt_logprobs,
     shard_sampling,
-    spec_step,
 )
 from services.engine.attention.base import AttentionMetadata
 from services.engine.attention.contract import check_kv_caches, check_step
@@ -66,7 +65,8 @@ from services.engine.sampling_batch import SamplingBatch, SamplingRequest
 from services.engine.scheduler import SchedulerOutput
 from services.engine.spec_decode import draft_model
 from services.engine.spec_decode.config import SpecMethod
-from services.engine.spec_decode.draft_model import DraftInputs, DraftModel
+from services.engine.spec_decode.draft_model import DraftModel
+from services.engine.spec_decode.verifier import SpecOutput, Verifier, VerifyStep
 from services.engine.step_buffers import StagedStep, StepBuffers
 from services.engine.structured.masks import TokenMasker
 from services.protocol.sampling_params import SamplingParams
@@ -135,11 +135,7 @@ class PreparedStep:
     # (positions in the input ids, rows of the in-flight step's sampled ids) of placeholders
     fill: tuple[torch.Tensor, torch.Tensor] | None
     cpu_inputs: CpuInputs | None
-    # Async scheduling: the next step must wait for this one's tokens on the host
-    # (``InputBatch.needs_host_tokens``, drafts in this step, or drafts for the next).
-    needs_host: bool = False
-    spec: spec_step.SpecInputs | None = None  # speculative decoding: the drafts to verify
-    draft: DraftInputs | None = None  # the draft model's passes (with a draft model)
+    verify: VerifyStep | None = None  # what the step verifies (``spec_decode.verifier``)
 
 
 @dataclass(slots=True)
@@ -151,7 +147,7 @@ class StepResult:
     # (the request's place in the schedule, its prompt positions scored this step): only for
     # prompt_logprobs requests
     prompt_logprobs: list = field(default_factory=list)
-    spec: spec_step.SpecOutput | None = None  # a step with drafts: every token it emits
+    spec: SpecOutput | None = None  # a step that verified: every token it emits
 
 
 class ModelRunner:
@@ -219,7 +215,8 @@ class ModelRunner:
         self.num_kv_heads = local_kv_heads(self.model_config, self.tp.size)  # this rank's
         self.block_size = config.block_size
         self.spec = config.speculative_config
-        self.num_spec_tokens = 0 if self.spec is None else self.spec.num_speculative_tokens
+        # Logits rows a sequence may take in one step: its token, and the drafts verified.
+        self.rows_per_seq = 1 + (0 if self.spec is None else self.spec.num_speculative_tokens)
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         mc = self.model_config
@@ -227,21 +224,22 @@ class ModelRunner:
         max_len = config.max_model_len or mc.max_position_embeddings
         self.input_batch: InputBatch | None = None
         self.lora_manager: LoRAManager | None = None  # rank 0's adapters (engine thread)
-        self.draft: DraftModel | None = None  # rank 0 runs it whole
+        self.verifier: Verifier | None = None  # rank 0's, with the draft model if any
         if self.tp.rank == 0 and (self.pipeline is None or self.pipeline.where.rank == 0):
             if self.lora is not None:
                 self.lora_manager = LoRAManager(self.lora.targets, config.max_loras,
                                                 config.max_lora_rank, config.max_cpu_loras,
                                                 self.dtype, config.max_lora_file_bytes)
+            if self.spec is not None:
+                draft = None if self._draft_path() is None else DraftModel(
+                    self._draft_path(), self.dtype, self.device, self.attn_backend,
+                    self.num_blocks, self.block_size, max_len, self._draft_staging(max_len))
+                self.verifier = Verifier(self.spec, config.max_num_seqs, self.device, draft)
             self.input_batch = InputBatch(
                 config.max_num_seqs, min(-(-max_len // self.block_size), self.num_blocks),
                 mc.vocab_size, self.device,
                 lora_slots=None if self.lora_manager is None else self.lora_manager.slots,
-                num_spec_tokens=self.num_spec_tokens)
-            if self._draft_path() is not None:
-                self.draft = DraftModel(self._draft_path(), self.dtype, self.device,
-                                        self.attn_backend, self.num_blocks, self.block_size,
-                                        max_len, self._draft_staging(max_len))
+                followers=[] if self.verifier is None else [self.verifier])
         self.sampler = Sampler()
         self.masker: TokenMasker | None = None
         self.warmed_up: list[str] = []  # the features' paths the warm-up ran
@@ -330,14 +328,14 @@ class ModelRunner:
         (``memory_budget``): counted before the pool is allocated."""
         c, mc = self.config, self.model_config
         draft = self._draft_path()
-        verify_rows = c.max_num_seqs * (1 + self.num_spec_tokens)
+        verify_rows = c.max_num_seqs * self.rows_per_seq
         return memory_budget.FeatureMemory(
             activations=memory_budget.activation_bytes(mc, c.max_num_batched_tokens,
                                                        self.tp.size, self.dtype),
             sampler=memory_budget.sampler_bytes(verify_rows, mc.vocab_size),
             draft_weights=0 if draft is None else memory_budget.weight_bytes(draft, self.dtype),
             draft_probs=0 if draft is None else memory_budget.draft_probs_bytes(
-                c.max_num_seqs, self.num_spec_tokens, mc.vocab_size),
+                c.max_num_seqs, self.rows_per_seq - 1, mc.vocab_size),
             lora_slots=memory_budget.lora_slot_bytes(self.lora),
         )
 
@@ -386,7 +384,7 @@ class ModelRunner:
             ids = torch.zeros(n, dtype=torch.long, device=self.device)
             hidden = self.model(ids, positions, self.kv_caches, meta, warm_up_input(self.model, n))
             if isinstance(hidden, torch.Tensor) and (  # a pipeline's last stage makes logits
-                    n <= self.config.max_num_seqs * (1 + self.num_spec_tokens)):  # logits rows
+                    n <= self.config.max_num_seqs * self.rows_per_seq):  # logits rows
                 self.model.compute_logits(hidden)
         self.warmed_up = warm_up_features(self, grammar_masks=False)
         logger.info("warmed up in %.1fs (and %s)", time.perf_counter() - start,
@@ -491,9 +489,9 @@ class ModelRunner:
             elif every_row or len(s.block_ids) > written[row]:
                 refresh(req, s.block_ids)
             toks = req.token_ids
-            if s.num_draft_tokens:  # speculative decoding: the last token, then its drafts
+            if s.num_draft_tokens:  # the last token, then the drafts the verifier holds
                 ids.append(toks[start])
-                ids.extend(ib.draft_tokens[req.batch_row, : s.num_draft_tokens].tolist())
+                ids.extend(self.verifier.drafts_of(req.batch_row, s.num_draft_tokens))
             elif num == 1 and start < len(toks):  # a decode: its last known token
                 ids.append(toks[start])
             else:
@@ -533,23 +531,17 @@ class ModelRunner:
         if ib.features.prompt_logprobs:
             scorer = prompt_logprobs.PromptScorer(sched.scheduled, q_lens)
             batch.scored = scorer.flat_slices()
-        spec = draft = None
-        if self.spec is not None:  # before the CPU inputs: drafts change the logits rows
-            spec, draft = spec_step.prepare(ib, sched, batch, row_idx, self.draft)
+        verify = None
+        if self.verifier is not None:  # before the CPU inputs: drafts change the logits rows
+            verify = self.verifier.prepare(ib, sched, batch, row_idx)
         sampled_rows = row_idx[sampled]
         fill = None
         if fill_at:
             assert self.workers is None, "placeholders never cross to tensor-parallel ranks"
             fill = (torch.tensor(fill_at), torch.tensor(fill_from))  # to the device in run()
         cpu = self._cpu_inputs(batch) if self.buffers is None and self.workers is None else None
-        # A step with drafts emits a varying number of tokens per request, which the next
-        # step's placeholders (one each) cannot stand for; and drafts for the next step come
-        # from this one's tokens (unless the batch is too big). The first is this step's own
-        # state: the batch may have grown past disable_by_batch_size since its drafts were made.
-        needs_host = ib.needs_host_tokens() or spec is not None or (
-            self.spec is not None and self.spec.drafts_at(ib.num_rows))
         return PreparedStep(batch, ib.sampling_batch(sampled_rows), ib.grammars(sampled_rows),
-                            scorer, fill, cpu, needs_host, spec, draft)
+                            scorer, fill, cpu, verify)
 
     def launch(self, step: PreparedStep) -> None:
         """Pipeline parallelism: starts ``step`` down the stages before the last (rank 0's),
@@ -581,8 +573,9 @@ class ModelRunner:
             assert in_flight_tokens is not None
             at, rows = (t.to(self.device, non_blocking=True) for t in step.fill)
             fill = (at, in_flight_tokens.index_select(0, rows))
-        if step.draft is not None:  # before the target: its drafts are the target's inputs
-            spec_step.propose_drafts(self.draft, step.draft, step.spec, step.batch.input_ids)
+        verify = step.verify
+        if verify is not None:  # before the target: a draft model's drafts are its inputs
+            self.verifier.before_forward(verify, step.batch.input_ids)
         scorer = step.scorer
         shards = self._shard_plan(step)
         logits = self.forward_logits(
@@ -594,14 +587,15 @@ class ModelRunner:
         if shards is not None:  # the ranks sampled: these are the tokens
             return StepResult(SamplerOutput(logits.tolist(), [None] * len(logits), logits),
                               scored)
+        spec = None if verify is None else verify.spec
         if step.grammars is not None:  # structured outputs: before sampling
-            if step.spec is None:
+            if spec is None:
                 self._token_masker().apply(logits, step.grammars)
             else:
-                spec_step.mask_positions(self._token_masker(), logits, step.grammars, step.spec)
-        if step.spec is not None:
-            out, spec = spec_step.verify(logits, step.spec, step.sampling)
-            return StepResult(out, scored, spec)
+                Verifier.mask(self._token_masker(), logits, step.grammars, spec)
+        if spec is not None:
+            out, emitted = self.verifier.verify(logits, spec, step.sampling)
+            return StepResult(out, scored, emitted)
         return StepResult(self.sampler(logits, step.sampling), scored)
 
     def _shard_plan(self, step: PreparedStep) -> shard_sampling.ShardPlan | None:
@@ -609,7 +603,8 @@ class ModelRunner:
         logits are gathered). Grammar masks and drafts need whole rows; a pipeline's stages
         pass the batch on without the plan, so a pipeline gathers too."""
         if (self.workers is None or self.pipeline is not None or not self.sample_on_shards
-                or step.grammars is not None or step.spec is not None
+                or step.grammars is not None
+                or (step.verify is not None and step.verify.spec is not None)
                 or not len(step.batch.rows)):
             return None
         plan = shard_sampling.plan(step.sampling, self.device)
@@ -681,7 +676,7 @@ class ModelRunner:
     def _token_masker(self) -> TokenMasker:
         if self.masker is None:  # only engines that meet a constrained request pay for it
             self.masker = TokenMasker(self.model_config.vocab_size,
-                                      self.config.max_num_seqs * (1 + self.num_spec_tokens))
+                                      self.config.max_num_seqs * self.rows_per_seq)
         return self.masker
 
     def _cpu_inputs(self, batch: StepBatch) -> CpuInputs:

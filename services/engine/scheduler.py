@@ -442,13 +442,11 @@ class Scheduler:
 
     def update(self, sched: SchedulerOutput, token_ids: Sequence[int],
                runs: Sequence[list[int]] | None = None) -> list[Request]:
-        """Applies a step: counts its tokens as computed, caches the blocks they filled, then
-        appends ``token_ids`` (one per request scheduled with ``completes_sequence``, in
-        schedule order), runs the stop checks and frees the requests that finished.
-
-        ``runs`` (a step with drafts): each sampling request's tokens, its accepted drafts
-        then the target's token (``token_ids`` holds their first ones). They are appended one
-        by one, each stop-checked; a run is cut where its request stops.
+        """Applies a step: appends ``token_ids`` (one per request scheduled with
+        ``completes_sequence``, in schedule order), or ``runs`` when the step verified drafts
+        (each sampling request's accepted drafts, then the target's token; ``token_ids``
+        holds their first ones). Either way each request's tokens are a run, one token
+        without drafts, applied by ``_apply_run``.
 
         Returns the requests that got a token, in the order of ``token_ids``; each one's new
         token is its last output token, and ``status`` says whether it finished. A request
@@ -462,81 +460,60 @@ class Scheduler:
         finished = False
         kept = []
         running, preempted = RequestStatus.RUNNING, RequestStatus.PREEMPTED
-        max_len, bs = self.max_model_len, self.block_manager.block_size
-        tokens = iter(token_ids)
-        spec = None if runs is None else iter(runs)
+        bs = self.block_manager.block_size
+        each = iter(runs) if runs is not None else ((t,) for t in token_ids)
         for s in sched.scheduled:
             req = s.request
-            if s.num_draft_tokens:  # drafts verified (no other step was in flight)
-                next(tokens)
-                outcome = self._apply_run(s, next(spec), now)
-                if outcome is not None:
-                    kept.append(req)
-                    finished |= outcome
-                continue
-            if spec is not None and s.completes_sequence:
-                next(spec)  # without drafts its run is its one token
             status = req.status
             if status is running:  # else preempted, finished or aborted since: no blocks
                 req.num_scheduled_tokens -= s.num_new_tokens
-                done, after = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
-                if after // bs != done // bs:  # the step filled a block: cache it
-                    self._cache_blocks(req, after)
-                req.num_computed_tokens = after
+                if not s.completes_sequence:
+                    after = req.num_computed_tokens + s.num_new_tokens
+                    if after // bs != req.num_computed_tokens // bs:  # filled a block
+                        self._cache_blocks(req, after)
+                    req.num_computed_tokens = after
             if not s.completes_sequence:
                 continue
-            tok = next(tokens)
+            run = next(each)
             if status is not running and status is not preempted:
                 continue  # finished or aborted: the extra token of a step scheduled before
-            req.num_placeholders -= 1
             kept.append(req)
-            req.append_output_token(tok)
-            if req.grammar is not None:
-                req.grammar.accept(tok)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            if (tok not in req.stop_token_set and len(req.output_token_ids) < req.max_tokens
-                    and len(req.token_ids) < max_len):
-                continue  # surely not the last token: the exact rules below need not run
-            if self._stopped(req, tok):
-                finished = True
-                self._free_finished(req, [] if status is preempted else (
-                    self.block_manager.block_ids(req.request_id)))
-                if status is preempted:  # by a step scheduled since
-                    self.waiting.remove(req)
+            finished |= self._apply_run(s, run, status is running, now)
         if finished:  # one pass, not a list.remove per finished request
             self.running[:] = [r for r in self.running if not r.status.is_finished]
             self._left.extend(r for r in kept if r.status.is_finished)
         return kept
 
-    def _apply_run(self, s: ScheduledRequest, run: list[int], now: float) -> bool | None:
-        """A request whose drafts the step verified: its run appended (and cut where it
-        stops), the accepted drafts' KV counted as computed and cached, the blocks past its
-        tokens given back. None if it had left meanwhile, else whether it finished."""
+    def _apply_run(self, s: ScheduledRequest, run: list[int] | tuple[int], computed: bool,
+                   now: float) -> bool:
+        """A sampling request's run appended (cut where it stops); ``computed``: it still
+        runs, so the step's KV counts: every token it scheduled but the drafts rejected
+        (``num_draft_tokens`` less the accepted ``len(run) - 1``), cached where a block
+        filled, and the blocks past its tokens given back. True if it finished."""
         req = s.request
-        if req.status is not RequestStatus.RUNNING:
-            return None
-        req.num_scheduled_tokens -= s.num_new_tokens
         req.num_placeholders -= 1
-        done = req.num_computed_tokens
-        stopped = self._append_run(req, run, now)
-        # The step computed the KV of the last token and of every draft; the accepted ones
-        # are now the sequence's tokens (all but its new last one), the rest is garbage.
-        after = len(req.token_ids) - 1
-        if after // self.block_manager.block_size != done // self.block_manager.block_size:
-            self._cache_blocks(req, after)
-        req.num_computed_tokens = after
+        n = self._append_run(req, run, now)
+        stopped = req.status.is_finished
+        if computed:
+            done = req.num_computed_tokens
+            after = done + s.num_new_tokens - s.num_draft_tokens + n - 1
+            if after // self.block_manager.block_size != done // self.block_manager.block_size:
+                self._cache_blocks(req, after)
+            req.num_computed_tokens = after
+            if s.num_draft_tokens and not stopped:
+                kept = self.block_manager.trim(req.request_id, after + 1)
+                if kept is not None:
+                    self._trimmed.append((req, kept))
         if stopped:
-            self._free_finished(req, self.block_manager.block_ids(req.request_id))
-            return True
-        kept = self.block_manager.trim(req.request_id, after + 1)
-        if kept is not None:
-            self._trimmed.append((req, kept))
-        return False
+            self._free_finished(req, self.block_manager.block_ids(req.request_id)
+                                if computed else [])
+            if not computed:  # preempted by a step scheduled since
+                self.waiting.remove(req)
+        return stopped
 
-    def _append_run(self, req: Request, run: list[int], now: float) -> bool:
-        """Appends a speculative step's tokens one by one; True if one of them ended the
-        request (the run is then cut after it)."""
+    def _append_run(self, req: Request, run: list[int] | tuple[int], now: float) -> int:
+        """Appends a run's tokens one by one, each stop-checked; returns how many it took
+        (the run is cut after the one that ended the request)."""
         max_len = self.max_model_len
         for i, tok in enumerate(run):
             req.append_output_token(tok)
@@ -547,9 +524,10 @@ class Scheduler:
             maybe_last = (tok in req.stop_token_set or len(req.output_token_ids) >= req.max_tokens
                           or len(req.token_ids) >= max_len)
             if maybe_last and self._stopped(req, tok):
-                del run[i + 1:]
-                return True
-        return False
+                if i + 1 < len(run):
+                    del run[i + 1:]  # the caller's run: its logprobs are cut to match
+                return i + 1
+        return len(run)
 
     def _stopped(self, req: Request, tok: int) -> bool:
         """Sets the finished status if ``tok`` ends the request; True if it does."""
