@@ -41,7 +41,7 @@ def must_wait(step: PreparedStep, runner: ModelRunner) -> bool:
     """Whether the step after ``step`` must wait for ``step``'s tokens on the host (called as
     ``step`` starts, with the input batch as ``step`` left it): when its preparation or
     sampling reads what those tokens change (``InputBatch.needs_host_tokens``), or when the
-    verifier says so (``Verifier.waits``: ``step`` verified, or the next one may draft)."""
+    verifier says so (``Verifier.waits``: ``step`` verified, or the next one may propose)."""
     ib = runner.input_batch
     if ib.needs_host_tokens():
         return True

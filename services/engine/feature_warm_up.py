@@ -9,7 +9,7 @@ would otherwise first run, and on a GPU compile, inside a user's request. Here, 
     sampler          greedy rows, and rows with every sampling feature (top-k, top-p, min-p,
                      penalties, logprobs)
     verification     the verifier's own (``Verifier.warm_up``; rank 0): the rejection sampler
-                     at every verified position, and the draft model if there is one
+                     at every verified position, and its proposing model if it has one
     grammar masks    the bitmask applied to every row (a GPU's way; on the CPU the masks are
                      element-wise torch ops with nothing to build, and xgrammar's import is
                      left to the first constrained request)

@@ -489,9 +489,9 @@ class ModelRunner:
             elif every_row or len(s.block_ids) > written[row]:
                 refresh(req, s.block_ids)
             toks = req.token_ids
-            if s.num_draft_tokens:  # the last token, then the drafts the verifier holds
+            if s.num_lookahead_tokens:  # the last token, then the drafts the verifier holds
                 ids.append(toks[start])
-                ids.extend(self.verifier.drafts_of(req.batch_row, s.num_draft_tokens))
+                ids.extend(self.verifier.drafts_of(req.batch_row, s.num_lookahead_tokens))
             elif num == 1 and start < len(toks):  # a decode: its last known token
                 ids.append(toks[start])
             else:

@@ -73,8 +73,8 @@ class Sampler:
 class StagedLogits:
     """A batch's logits through the sampler's stages, each taken when asked for: what the
     sampler itself draws from and what another consumer of the same distributions (the
-    speculative verifier) reads, so that both apply one set of rules. Built from ``logits``
-    as they came from the model (the raw logprobs are taken first)."""
+    verifier, ``spec_decode.verifier``) reads, so that both apply one set of rules. Built
+    from ``logits`` as they came from the model (the raw logprobs are taken first)."""
 
     __slots__ = ("batch", "want", "raw", "adjusted")
 

@@ -23,12 +23,14 @@ value reaches the model runner from step n's sampled ids). ``update`` of step n 
 token of a request that has finished or was aborted meanwhile. Synchronous stepping goes
 through the same bookkeeping, with nothing in flight at ``schedule``.
 
-Speculative decoding: a decoding request with ``num_draft_tokens`` drafts is scheduled for its
-last token and its drafts (``1 + k`` tokens, fewer drafts when the budget is short), and gets
-up to ``k + 1`` tokens back (``update``'s ``runs``). Only the accepted drafts' KV counts as
+Lookahead tokens (proposed by ``spec_decode``, verified by the step): a decoding request with
+``num_lookahead_tokens`` = k is scheduled for its last token and them (``1 + k`` tokens, fewer
+lookahead ones when the budget is short), and gets a run of up to ``k + 1`` tokens back (every
+request gets a run: one token without lookahead). Only the accepted tokens' KV counts as
 computed; the blocks past what its tokens then need go back to the pool (``trim``) and the
-input batch's row is told (``take_trimmed``). A step with drafts is never in flight while the
-next is scheduled (its tokens decide the next step's), so none of this meets a placeholder.
+input batch's row is told (``take_trimmed``). A step with lookahead tokens is never in flight
+while the next is scheduled (its runs decide the next step's), so none of this meets a
+placeholder.
 
 KV from outside the pool (``connector``: any ``kv_connector.base.KVConnector``): an admission
 whose prefix the connector can deliver past its pool hit gets its blocks and waits for KV in
@@ -93,7 +95,7 @@ class ScheduledRequest:
     # from its logits (False for every chunk of a chunked prefill but the last).
     completes_sequence: bool
     start: int  # the request's first position computed this step
-    num_draft_tokens: int = 0  # speculative decoding: the last ones of the new tokens
+    num_lookahead_tokens: int = 0  # the last ones of the new tokens: proposed, to verify
 
 
 @dataclass(slots=True)
@@ -146,7 +148,7 @@ class Scheduler:
         # Requests that left the running set (finished, aborted, preempted) since the last
         # ``take_left``: the engine gives their input-batch rows back.
         self._left: list[Request] = []
-        # (request, blocks it kept) after giving back rejected drafts' blocks (``trim``).
+        # (request, blocks it kept) after giving back rejected tokens' blocks (``trim``).
         self._trimmed: list[tuple[Request, int]] = []
         self.connector: KVConnector | None = None  # moves KV from outside the pool, if any
         self.kv_transfer_timeout_s = DEFAULT_TIMEOUT_S
@@ -206,7 +208,7 @@ class Scheduler:
 
     def take_trimmed(self) -> list[tuple[Request, int]]:
         """(request, blocks it holds now) for each request that gave blocks back since the
-        last call (speculative decoding's rejected slots)."""
+        last call (rejected lookahead tokens' slots)."""
         trimmed, self._trimmed = self._trimmed, []
         return trimmed
 
@@ -280,8 +282,8 @@ class Scheduler:
                 continue
             start = req.num_computed_tokens + req.num_scheduled_tokens
             end = len(req.token_ids) + placeholders
-            # A decode's drafts come after its last token (as many as the budget holds).
-            num_new = min(end - start + req.num_draft_tokens, budget)
+            # A decode's lookahead tokens come after its last one (as many as the budget holds).
+            num_new = min(end - start + req.num_lookahead_tokens, budget)
             total = start + num_new
             ids = block_ids(req.request_id)  # grows in place when blocks are allocated
             # While its last block has room (most decodes) nothing needs allocating.
@@ -312,7 +314,7 @@ class Scheduler:
         self.block_manager.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = req.num_scheduled_tokens = 0  # a step in flight: not applied
-        req.num_draft_tokens = 0  # its drafts go with its row
+        req.num_lookahead_tokens = 0  # their values go with its row
         req.num_preemptions += 1
         self.num_preemptions += 1
         if self.by_priority:  # back at its rank: vLLM's priority queue has no front
@@ -443,10 +445,10 @@ class Scheduler:
     def update(self, sched: SchedulerOutput, token_ids: Sequence[int],
                runs: Sequence[list[int]] | None = None) -> list[Request]:
         """Applies a step: appends ``token_ids`` (one per request scheduled with
-        ``completes_sequence``, in schedule order), or ``runs`` when the step verified drafts
-        (each sampling request's accepted drafts, then the target's token; ``token_ids``
-        holds their first ones). Either way each request's tokens are a run, one token
-        without drafts, applied by ``_apply_run``.
+        ``completes_sequence``, in schedule order), or ``runs`` when the step verified lookahead
+        tokens (each sampling request's accepted ones, then the model's own token;
+        ``token_ids`` holds their first ones). Either way each request's tokens are a run,
+        one token without lookahead, applied by ``_apply_run``.
 
         Returns the requests that got a token, in the order of ``token_ids``; each one's new
         token is its last output token, and ``status`` says whether it finished. A request
@@ -487,8 +489,8 @@ class Scheduler:
     def _apply_run(self, s: ScheduledRequest, run: list[int] | tuple[int], computed: bool,
                    now: float) -> bool:
         """A sampling request's run appended (cut where it stops); ``computed``: it still
-        runs, so the step's KV counts: every token it scheduled but the drafts rejected
-        (``num_draft_tokens`` less the accepted ``len(run) - 1``), cached where a block
+        runs, so the step's KV counts: every token it scheduled but the rejected lookahead
+        (``num_lookahead_tokens`` less the accepted ``len(run) - 1``), cached where a block
         filled, and the blocks past its tokens given back. True if it finished."""
         req = s.request
         req.num_placeholders -= 1
@@ -496,11 +498,11 @@ class Scheduler:
         stopped = req.status.is_finished
         if computed:
             done = req.num_computed_tokens
-            after = done + s.num_new_tokens - s.num_draft_tokens + n - 1
+            after = done + s.num_new_tokens - s.num_lookahead_tokens + n - 1
             if after // self.block_manager.block_size != done // self.block_manager.block_size:
                 self._cache_blocks(req, after)
             req.num_computed_tokens = after
-            if s.num_draft_tokens and not stopped:
+            if s.num_lookahead_tokens and not stopped:
                 kept = self.block_manager.trim(req.request_id, after + 1)
                 if kept is not None:
                     self._trimmed.append((req, kept))

@@ -30,7 +30,7 @@ class Speculator:
         self.stats = SpecDecodeStats(spec.num_speculative_tokens)
 
     def propose(self, running: list[Request]) -> None:
-        """Sets each running request's ``num_draft_tokens`` for the next schedule."""
+        """Sets each running request's ``num_lookahead_tokens`` for the next schedule."""
         k = self.spec.num_speculative_tokens
         on = self.spec.drafts_at(len(running))
         max_len = self.max_model_len
@@ -42,7 +42,7 @@ class Speculator:
                            max_len - len(req.token_ids))
                 if room > 0:
                     n = self._drafts(req, room)
-            req.num_draft_tokens = n
+            req.num_lookahead_tokens = n
         if self.ngram is not None:
             self.ngram.end_step()
 

@@ -128,14 +128,14 @@ class Verifier:
     def prepare(self, ib: InputBatch, sched: SchedulerOutput, batch: StepBatch,
                 row_idx: np.ndarray) -> VerifyStep | None:
         """The step's verification inputs and draft passes (None: neither); sets
-        ``batch.draft_lens``."""
+        ``batch.extra_logits``."""
         scheduled = sched.scheduled
-        per_req = np.fromiter((s.num_draft_tokens for s in scheduled), np.int64,
+        per_req = np.fromiter((s.num_lookahead_tokens for s in scheduled), np.int64,
                               len(scheduled))
         num_drafts = per_req[batch.rows]
         spec = None
         if num_drafts.any():
-            batch.draft_lens = num_drafts
+            batch.extra_logits = num_drafts
             ends = np.cumsum(batch.query_lens)[batch.rows] - 1
             spec = _gather(ib, self.draft_tokens, row_idx[batch.rows], num_drafts, ends,
                            lookup=self.draft is None, device=self.device)
@@ -248,7 +248,7 @@ def _draft_inputs(computed: np.ndarray, ib: InputBatch, sched: SchedulerOutput,
     q_lens: list[int] = []
     for i, s in enumerate(sched.scheduled):
         req, row = s.request, int(row_idx[i])
-        end = min(s.start + s.num_new_tokens - s.num_draft_tokens, len(req.token_ids))
+        end = min(s.start + s.num_new_tokens - s.num_lookahead_tokens, len(req.token_ids))
         done = int(computed[row])
         if done < 0:  # joined: a prefix-cache hit's last token may lack the draft's KV
             done = max(s.start - 1, 0)
