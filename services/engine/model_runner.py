@@ -40,7 +40,7 @@ from services.engine.attention.metadata import (
 from services.engine.attention.selector import get_attention_backend
 from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import DecodeGraphs, capture_sizes
-from services.engine.feature_warm_up import warm_up_features
+from services.engine.feature_warm_up import warm_up_features, warm_up_forward
 from services.engine.input_batch import InputBatch
 from services.engine.lora.feature import LoRAFeature
 from services.engine.models.config import ModelConfig
@@ -394,6 +394,11 @@ class ModelRunner:
         logger.info("warmed up in %.1fs (and %s)", time.perf_counter() - start,
                     ", ".join(self.warmed_up))
 
+    def warm_up_forward(self, num_tokens: int) -> None:
+        """One forward of ``num_tokens`` prompt tokens in the first KV blocks, for a step
+        feature's warm-up (``StepFeature.warm_up``), which sets its own state around it."""
+        warm_up_forward(self, num_tokens)
+
     # -- GPU: staging buffers, warm-up, graphs ---------------------------------------------
 
     def _prepare_gpu(self) -> None:
@@ -596,6 +601,10 @@ class ModelRunner:
         if shards is not None:  # the ranks sampled: these are the tokens
             return StepResult(SamplerOutput(logits.tolist(), [None] * len(logits), logits))
         self.features.after_logits(logits, step)  # structured outputs' masks: before sampling
+        grammars = step.state.get(GrammarManager.name)
+        if step.spec is not None and grammars is not None:  # every verified position
+            spec_step.mask_positions(self.grammar_masks.token_masker(), logits, grammars,
+                                     step.spec)
         if step.spec is not None:
             out, spec = spec_step.verify(logits, step.spec, step.sampling)
             return StepResult(out, spec=spec)

@@ -12,24 +12,37 @@ after. A step with no adapter token carries no slots and does no LoRA work at al
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
-from services.engine.feature_warm_up import warm_up_forward
+from services.engine.features.protocol import (
+    EAGER,
+    ModelRunner,
+    Request,
+    StepFeature,
+    StepRows,
+)
 from services.engine.lora.layers import ModelLoRA, segment_kernels_wanted
 from services.engine.lora.manager import LoRAManager
 from services.engine.lora.step import LoRAStep
-from services.engine.step_features import EAGER, StepFeature, StepRows
 
 if TYPE_CHECKING:
-    from services.engine.config import EngineConfig
-    from services.engine.model_runner import ModelRunner
     from services.engine.models.layers import CausalLM
     from services.engine.parallel.group import TPGroup
     from services.engine.parallel.step_broadcast import StepBatch
-    from services.engine.request import Request
+
+
+class LoRALimits(Protocol):
+    """The engine flags the feature reads (``EngineConfig``'s LoRA fields)."""
+
+    enable_lora: bool
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int | None
+    max_lora_file_bytes: int | None
+    max_num_seqs: int
 
 
 class LoRAFeature(StepFeature):
@@ -44,7 +57,7 @@ class LoRAFeature(StepFeature):
 
     @classmethod
     def build(
-        cls, model: CausalLM, config: EngineConfig, device: torch.device, tp: TPGroup
+        cls, model: CausalLM, config: LoRALimits, device: torch.device, tp: TPGroup
     ) -> LoRAFeature | None:
         """Every rank's adapter slots in ``model`` (before its weights are packed: they read
         the weights' shapes); None unless ``enable_lora``."""
@@ -55,7 +68,7 @@ class LoRAFeature(StepFeature):
         )
         return cls(lora, config.max_num_seqs, tp)
 
-    def serve_adapters(self, config: EngineConfig, dtype: torch.dtype) -> None:
+    def serve_adapters(self, config: LoRALimits, dtype: torch.dtype) -> None:
         """Rank 0: the adapters' manager (the engine thread's), whose slots rows take."""
         self.manager = LoRAManager(
             self.lora.targets,
@@ -121,7 +134,7 @@ class LoRAFeature(StepFeature):
         n = min(16, runner.config.max_num_batched_tokens, runner.num_blocks * runner.block_size)
         self.lora.state.step = self.lora.layout(np.zeros(1, np.int64), np.array([n]))
         try:
-            warm_up_forward(runner, n)
+            runner.warm_up_forward(n)
         finally:
             self.lora.state.step = None
         return ["LoRA layout"]

@@ -10,17 +10,19 @@ state by the tokens a step emits (``GrammarState.accept``), so the next step's m
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-from services.engine.step_features import StepFeature, StepRows
+from services.engine.features.protocol import (
+    ModelRunner,
+    PreparedStep,
+    Request,
+    StepFeature,
+    StepRows,
+)
 from services.engine.structured.masks import GrammarState, TokenMasker
-
-if TYPE_CHECKING:
-    from services.engine.model_runner import ModelRunner, PreparedStep
-    from services.engine.request import Request
 
 
 class GrammarManager(StepFeature):
@@ -70,31 +72,26 @@ class GrammarManager(StepFeature):
         return state is not None
 
     def after_logits(self, logits: torch.Tensor, state: Any, step: PreparedStep) -> None:
-        if state is None:
-            return
-        spec = getattr(step, "spec", None)
-        if spec is None:
+        # A step with drafts masks every verified position: the speculative path calls
+        # ``apply`` with its own fill (``spec_step.mask_positions``).
+        if state is not None and getattr(step, "spec", None) is None:
             self.apply(logits, state)
-        else:
-            self.apply(logits, state, spec.num_drafts.tolist(), spec.drafts.tolist())
 
     def apply(
         self,
         logits: torch.Tensor,
         grammars: Sequence[GrammarState | None],
-        num_drafts: Sequence[int] | None = None,
-        drafts: Sequence[Sequence[int]] | None = None,
+        fill: Callable[[torch.Tensor], list[int]] | None = None,
     ) -> None:
-        """Sets the logits of tokens a grammar forbids to -inf, in place. Without drafts one
-        logits row per grammar; with them (speculative decoding) ``1 + num_drafts[i]`` rows
-        per request, each masked by the grammar as it stands after the drafts before it."""
+        """The one way a step's logits are masked: sets the logits of tokens a grammar forbids
+        to -inf, in place. Without ``fill`` one logits row per grammar; ``fill`` (speculative
+        decoding: every verified position) fills bitmask rows ``0, 1, ...`` itself and returns
+        the logits rows they belong to."""
         masker = self.token_masker()
-        if num_drafts is None:
+        if fill is None:
             masker.apply(logits, grammars)
             return
-        from services.engine.spec_decode.grammar import fill_position_masks
-
-        rows = fill_position_masks(masker.bitmask, grammars, num_drafts, drafts)
+        rows = fill(masker.bitmask)
         if rows:
             masker.mask(logits, rows)
 
