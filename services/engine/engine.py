@@ -161,7 +161,8 @@ class LLMEngine:
     @property
     def lora(self) -> lora_manager.LoRAManager | None:
         """The engine's adapters (None unless ``enable_lora``)."""
-        return self.runner.lora_manager
+        feature = self.runner.features.get("lora")
+        return None if feature is None else feature.manager
 
     def _async_scheduling(self) -> bool:
         wanted = self.config.async_scheduling

@@ -4,15 +4,13 @@ The runner's warm-up runs the model's shapes (``ModelRunner._warm_up`` on the CP
 row counts; ``_warm_up_gpu`` on a GPU, the Triton kernels' variants). A feature's own kernels
 would otherwise first run, and on a GPU compile, inside a user's request. Here, once each:
 
-    LoRA layout      a forward with every token on adapter slot 0 (zeros: no effect), so the
-                     shrink/expand products (Triton with ``PAGODA_LORA_TRITON``) run
+    features         each step feature's own model path, on every rank
+                     (``StepFeature.warm_up``)
     sampler          greedy rows, and rows with every sampling feature (top-k, top-p, min-p,
                      penalties, logprobs)
-    verification     the verifier's own (``Verifier.warm_up``; rank 0): the rejection sampler
-                     at every verified position, and its proposing model if it has one
-    grammar masks    the bitmask applied to every row (a GPU's way; on the CPU the masks are
-                     element-wise torch ops with nothing to build, and xgrammar's import is
-                     left to the first constrained request)
+    features' logits each step feature's logits path (``StepFeature.warm_up_logits``: the
+                     grammar masks where kernels compile, the verifier's rejection sampler at
+                     every verified position and its proposing model if it has one; rank 0)
 
 Every forward writes into the first KV blocks only, which hold nothing yet. ``warm_up_features``
 returns the names of the paths it ran (what the tests check).
@@ -22,7 +20,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from services.engine.attention.metadata import build_attention_metadata
@@ -39,43 +36,28 @@ _EVERYTHING = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, l
 
 @torch.inference_mode()
 def warm_up_features(runner: ModelRunner, grammar_masks: bool) -> list[str]:
-    """Runs each enabled feature's path once (every rank calls it: the LoRA forward is a
-    collective); returns the names of the paths run."""
-    ran: list[str] = []
-    if runner.lora is not None:
-        _lora_forward(runner)
-        ran.append("LoRA layout")
+    """Runs each enabled feature's path once (every rank calls it: a feature's forward is a
+    collective); returns the names of the paths run. ``grammar_masks``: the device compiles
+    kernels on first use (a GPU), so the logits paths run too."""
+    ran = runner.features.warm_up(runner)
     if not runner.tp.is_first:
         return ran
     rows = min(runner.config.max_num_seqs, 4)
     logits = torch.zeros(rows * runner.rows_per_seq, runner.model_config.vocab_size,
                          device=runner.device)
     ran += _sampler(runner, logits[:rows])
-    if runner.verifier is not None:
-        c = runner.config
-        ran += runner.verifier.warm_up(
-            logits, rows, lambda params, n: _batch(runner, params, n),
-            c.max_num_batched_tokens, c.max_num_seqs, runner.num_blocks * runner.block_size)
-    if grammar_masks:
-        masker = runner._token_masker()
-        masker.bitmask[: len(logits)] = -1  # every token allowed: the logits stay as they are
-        masker.mask(logits, list(range(len(logits))))
-        ran.append("grammar masks")
-    return ran
+    return ran + runner.features.warm_up_logits(runner, logits, grammar_masks)
 
 
-def _lora_forward(runner: ModelRunner) -> None:
-    n = min(16, runner.config.max_num_batched_tokens, runner.num_blocks * runner.block_size)
+def warm_up_forward(runner: ModelRunner, n: int) -> None:
+    """One forward of ``n`` prompt tokens in the first KV blocks (a feature's warm-up sets
+    its own per-step state around it)."""
     table = list(range(-(-n // runner.block_size)))
     meta, positions = build_attention_metadata([table], [n], [n], runner.block_size,
                                                runner.device)
     runner._plan(meta, n)
-    runner.lora.state.step = runner.lora.layout(np.zeros(1, np.int64), np.array([n]))
-    try:
-        ids = torch.zeros(n, dtype=torch.long, device=runner.device)
-        runner.model(ids, positions, runner.kv_caches, meta)
-    finally:
-        runner.lora.state.step = None
+    ids = torch.zeros(n, dtype=torch.long, device=runner.device)
+    runner.model(ids, positions, runner.kv_caches, meta)
 
 
 def _batch(runner: ModelRunner, params: SamplingParams, rows: int) -> SamplingBatch:

@@ -13,11 +13,12 @@ Rows::
     block_table:   [5 9 ..] [1 ..]   [3 4 8]  [2]       int32 [max_rows, max_blocks]
     num_blocks:    2        1        3        1         written entries of each table row
     temperature, top_k, top_p, min_p, greedy, logprobs ... one entry per row
-    lora_slot:     -1       3        -1       0     the adapter's device slot (-1: base model)
 
 A request that leaves (finished, aborted, preempted) gives its row back at once: the last row
 moves into the hole (compaction), so rows ``0 .. num_rows - 1`` are always the live ones. A
-preempted request that comes back joins again with a fresh row (its blocks are new).
+preempted request that comes back joins again with a fresh row (its blocks are new). The step's
+optional features (``step_features``) keep their own per-row state and are told of every join,
+leave and move.
 
 Threads: only the engine thread touches the batch (``ModelRunner.prepare``: joins, leaves,
 appends, gathers). With async scheduling the step thread runs the previous step meanwhile,
@@ -27,9 +28,7 @@ views of these rows or a request's live lists.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -43,18 +42,7 @@ from services.engine.sampling_batch import (
     make_truncation,
     stop_ids,
 )
-from services.engine.structured.masks import GrammarState
-
-if TYPE_CHECKING:
-    from services.engine.lora.slots import DeviceSlots
-
-
-class RowFollower(Protocol):
-    """State kept per row outside the batch (a step feature's, such as the verifier's)."""
-
-    def join(self, row: int) -> None: ...
-
-    def move(self, src: int, dst: int) -> None: ...
+from services.engine.step_features import StepFeatures
 
 
 @dataclass(slots=True)
@@ -69,9 +57,6 @@ class RowFeatures:
     logit_bias: int = 0
     min_tokens: int = 0
     penalties: int = 0
-    grammar: int = 0
-    prompt_logprobs: int = 0
-    lora: int = 0  # under an adapter
 
     def count(self, req: Request, delta: int) -> None:
         p = req.params
@@ -83,9 +68,6 @@ class RowFeatures:
         self.logit_bias += delta * (req.logit_bias is not None)
         self.min_tokens += delta * (p.min_tokens > 0)
         self.penalties += delta * has_penalty(p)
-        self.grammar += delta * (req.grammar is not None)
-        self.prompt_logprobs += delta * (p.prompt_logprobs is not None)
-        self.lora += delta * (req.lora is not None)
 
 
 class PenaltyCounts:
@@ -145,11 +127,9 @@ class InputBatch:
     """Rows of the running requests (see the module docstring). Engine thread only."""
 
     def __init__(self, max_rows: int, max_blocks_per_seq: int, vocab_size: int,
-                 device: torch.device, lora_slots: DeviceSlots | None = None,
-                 followers: Sequence[RowFollower] = ()) -> None:
-        """``lora_slots``: the adapters' device slots (an engine with LoRA enabled); a joining
-        row of an adapter takes one, a leaving row gives it back. ``followers``: per-row state
-        kept outside the batch, told when a row is taken and when compaction moves one."""
+                 device: torch.device, features: StepFeatures | None = None) -> None:
+        """``features``: the step's optional features, told of each row's join, leave and
+        move."""
         self.max_rows = max_rows
         self.vocab_size = vocab_size
         self.num_rows = 0
@@ -166,12 +146,9 @@ class InputBatch:
         self.logprobs = np.full(max_rows, -1, dtype=np.int64)
         self.generator: list[torch.Generator | None] = [None] * max_rows
         self.logit_bias: list[LogitBias | None] = [None] * max_rows
-        self.grammar: list[GrammarState | None] = [None] * max_rows
         self.stop_ids: list[list[int]] = [[] for _ in range(max_rows)]  # min_tokens bans
         self.penalty_slot = np.full(max_rows, -1, dtype=np.int64)
-        self.lora_slots = lora_slots
-        self.lora_slot = np.full(max_rows, -1, dtype=np.int64)
-        self.followers = list(followers)
+        self.step_features = features or StepFeatures()
         self.features = RowFeatures()
         self.penalties = PenaltyCounts(vocab_size, device)
 
@@ -197,14 +174,11 @@ class InputBatch:
         self.logprobs[row] = -1 if p.logprobs is None else p.logprobs
         self.generator[row] = req.generator
         self.logit_bias[row] = req.logit_bias
-        self.grammar[row] = req.grammar
         self.stop_ids[row] = (stop_ids(p, req.eos_token_ids, self.vocab_size)
                               if p.min_tokens > 0 else [])
         self.penalty_slot[row] = self.penalties.take(req) if has_penalty(p) else -1
-        self.lora_slot[row] = -1 if req.lora is None else self.lora_slots.acquire(req.lora)
-        for f in self.followers:
-            f.join(row)
         self.features.count(req, +1)
+        self.step_features.join(req, row)
         return row
 
     def remove(self, req: Request) -> None:
@@ -218,14 +192,13 @@ class InputBatch:
         slot = int(self.penalty_slot[row])
         if slot >= 0:
             self.penalties.give_back(slot)
-        if self.lora_slot[row] >= 0:
-            self.lora_slots.release(int(self.lora_slot[row]))
+        self.step_features.leave(req, row)
         last = self.num_rows - 1
         self.num_rows = last
         if row != last:
             self._move(last, row)
         self.requests[last] = None
-        self.generator[last] = self.logit_bias[last] = self.grammar[last] = None
+        self.generator[last] = self.logit_bias[last] = None
 
     def _move(self, src: int, dst: int) -> None:
         moved = self.requests[src]
@@ -235,12 +208,11 @@ class InputBatch:
         self.block_table[dst, :n] = self.block_table[src, :n]
         self.num_blocks[dst] = self.blocks_written[dst] = n
         for arr in (self.temperature, self.greedy, self.top_k, self.top_p, self.min_p,
-                    self.logprobs, self.penalty_slot, self.lora_slot):
+                    self.logprobs, self.penalty_slot):
             arr[dst] = arr[src]
-        for lst in (self.generator, self.logit_bias, self.grammar, self.stop_ids):
+        for lst in (self.generator, self.logit_bias, self.stop_ids):
             lst[dst] = lst[src]
-        for f in self.followers:
-            f.move(src, dst)
+        self.step_features.move(src, dst)
 
     # -- every step ---------------------------------------------------------------------------
 
@@ -306,25 +278,14 @@ class InputBatch:
         gens = [self.generator[r] for r in rows.tolist()] if self.features.seeded else None
         return self.greedy[rows], self.temperature[rows], gens
 
-    def lora_slots_of(self, rows: np.ndarray) -> np.ndarray | None:
-        """The adapter slot of each of ``rows`` (a gathered copy); None when no live row has
-        an adapter (the step then does no LoRA work at all)."""
-        return self.lora_slot[rows] if self.features.lora else None
-
-    def grammars(self, rows: np.ndarray) -> list[GrammarState | None] | None:
-        if not self.features.grammar:
-            return None
-        out = [self.grammar[r] for r in rows.tolist()]
-        return out if any(g is not None for g in out) else None
-
     def needs_host_tokens(self) -> bool:
         """Whether the step after one that samples for these rows must wait for its tokens on
-        the host before it is prepared (async scheduling): a grammar advances with each token
-        before the next mask; penalties count the output tokens; min_tokens compares their
-        number while it may still matter (once the output is past it, a count one short
-        decides the same); prompt logprobs are collected across chunks."""
+        the host before it is prepared (async scheduling): penalties count the output tokens;
+        min_tokens compares their number while it may still matter (once the output is past
+        it, a count one short decides the same); and the step's features say (a grammar
+        advances with each token, prompt logprobs are collected across chunks)."""
         f = self.features
-        if f.grammar or f.penalties or f.prompt_logprobs:
+        if f.penalties or self.step_features.needs_host_tokens():
             return True
         if not f.min_tokens:
             return False

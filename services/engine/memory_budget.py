@@ -87,10 +87,3 @@ def weight_bytes(path: str | Path, dtype: torch.dtype) -> int:
                 shape = f.get_slice(name).get_shape()
                 total += int(torch.Size(shape).numel()) * element
     return total
-
-
-def lora_slot_bytes(lora: object | None) -> int:
-    """Every slot tensor of a ``ModelLoRA`` (None: LoRA off)."""
-    if lora is None:
-        return 0
-    return sum(p.a.nbytes + p.b.nbytes for p in lora.projections.values())

@@ -39,11 +39,9 @@ from services.engine.attention.metadata import (
 from services.engine.attention.selector import get_attention_backend
 from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import DecodeGraphs, capture_sizes
-from services.engine.feature_warm_up import warm_up_features
+from services.engine.feature_warm_up import warm_up_features, warm_up_forward
 from services.engine.input_batch import InputBatch
-from services.engine.lora.layers import ModelLoRA, segment_kernels_wanted
-from services.engine.lora.manager import LoRAManager
-from services.engine.lora.step import LoRAStep
+from services.engine.lora.feature import LoRAFeature
 from services.engine.models.config import ModelConfig
 from services.engine.models.loader import load_model
 from services.engine.models.onednn import FULL_PASS_ROWS, ROW_BUCKETS, warm_up_products
@@ -66,8 +64,10 @@ from services.engine.scheduler import SchedulerOutput
 from services.engine.spec_decode import draft_model
 from services.engine.spec_decode.config import SpecMethod
 from services.engine.spec_decode.draft_model import DraftModel
-from services.engine.spec_decode.verifier import SpecOutput, Verifier, VerifyStep
+from services.engine.spec_decode.verifier import SpecInputs, SpecOutput, Verifier, VerifyStep
 from services.engine.step_buffers import StagedStep, StepBuffers
+from services.engine.step_features import StepFeatures, StepRows
+from services.engine.structured.manager import GrammarManager
 from services.engine.structured.masks import TokenMasker
 from services.protocol.sampling_params import SamplingParams
 
@@ -121,7 +121,7 @@ class CpuInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_rows: torch.Tensor | None  # hidden rows that get logits; None: every row
-    lora: LoRAStep | None = None  # the step's adapter layout (None: no adapter token)
+    features: dict = field(default_factory=dict)  # each feature's ``host_inputs``
 
 
 @dataclass(slots=True)
@@ -130,12 +130,21 @@ class PreparedStep:
 
     batch: StepBatch
     sampling: SamplingBatch  # the sampled rows' parameters, gathered (the step owns them)
-    grammars: list | None  # the sampled rows' grammar states, when any is constrained
-    scorer: prompt_logprobs.PromptScorer | None
+    state: dict  # each step feature's own state for this step (``StepFeature.prepare_rows``)
     # (positions in the input ids, rows of the in-flight step's sampled ids) of placeholders
     fill: tuple[torch.Tensor, torch.Tensor] | None
     cpu_inputs: CpuInputs | None
-    verify: VerifyStep | None = None  # what the step verifies (``spec_decode.verifier``)
+
+    @property
+    def verify(self) -> VerifyStep | None:
+        """What the step verifies (``spec_decode.verifier``; None: nothing)."""
+        return self.state.get(Verifier.name)
+
+    @property
+    def spec(self) -> SpecInputs | None:
+        """The proposed tokens the step verifies (None: none)."""
+        verify = self.state.get(Verifier.name)
+        return None if verify is None else verify.spec
 
 
 @dataclass(slots=True)
@@ -205,10 +214,13 @@ class ModelRunner:
                                     config.quantization, self.stage)
         if config.max_model_len is not None:
             self.model.limit_context(config.max_model_len)
-        self.lora: ModelLoRA | None = None  # before packing: it reads the weights' shapes
-        if config.enable_lora:
-            self.lora = ModelLoRA(self.model, config.max_loras, config.max_lora_rank,
-                                  self.device, segment_kernels_wanted(self.device))
+        # The step's optional features, in the order the runner calls them (``step_features``);
+        # the adapters' first: their slots are made before packing (they read the weights'
+        # shapes).
+        self.features = StepFeatures()
+        lora = LoRAFeature.build(self.model, config, self.device, self.tp)  # None: LoRA off
+        if lora is not None:
+            self.features.add(lora)
         if self.device.type == "cpu":
             self.model.pack_weights()  # oneDNN's layout, once (see models.onednn)
         self.model_config = self.model.config
@@ -223,25 +235,28 @@ class ModelRunner:
         # Rank 0 prepares the steps (the other ranks receive them whole).
         max_len = config.max_model_len or mc.max_position_embeddings
         self.input_batch: InputBatch | None = None
-        self.lora_manager: LoRAManager | None = None  # rank 0's adapters (engine thread)
         self.verifier: Verifier | None = None  # rank 0's, with the draft model if any
+        self.grammar_masks: GrammarManager | None = None  # rank 0's grammars and bitmask
         if self.tp.rank == 0 and (self.pipeline is None or self.pipeline.where.rank == 0):
-            if self.lora is not None:
-                self.lora_manager = LoRAManager(self.lora.targets, config.max_loras,
-                                                config.max_lora_rank, config.max_cpu_loras,
-                                                self.dtype, config.max_lora_file_bytes)
+            if lora is not None:
+                lora.serve_adapters(config, self.dtype)
+            self.grammar_masks = GrammarManager(config.max_num_seqs, mc.vocab_size,
+                                                config.max_num_seqs * self.rows_per_seq)
             if self.spec is not None:
                 draft = None if self._draft_path() is None else DraftModel(
                     self._draft_path(), self.dtype, self.device, self.attn_backend,
                     self.num_blocks, self.block_size, max_len, self._draft_staging(max_len))
-                self.verifier = Verifier(self.spec, config.max_num_seqs, self.device, draft)
+                self.verifier = Verifier(self.spec, config.max_num_seqs, self.device, draft,
+                                         self.grammar_masks)
+                self.features.add(self.verifier)
+            self.features.add(self.grammar_masks)
+            self.features.add(prompt_logprobs.PromptLogprobs())
             self.input_batch = InputBatch(
                 config.max_num_seqs, min(-(-max_len // self.block_size), self.num_blocks),
-                mc.vocab_size, self.device,
-                lora_slots=None if self.lora_manager is None else self.lora_manager.slots,
-                followers=[] if self.verifier is None else [self.verifier])
+                mc.vocab_size, self.device, features=self.features)
+            if self.verifier is not None:
+                self.verifier.rows = self.input_batch
         self.sampler = Sampler()
-        self.masker: TokenMasker | None = None
         self.warmed_up: list[str] = []  # the features' paths the warm-up ran
         self.buffers: StepBuffers | None = None
         self.graphs: DecodeGraphs | None = None
@@ -336,7 +351,7 @@ class ModelRunner:
             draft_weights=0 if draft is None else memory_budget.weight_bytes(draft, self.dtype),
             draft_probs=0 if draft is None else memory_budget.draft_probs_bytes(
                 c.max_num_seqs, self.rows_per_seq - 1, mc.vocab_size),
-            lora_slots=memory_budget.lora_slot_bytes(self.lora),
+            lora_slots=sum(self.features.held_bytes(self.device).values()),
         )
 
     def _default_kv_budget(self) -> int:
@@ -389,6 +404,11 @@ class ModelRunner:
         self.warmed_up = warm_up_features(self, grammar_masks=False)
         logger.info("warmed up in %.1fs (and %s)", time.perf_counter() - start,
                     ", ".join(self.warmed_up))
+
+    def warm_up_forward(self, num_tokens: int) -> None:
+        """One forward of ``num_tokens`` prompt tokens in the first KV blocks, for a step
+        feature's warm-up (``StepFeature.warm_up``), which sets its own state around it."""
+        warm_up_forward(self, num_tokens)
 
     # -- GPU: staging buffers, warm-up, graphs ---------------------------------------------
 
@@ -489,7 +509,7 @@ class ModelRunner:
             elif every_row or len(s.block_ids) > written[row]:
                 refresh(req, s.block_ids)
             toks = req.token_ids
-            if s.num_lookahead_tokens:  # the last token, then the drafts the verifier holds
+            if s.num_lookahead_tokens:  # the last token, then those the verifier holds
                 ids.append(toks[start])
                 ids.extend(self.verifier.drafts_of(req.batch_row, s.num_lookahead_tokens))
             elif num == 1 and start < len(toks):  # a decode: its last known token
@@ -524,24 +544,14 @@ class ModelRunner:
             query_lens=q,
             rows=sampled,
         )
-        if self.lora_manager is not None:
-            batch.lora_slots = ib.lora_slots_of(row_idx)
-            batch.lora_installs = self.lora.installs(self.lora_manager.slots.take_installs())
-        scorer = None
-        if ib.features.prompt_logprobs:
-            scorer = prompt_logprobs.PromptScorer(sched.scheduled, q_lens)
-            batch.scored = scorer.flat_slices()
-        verify = None
-        if self.verifier is not None:  # before the CPU inputs: drafts change the logits rows
-            verify = self.verifier.prepare(ib, sched, batch, row_idx)
         sampled_rows = row_idx[sampled]
+        state = self.features.prepare_rows(StepRows(sched, batch, row_idx, q_lens, sampled_rows))
         fill = None
         if fill_at:
             assert self.workers is None, "placeholders never cross to tensor-parallel ranks"
             fill = (torch.tensor(fill_at), torch.tensor(fill_from))  # to the device in run()
         cpu = self._cpu_inputs(batch) if self.buffers is None and self.workers is None else None
-        return PreparedStep(batch, ib.sampling_batch(sampled_rows), ib.grammars(sampled_rows),
-                            scorer, fill, cpu, verify)
+        return PreparedStep(batch, ib.sampling_batch(sampled_rows), state, fill, cpu)
 
     def launch(self, step: PreparedStep) -> None:
         """Pipeline parallelism: starts ``step`` down the stages before the last (rank 0's),
@@ -557,7 +567,10 @@ class ModelRunner:
         if self.stage.is_last:
             self._logits(batch, None, None, None, received)
             return
-        out, _ = self._forward_cpu(self._cpu_inputs(batch), None, received)
+        try:
+            out, _ = self._forward_cpu(self._cpu_inputs(batch), None, batch, received)
+        finally:
+            self.features.after_forward()
         assert isinstance(out, IntermediateTensors)
         self.pipeline.send(batch, out.hidden, out.residual)
 
@@ -575,36 +588,33 @@ class ModelRunner:
             fill = (at, in_flight_tokens.index_select(0, rows))
         verify = step.verify
         if verify is not None:  # before the target: a draft model's drafts are its inputs
-            self.verifier.before_forward(verify, step.batch.input_ids)
-        scorer = step.scorer
+            self.verifier.propose_in_step(verify, step.batch.input_ids)
         shards = self._shard_plan(step)
-        logits = self.forward_logits(
-            step.batch, None if scorer is None else scorer.add, step.cpu_inputs, fill
-        )
-        scored = [] if scorer is None else scorer.results()
+        logits = self.forward_logits(step.batch, self.features.slice_scorer(step.state),
+                                     step.cpu_inputs, fill)
+        result = self._sample(step, logits, shards)
+        self.features.finish(step, result)
+        return result
+
+    def _sample(self, step: PreparedStep, logits: torch.Tensor | None,
+                shards: shard_sampling.ShardPlan | None) -> StepResult:
         if logits is None:
-            return StepResult(SamplerOutput(token_ids=[], logprobs=[]), scored)
+            return StepResult(SamplerOutput(token_ids=[], logprobs=[]))
         if shards is not None:  # the ranks sampled: these are the tokens
-            return StepResult(SamplerOutput(logits.tolist(), [None] * len(logits), logits),
-                              scored)
-        spec = None if verify is None else verify.spec
-        if step.grammars is not None:  # structured outputs: before sampling
-            if spec is None:
-                self._token_masker().apply(logits, step.grammars)
-            else:
-                Verifier.mask(self._token_masker(), logits, step.grammars, spec)
-        if spec is not None:
+            return StepResult(SamplerOutput(logits.tolist(), [None] * len(logits), logits))
+        self.features.after_logits(logits, step)  # structured outputs' masks: before sampling
+        spec = step.spec
+        if spec is not None:  # the verifier samples: every verified position
             out, emitted = self.verifier.verify(logits, spec, step.sampling)
-            return StepResult(out, scored, emitted)
-        return StepResult(self.sampler(logits, step.sampling), scored)
+            return StepResult(out, spec=emitted)
+        return StepResult(self.sampler(logits, step.sampling))
 
     def _shard_plan(self, step: PreparedStep) -> shard_sampling.ShardPlan | None:
         """Rank 0: the step's plan for sampling on the shards, set on its batch (None: the
         logits are gathered). Grammar masks and drafts need whole rows; a pipeline's stages
         pass the batch on without the plan, so a pipeline gathers too."""
         if (self.workers is None or self.pipeline is not None or not self.sample_on_shards
-                or step.grammars is not None
-                or (step.verify is not None and step.verify.spec is not None)
+                or self.features.whole_logits(step)
                 or not len(step.batch.rows)):
             return None
         plan = shard_sampling.plan(step.sampling, self.device)
@@ -649,12 +659,14 @@ class ModelRunner:
         fill: tuple[torch.Tensor, torch.Tensor] | None = None,
         received: IntermediateTensors | None = None,
     ) -> torch.Tensor | None:
-        if batch.lora_installs:  # on the step thread, after the steps that read those slots
-            self.lora.apply_installs(batch.lora_installs, self.tp)
-        if self.buffers is None:
-            hidden, last = self._forward_cpu(cpu_inputs or self._cpu_inputs(batch), fill, received)
-        else:
-            hidden, last = self._forward_gpu(batch, fill)
+        try:
+            if self.buffers is None:
+                hidden, last = self._forward_cpu(cpu_inputs or self._cpu_inputs(batch), fill,
+                                                 batch, received)
+            else:
+                hidden, last = self._forward_gpu(batch, fill)
+        finally:
+            self.features.after_forward()
         # hidden holds every new token's row (a decode graph's: one per request)
         for row, count in zip(batch.scored[::2], batch.scored[1::2], strict=True):
             logits = self.model.compute_logits(hidden[row : row + count])
@@ -673,11 +685,16 @@ class ModelRunner:
         logits = self.model.shard_logits(hidden)[:, : head.vocab_real].contiguous()
         return shard_sampling.sample(logits, plan, self.tp, head.vocab_start)
 
-    def _token_masker(self) -> TokenMasker:
-        if self.masker is None:  # only engines that meet a constrained request pay for it
-            self.masker = TokenMasker(self.model_config.vocab_size,
-                                      self.config.max_num_seqs * self.rows_per_seq)
-        return self.masker
+    @property
+    def masker(self) -> TokenMasker | None:
+        """The grammar masks' bitmask buffer (None until a step or the warm-up needed it)."""
+        return None if self.grammar_masks is None else self.grammar_masks.masker
+
+    @property
+    def lora(self):
+        """Every rank's adapter slots in the model (None unless ``enable_lora``)."""
+        feature = self.features.get(LoRAFeature.name)
+        return None if feature is None else feature.lora
 
     def _cpu_inputs(self, batch: StepBatch) -> CpuInputs:
         step = plan_step(batch.block_tables, batch.num_blocks, batch.seq_lens, batch.query_lens,
@@ -686,9 +703,7 @@ class ModelRunner:
         check_step(meta, len(batch.input_ids), self.kv_caches[0][0])  # the plan: in the forward
         ids = torch.from_numpy(batch.input_ids)  # shares memory: drafts written later show
         last = torch.from_numpy(batch.logits_rows()) if len(batch.rows) else None
-        lora = None if batch.lora_slots is None else self.lora.layout(batch.lora_slots,
-                                                                      batch.query_lens)
-        return CpuInputs(ids, positions, meta, last, lora)
+        return CpuInputs(ids, positions, meta, last, self.features.host_inputs(batch))
 
     def _plan(self, meta: AttentionMetadata, num_tokens: int) -> None:
         """The step's contract checked and its attention plan built: once per step, for every
@@ -696,7 +711,7 @@ class ModelRunner:
         check_step(meta, num_tokens, self.kv_caches[0][0])
         self.model.plan_attention(meta)
 
-    def _forward_cpu(self, inputs: CpuInputs, fill, received=None):
+    def _forward_cpu(self, inputs: CpuInputs, fill, batch: StepBatch, received=None):
         """Returns the hidden states and the rows of them that get logits. The attention plan
         is built here, on the thread that runs the model: its torch ops may go parallel, and
         a second OpenMP team (the engine thread's, under async scheduling) would throttle the
@@ -704,8 +719,7 @@ class ModelRunner:
         if fill is not None:
             inputs.input_ids.index_copy_(0, *fill)
         self.model.plan_attention(inputs.meta)
-        if self.lora is not None:  # read by every LoRA projection of this step
-            self.lora.state.step = inputs.lora
+        self.features.before_forward(batch, inputs.features)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
                             received)
         return hidden, inputs.logits_rows
@@ -718,13 +732,11 @@ class ModelRunner:
         input_ids, query_lens, rows = batch.input_ids, batch.query_lens, batch.rows
         num_seqs = len(batch.seq_lens)
         decode = len(input_ids) == num_seqs
-        lora = None if batch.lora_slots is None else self.lora.layout(batch.lora_slots,
-                                                                      query_lens)
-        if self.lora is not None:
-            self.lora.state.step = lora
-        # Graphs hold base-model steps only: a step with adapters runs eager.
+        self.features.before_forward(batch, {})
+        # A feature may keep the step off the graphs (``StepFeature.graph_key``).
+        key = self.features.graph_key(batch)
         bucket = (self.graphs.bucket(num_seqs)
-                  if self.graphs is not None and decode and lora is None else None)
+                  if self.graphs is not None and decode and key is not None else None)
         staged = self.buffers.stage(
             input_ids, batch.block_tables, batch.num_blocks, batch.seq_lens, query_lens,
             batch.logits_rows(), pad_to=bucket,

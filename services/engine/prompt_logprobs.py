@@ -11,15 +11,17 @@ hidden states), as vLLM; after a preemption the positions already scored are not
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from services.engine.step_features import StepFeature, StepRows
 from services.protocol.engine_api import TokenLogprobs
 
 if TYPE_CHECKING:  # the scheduler imports this module
+    from services.engine.model_runner import StepResult
     from services.engine.request import Request
     from services.engine.scheduler import ScheduledRequest
 
@@ -79,6 +81,41 @@ class PromptScorer:
         its ``prompt_logprobs``)."""
         assert self._next == len(self._pieces), "a slice's logits did not arrive"
         return [(span.index, e) for span, e in zip(self._spans, self._entries, strict=True)]
+
+
+class PromptLogprobs(StepFeature):
+    """Prompt logprobs as a step feature: a step with such rows gets a ``PromptScorer``, its
+    slices cross to the other ranks in ``StepBatch.scored`` (the LM head is a collective), and
+    the scored entries go into the step's result."""
+
+    name = "prompt_logprobs"
+
+    def __init__(self) -> None:
+        self.rows = 0  # live rows that asked
+
+    def join(self, req: Request, row: int) -> None:
+        self.rows += req.params.prompt_logprobs is not None
+
+    def leave(self, req: Request, row: int) -> None:
+        self.rows -= req.params.prompt_logprobs is not None
+
+    def needs_host_tokens(self) -> bool:
+        """They are collected across chunks, in order."""
+        return self.rows > 0
+
+    def prepare_rows(self, rows: StepRows) -> PromptScorer | None:
+        if not self.rows:
+            return None
+        scorer = PromptScorer(rows.sched.scheduled, rows.query_lens)
+        rows.batch.scored = scorer.flat_slices()
+        return scorer
+
+    def slice_scorer(self, state: Any) -> Callable[[torch.Tensor], None] | None:
+        return None if state is None else state.add
+
+    def finish(self, state: Any, result: StepResult) -> None:
+        if state is not None:
+            result.prompt_logprobs = state.results()
 
 
 def _spans(scheduled: Sequence[ScheduledRequest], query_lens: Sequence[int]) -> list[_Span]:

@@ -21,6 +21,7 @@ from services.engine.sampler import make_generator
 from services.engine.sampling_batch import SamplingBatch, SamplingRequest
 from services.engine.spec_decode.config import SpeculativeConfig
 from services.engine.spec_decode.verifier import Verifier
+from services.engine.step_features import StepFeatures
 from services.protocol.block_hash import BlockHasher
 from services.protocol.sampling_params import SamplingParams
 
@@ -106,7 +107,8 @@ def test_drafts_and_the_draft_models_progress_move_with_their_rows() -> None:
     # The verifier holds them, following the batch's rows.
     held = Verifier(SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3}),
                     6, torch.device("cpu"))
-    batch = InputBatch(6, 4, VOCAB, torch.device("cpu"), followers=[held])
+    batch = InputBatch(6, 4, VOCAB, torch.device("cpu"), features=StepFeatures([held]))
+    held.rows = batch
     reqs = [_request(f"d{i}", i, temperature=0.0) for i in range(5)]
     for i, req in enumerate(reqs):
         batch.add(req, [i])

@@ -6,8 +6,9 @@ The parts here import nothing of the engine's core (which imports them): ``confi
 object, validated at start), ``ngram`` (prompt lookup), ``draft_model`` (a draft model with its
 own KV cache under the target's block ids), ``rejection`` (the accept/replace arithmetic),
 ``grammar`` (structured outputs' masks at every verified position) and ``metrics`` (vLLM's
-counters). The core wires them into a step: ``services.engine.spec_step`` (drafts proposed
-before each schedule, a step's verification inputs gathered, the verification), the input
-batch's draft rows, the scheduler's ``1 + k`` tokens and the block manager's trim of rejected
+counters). Two parts import the core and wire these into a step: ``proposers`` (drafts
+proposed before each schedule) and ``verifier`` (the step feature that holds each row's
+drafts, gathers a step's verification inputs and verifies); the core sees the verifier and the proposers only, plus the scheduler's
+lookahead tokens (``1 + k`` scheduled, a run back) and the block manager's trim of rejected
 slots.
 """

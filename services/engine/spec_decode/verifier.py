@@ -11,8 +11,8 @@ min_tokens counting the drafts before the position as output), the drafts padded
 where they sit in the step's input ids, and for a draft model its passes
 (``draft_model``, built from the step's gathered block tables).
 
-Step thread: the draft model proposes (``before_forward``), the target scores every position
-in its one forward pass, grammars mask every position (``mask``, ``grammar``), then
+Step thread: the draft model proposes (``propose_in_step``), the target scores every position
+in its one forward pass, grammars mask every position (``after_logits``, ``grammar``), then
 ``verify``: penalties count the drafts before each position, the sampler's stages
 (``StagedLogits``) adjust, scale and truncate the logits at every position, ``rejection``
 accepts or rejects, and one Gumbel-max per request (the sampler's ``draw``) draws the
@@ -25,8 +25,8 @@ Engine thread, after the step (``record``): how far the draft model's KV reaches
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -34,15 +34,20 @@ import torch
 from services.engine.input_batch import InputBatch
 from services.engine.parallel.step_broadcast import StepBatch
 from services.engine.sampler import SamplerOutput, StagedLogits, draw
-from services.engine.sampling_batch import Penalties, SamplingBatch
+from services.engine.sampling_batch import Penalties, SamplingBatch, SamplingRequest
 from services.engine.scheduler import SchedulerOutput
 from services.engine.spec_decode import rejection
 from services.engine.spec_decode.config import SpeculativeConfig
 from services.engine.spec_decode.draft_model import DraftInputs, DraftModel, DraftPass
 from services.engine.spec_decode.grammar import fill_position_masks
-from services.engine.structured.masks import GrammarState, TokenMasker
+from services.engine.step_features import StepFeature, StepRows
 from services.protocol.engine_api import TokenLogprobs
 from services.protocol.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from services.engine.model_runner import ModelRunner, PreparedStep
+    from services.engine.request import Request
+    from services.engine.structured.manager import GrammarManager
 
 
 @dataclass(slots=True)
@@ -89,14 +94,22 @@ class VerifyStep:
     draft: DraftInputs | None
 
 
-class Verifier:
-    """Rank 0's drafts per input-batch row, the draft model and the rejection sampler."""
+class Verifier(StepFeature):
+    """Rank 0's drafts per input-batch row, the draft model and the rejection sampler: the
+    step feature ``speculation`` (``StepFeature``), and the step's sampler when it verifies."""
+
+    name = "speculation"
 
     def __init__(self, spec: SpeculativeConfig, max_rows: int, device: torch.device,
-                 draft: DraftModel | None = None) -> None:
+                 draft: DraftModel | None = None, masks: GrammarManager | None = None) -> None:
+        """``masks``: the grammar masks, applied at every verified position. ``rows`` is set
+        to the input batch whose rows it follows (it reads their sampling parameters) once
+        that is built (it takes the features, this one among them)."""
         self.spec = spec
+        self.rows: InputBatch | None = None
         self.device = device
         self.draft = draft
+        self.masks = masks
         # Each row's drafts for the next step, and how many of its tokens the draft model has
         # in its KV cache (-1: just joined).
         k = spec.num_speculative_tokens
@@ -105,7 +118,7 @@ class Verifier:
 
     # -- rows (the input batch calls these) -------------------------------------------------
 
-    def join(self, row: int) -> None:
+    def join(self, req: Request, row: int) -> None:
         self.draft_computed[row] = -1
 
     def move(self, src: int, dst: int) -> None:
@@ -125,10 +138,10 @@ class Verifier:
 
     # -- a step -----------------------------------------------------------------------------
 
-    def prepare(self, ib: InputBatch, sched: SchedulerOutput, batch: StepBatch,
-                row_idx: np.ndarray) -> VerifyStep | None:
+    def prepare_rows(self, step: StepRows) -> VerifyStep | None:
         """The step's verification inputs and draft passes (None: neither); sets
-        ``batch.extra_logits``."""
+        ``batch.extra_logits`` (before the runner builds the step's CPU inputs)."""
+        ib, sched, batch, row_idx = self.rows, step.sched, step.batch, step.rows
         scheduled = sched.scheduled
         per_req = np.fromiter((s.num_lookahead_tokens for s in scheduled), np.int64,
                               len(scheduled))
@@ -143,7 +156,7 @@ class Verifier:
             self.draft_computed, ib, sched, batch, row_idx, per_req)
         return None if spec is None and passes is None else VerifyStep(spec, passes)
 
-    def before_forward(self, step: VerifyStep, input_ids: np.ndarray) -> None:
+    def propose_in_step(self, step: VerifyStep, input_ids: np.ndarray) -> None:
         """Step thread: the draft model's passes; its drafts go into the verification and
         the input ids."""
         if step.draft is not None:
@@ -160,28 +173,40 @@ class Verifier:
         its drafts were made."""
         return (step is not None and step.spec is not None) or self.spec.drafts_at(num_rows)
 
-    @staticmethod
-    def mask(masker: TokenMasker, logits: torch.Tensor,
-             grammars: list[GrammarState | None], spec: SpecInputs) -> None:
-        """Structured outputs' masks at every verified position."""
-        rows = fill_position_masks(masker.bitmask, grammars, spec.num_drafts.tolist(),
-                                   spec.drafts.tolist())
-        if rows:
-            masker.mask(logits, rows)
+    def whole_logits(self, state: VerifyStep | None) -> bool:
+        return state is not None and state.spec is not None
+
+    def after_logits(self, logits: torch.Tensor, state: VerifyStep | None,
+                     step: PreparedStep) -> None:
+        """Structured outputs' masks at every verified position (the grammar feature leaves
+        a verifying step to this)."""
+        if state is None or state.spec is None or self.masks is None:
+            return
+        grammars = step.state.get(self.masks.name)
+        if grammars is not None:
+            spec = state.spec
+            self.masks.apply(logits, grammars, fill=lambda bitmask: fill_position_masks(
+                bitmask, grammars, spec.num_drafts.tolist(), spec.drafts.tolist()))
 
     @staticmethod
     def verify(logits: torch.Tensor, spec: SpecInputs,
                rows: SamplingBatch) -> tuple[SamplerOutput, SpecOutput]:
         return verify(logits, spec, rows)
 
-    def warm_up(self, logits: torch.Tensor, rows: int,
-                make_batch: Callable[[SamplingParams, int], SamplingBatch], max_tokens: int,
-                max_rows: int, room: int) -> list[str]:
-        """Before serving: ``rows`` requests verifying every draft (token 0) as sampling rows
-        (``logits``: ``rows * (1 + k)`` of them), with the draft's distributions when there is
-        a draft model; then the draft model's own warm-up. Returns the paths run."""
+    def warm_up_logits(self, runner: ModelRunner, logits: torch.Tensor,
+                       compiling: bool) -> list[str]:
+        """Before serving (rank 0): requests verifying every draft (token 0) as sampling rows,
+        ``logits`` being ``1 + k`` rows per request, with the draft's distributions when there
+        is a draft model; then the draft model's own warm-up. Returns the paths run."""
         k = self.spec.num_speculative_tokens
+        rows = len(logits) // (1 + k)
+        vocab = logits.shape[1]
         params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, max_tokens=1)
+
+        def make_batch(n: int) -> SamplingBatch:
+            requests = [SamplingRequest(params, [0, 1], [1]) for _ in range(n)]
+            return SamplingBatch.from_requests(requests, vocab, self.device)
+
         q = None
         if self.draft is not None:
             vocab = logits.shape[1]
@@ -190,15 +215,17 @@ class Verifier:
             num_drafts=np.full(rows, k, np.int64),
             drafts=torch.zeros((rows, k), dtype=torch.long, device=self.device),
             draft_at=np.zeros(0, np.int64),
-            positions=make_batch(params, rows * (1 + k)),
+            positions=make_batch(rows * (1 + k)),
             owner=np.repeat(np.arange(rows), 1 + k),
             ahead=np.tile(np.arange(1 + k), rows),
             q=q,
         )
-        verify(logits, spec, make_batch(params, rows))
+        verify(logits[: rows * (1 + k)], spec, make_batch(rows))
         if self.draft is None:
             return ["verification"]
-        self.draft.warm_up(max_tokens, max_rows, room)
+        c = runner.config
+        self.draft.warm_up(c.max_num_batched_tokens, c.max_num_seqs,
+                           runner.num_blocks * runner.block_size)
         return ["verification", "draft model"]
 
     def record(self, sched: SchedulerOutput, out: SpecOutput) -> None:

@@ -1,0 +1,233 @@
+"""The step's optional features behind one protocol: what the runner calls, in order.
+
+A feature (LoRA, structured-output masks, prompt logprobs, speculation) is one object the
+runner holds while it is enabled; the runner loops over them at fixed points of a step instead
+of branching per feature. Every hook has a no-op default, so a feature overrides only the
+points it acts at. Lifecycle and threads::
+
+    join / leave / move     engine thread, rank 0: a request takes a row of the input batch,
+                            gives it back, or is moved by compaction (``InputBatch``)
+    needs_host_tokens       engine thread: the next step must wait for this one's tokens
+    prepare_rows            engine thread, rank 0: the step's rows gathered; writes what must
+                            cross to the other ranks into the ``StepBatch``, returns the
+                            feature's own state for this step (kept in ``PreparedStep.state``)
+    host_inputs             the thread that builds a CPU step's tensors (engine thread under
+                            async scheduling): per-step tensors built from the ``StepBatch``
+    graph_key               step thread: this feature's part of the CUDA-graph key (None: no
+                            part; ``EAGER``: the step cannot replay a graph)
+    before_forward          step thread, every rank: just before the model runs
+    after_forward           step thread, every rank: the model ran (per-step state cleared)
+    slice_scorer            rank 0: a callback for the logits of the hidden slices the feature
+                            asked for in ``StepBatch.scored`` (prompt logprobs)
+    whole_logits            rank 0: the step needs every sampled row's whole logits (no
+                            sampling on tensor-parallel vocabulary shards)
+    after_logits            rank 0: the sampled rows' logits, before sampling (masks)
+    finish                  rank 0: after sampling, the feature's results into ``StepResult``
+    warm_up                 before the engine serves, every rank: the feature's own model
+                            path runs once (before the sampler's warm-up)
+    warm_up_logits          before the engine serves, rank 0: the feature's logits path runs
+                            once over ``logits`` (after the sampler's); ``compiling``: the
+                            device compiles kernels on first use (a GPU)
+    held_bytes              before the KV pool is sized: memory the feature holds
+
+A feature's step state is built on the engine thread and read on the step thread: it must be
+the step's own copy (gathered arrays), never a view of rows the next ``prepare`` rewrites.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from services.engine.parallel.step_broadcast import StepBatch
+
+# The core's types, which this part may not import (the core imports it): named here for the
+# signatures only.
+Request = Any  # ``request.Request``
+SchedulerOutput = Any  # ``scheduler.SchedulerOutput``
+PreparedStep = Any  # ``model_runner.PreparedStep`` (its ``state``: each feature's step state)
+StepResult = Any  # ``model_runner.StepResult``
+ModelRunner = Any  # ``model_runner.ModelRunner``
+
+# A graph-key part that keeps the step off the CUDA graphs (it runs eager).
+EAGER = "eager"
+
+
+@dataclass(slots=True)
+class StepRows:
+    """What ``prepare_rows`` sees of a step: its schedule, the batch that crosses to the other
+    ranks, and the input-batch rows gathered (copies)."""
+
+    sched: SchedulerOutput
+    batch: StepBatch
+    rows: np.ndarray  # every scheduled request's row, in schedule order
+    query_lens: list[int]  # new tokens per scheduled request, in schedule order
+    sampled_rows: np.ndarray  # the rows that sample, in logits order
+
+
+class StepFeature:
+    """One optional feature of a step (see the module docstring); the defaults do nothing."""
+
+    name: str = ""
+
+    def join(self, req: Request, row: int) -> None:
+        pass
+
+    def leave(self, req: Request, row: int) -> None:
+        pass
+
+    def move(self, src: int, dst: int) -> None:
+        pass
+
+    def needs_host_tokens(self) -> bool:
+        return False
+
+    def prepare_rows(self, rows: StepRows) -> Any:
+        return None
+
+    def host_inputs(self, batch: StepBatch) -> Any:
+        return None
+
+    def graph_key(self, batch: StepBatch) -> Hashable | None:
+        return None
+
+    def before_forward(self, batch: StepBatch, host: Any) -> None:
+        pass
+
+    def after_forward(self) -> None:
+        pass
+
+    def slice_scorer(self, state: Any) -> Callable[[torch.Tensor], None] | None:
+        return None
+
+    def whole_logits(self, state: Any) -> bool:
+        return False
+
+    def after_logits(self, logits: torch.Tensor, state: Any, step: PreparedStep) -> None:
+        pass
+
+    def finish(self, state: Any, result: StepResult) -> None:
+        pass
+
+    def warm_up(self, runner: ModelRunner) -> list[str]:
+        return []
+
+    def warm_up_logits(
+        self, runner: ModelRunner, logits: torch.Tensor, compiling: bool
+    ) -> list[str]:
+        return []
+
+    def held_bytes(self, device: torch.device) -> int:
+        return 0
+
+
+class StepFeatures:
+    """The enabled features, in the order the runner calls them (registration order)."""
+
+    def __init__(self, features: Sequence[StepFeature] = ()) -> None:
+        self.all: list[StepFeature] = []
+        for f in features:
+            self.add(f)
+
+    def add(self, feature: StepFeature) -> None:
+        assert feature.name and self.get(feature.name) is None, feature.name
+        self.all.append(feature)
+
+    def get(self, name: str) -> StepFeature | None:
+        return next((f for f in self.all if f.name == name), None)
+
+    def __iter__(self):
+        return iter(self.all)
+
+    def __bool__(self) -> bool:
+        return bool(self.all)
+
+    # -- rows -------------------------------------------------------------------------------
+
+    def join(self, req: Request, row: int) -> None:
+        for f in self.all:
+            f.join(req, row)
+
+    def leave(self, req: Request, row: int) -> None:
+        for f in self.all:
+            f.leave(req, row)
+
+    def move(self, src: int, dst: int) -> None:
+        for f in self.all:
+            f.move(src, dst)
+
+    def needs_host_tokens(self) -> bool:
+        return any(f.needs_host_tokens() for f in self.all)
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def prepare_rows(self, rows: StepRows) -> dict[str, Any]:
+        """Each feature's state for the step (only the features that have one)."""
+        out = {}
+        for f in self.all:
+            state = f.prepare_rows(rows)
+            if state is not None:
+                out[f.name] = state
+        return out
+
+    def host_inputs(self, batch: StepBatch) -> dict[str, Any]:
+        out = {}
+        for f in self.all:
+            host = f.host_inputs(batch)
+            if host is not None:
+                out[f.name] = host
+        return out
+
+    def graph_key(self, batch: StepBatch) -> tuple[Hashable, ...] | None:
+        """The features' parts of the step's graph key; None when one keeps it eager."""
+        parts = []
+        for f in self.all:
+            part = f.graph_key(batch)
+            if part == EAGER:
+                return None
+            if part is not None:
+                parts.append(part)
+        return tuple(parts)
+
+    def before_forward(self, batch: StepBatch, host: dict[str, Any]) -> None:
+        for f in self.all:
+            f.before_forward(batch, host.get(f.name))
+
+    def after_forward(self) -> None:
+        for f in self.all:
+            f.after_forward()
+
+    def slice_scorer(self, state: dict[str, Any]) -> Callable[[torch.Tensor], None] | None:
+        """The callback for ``StepBatch.scored``'s slices: at most one feature asks for them."""
+        scorers = [s for f in self.all if (s := f.slice_scorer(state.get(f.name))) is not None]
+        assert len(scorers) <= 1, "two features asked for hidden slices in one step"
+        return scorers[0] if scorers else None
+
+    def whole_logits(self, step: PreparedStep) -> bool:
+        return any(f.whole_logits(step.state.get(f.name)) for f in self.all)
+
+    def after_logits(self, logits: torch.Tensor, step: PreparedStep) -> None:
+        for f in self.all:
+            f.after_logits(logits, step.state.get(f.name), step)
+
+    def finish(self, step: PreparedStep, result: StepResult) -> None:
+        for f in self.all:
+            f.finish(step.state.get(f.name), result)
+
+    # -- before serving ---------------------------------------------------------------------
+
+    def warm_up(self, runner: ModelRunner) -> list[str]:
+        return [name for f in self.all for name in f.warm_up(runner)]
+
+    def warm_up_logits(
+        self, runner: ModelRunner, logits: torch.Tensor, compiling: bool
+    ) -> list[str]:
+        return [name for f in self.all for name in f.warm_up_logits(runner, logits, compiling)]
+
+    def held_bytes(self, device: torch.device) -> dict[str, int]:
+        return {f.name: f.held_bytes(device) for f in self.all}

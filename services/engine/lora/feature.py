@@ -1,0 +1,152 @@
+"""LoRA as a step feature (as vLLM's LoRA model-runner mixin): the runner reaches adapters only
+through this object.
+
+Rank 0 keeps each input-batch row's device slot (-1: the base model): a row under an adapter
+takes a slot when it joins and gives it back when it leaves (``DeviceSlots``), and a step
+gathers its rows' slots and the adapters installed since the last step into its ``StepBatch``,
+which crosses to the other ranks. Every rank then installs those adapters and sets the step's
+layout (``LoRAStep``) on the state its projections read, just before the forward, and clears it
+after. A step with no adapter token carries no slots and does no LoRA work at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import torch
+
+from services.engine.features.protocol import (
+    EAGER,
+    ModelRunner,
+    Request,
+    StepFeature,
+    StepRows,
+)
+from services.engine.lora.layers import ModelLoRA, segment_kernels_wanted
+from services.engine.lora.manager import LoRAManager
+from services.engine.lora.step import LoRAStep
+
+if TYPE_CHECKING:
+    from services.engine.models.layers import CausalLM
+    from services.engine.parallel.group import TPGroup
+    from services.engine.parallel.step_broadcast import StepBatch
+
+
+class LoRALimits(Protocol):
+    """The engine flags the feature reads (``EngineConfig``'s LoRA fields)."""
+
+    enable_lora: bool
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int | None
+    max_lora_file_bytes: int | None
+    max_num_seqs: int
+
+
+class LoRAFeature(StepFeature):
+    name = "lora"
+
+    def __init__(self, lora: ModelLoRA, max_rows: int, tp: TPGroup) -> None:
+        self.lora = lora
+        self.manager: LoRAManager | None = None  # rank 0's adapters (``serve_adapters``)
+        self.tp = tp
+        self.slot = np.full(max_rows, -1, dtype=np.int64)
+        self.rows = 0  # live rows under an adapter
+
+    @classmethod
+    def build(
+        cls, model: CausalLM, config: LoRALimits, device: torch.device, tp: TPGroup
+    ) -> LoRAFeature | None:
+        """Every rank's adapter slots in ``model`` (before its weights are packed: they read
+        the weights' shapes); None unless ``enable_lora``."""
+        if not config.enable_lora:
+            return None
+        lora = ModelLoRA(
+            model, config.max_loras, config.max_lora_rank, device, segment_kernels_wanted(device)
+        )
+        return cls(lora, config.max_num_seqs, tp)
+
+    def serve_adapters(self, config: LoRALimits, dtype: torch.dtype) -> None:
+        """Rank 0: the adapters' manager (the engine thread's), whose slots rows take."""
+        self.manager = LoRAManager(
+            self.lora.targets,
+            config.max_loras,
+            config.max_lora_rank,
+            config.max_cpu_loras,
+            dtype,
+            config.max_lora_file_bytes,
+        )
+
+    # -- rows (rank 0) ----------------------------------------------------------------------
+
+    def join(self, req: Request, row: int) -> None:
+        if req.lora is not None:
+            self.slot[row] = self.manager.slots.acquire(req.lora)
+            self.rows += 1
+        else:
+            self.slot[row] = -1
+
+    def leave(self, req: Request, row: int) -> None:
+        if self.slot[row] >= 0:
+            self.manager.slots.release(int(self.slot[row]))
+            self.rows -= 1
+        self.slot[row] = -1
+
+    def move(self, src: int, dst: int) -> None:
+        self.slot[dst] = self.slot[src]
+        self.slot[src] = -1
+
+    def prepare_rows(self, rows: StepRows) -> None:
+        """The rows' slots (a gathered copy; None when no live row has an adapter) and the
+        adapters to install before the step."""
+        batch = rows.batch
+        batch.lora_slots = self.slot[rows.rows] if self.rows else None
+        batch.lora_installs = self.lora.installs(self.manager.slots.take_installs())
+
+    # -- the step (every rank) --------------------------------------------------------------
+
+    def host_inputs(self, batch: StepBatch) -> LoRAStep | None:
+        if batch.lora_slots is None:
+            return None
+        return self.lora.layout(batch.lora_slots, batch.query_lens)
+
+    def graph_key(self, batch: StepBatch) -> Hashable | None:
+        # Graphs hold base-model steps only: a step with adapters runs eager.
+        return None if batch.lora_slots is None else EAGER
+
+    def before_forward(self, batch: StepBatch, host: Any) -> None:
+        if batch.lora_installs:  # on the step thread, after the steps that read those slots
+            self.lora.apply_installs(batch.lora_installs, self.tp)
+        if host is None and batch.lora_slots is not None:
+            host = self.lora.layout(batch.lora_slots, batch.query_lens)
+        self.lora.state.step = host  # read by every LoRA projection of this step
+
+    def after_forward(self) -> None:
+        self.lora.state.step = None
+
+    # -- before serving ---------------------------------------------------------------------
+
+    def warm_up(self, runner: ModelRunner) -> list[str]:
+        """A forward with every token on adapter slot 0 (zeros: no effect), so the
+        shrink/expand products (Triton with ``PAGODA_LORA_TRITON``) run once."""
+        n = min(16, runner.config.max_num_batched_tokens, runner.num_blocks * runner.block_size)
+        self.lora.state.step = self.lora.layout(np.zeros(1, np.int64), np.array([n]))
+        try:
+            runner.warm_up_forward(n)
+        finally:
+            self.lora.state.step = None
+        return ["LoRA layout"]
+
+    def held_bytes(self, device: torch.device) -> int:
+        """The slots' A and B weights (on a GPU already out of the free memory the KV budget
+        is read from: counted on the CPU only)."""
+        return slot_bytes(self.lora)
+
+
+def slot_bytes(lora: ModelLoRA | None) -> int:
+    """The adapter slots' A and B weights of every projection."""
+    if lora is None:
+        return 0
+    return sum(p.a.nbytes + p.b.nbytes for p in lora.projections.values())
