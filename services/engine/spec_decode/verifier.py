@@ -5,7 +5,7 @@ reaches in it (rows join and move through ``join``/``move``), the draft model (r
 rejection sampler. The proposers (``proposers``) hand it their drafts per row; the rest of the
 engine sees a ``VerifyStep`` (what a step verifies) and a ``SpecOutput`` (the runs it emits).
 
-Engine thread, when the step is prepared (``prepare``): the verification's inputs, as copies
+Engine thread, when the step is prepared (``prepare_rows``): the verification's inputs, as copies
 the step owns: one sampling row per verified position (the request's parameters repeated,
 min_tokens counting the drafts before the position as output), the drafts padded per request,
 where they sit in the step's input ids, and for a draft model its passes
@@ -142,6 +142,7 @@ class Verifier(StepFeature):
         """The step's verification inputs and draft passes (None: neither); sets
         ``batch.extra_logits`` (before the runner builds the step's CPU inputs)."""
         ib, sched, batch, row_idx = self.rows, step.sched, step.batch, step.rows
+        assert ib is not None, "the runner sets rows once the input batch is built"
         scheduled = sched.scheduled
         per_req = np.fromiter((s.num_lookahead_tokens for s in scheduled), np.int64,
                               len(scheduled))
