@@ -10,11 +10,9 @@ output (stop checks, finishing, freeing blocks) and hands it to the caller (deto
 streaming), all while step n+1 runs.
 
 A step falls back to synchronous stepping (step n applied before step n+1 is scheduled) when
-the next step's preparation or sampling reads what step n's tokens change on the host
-(``InputBatch.needs_host_tokens``), when step n verifies drafts (it emits a varying number of
-tokens per request, not the one a placeholder stands for), or when step n+1 may draft from
-step n's tokens (``ModelRunner._prepared``). Either way the step thread reads only what ``prepare``
-gathered for its step, never a request's live lists.
+``must_wait`` says so: the one place where what step n did meets what step n+1 will read.
+Either way the step thread reads only what ``prepare`` gathered for its step, never a
+request's live lists.
 """
 
 from __future__ import annotations
@@ -39,11 +37,22 @@ def _use_device(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
+def must_wait(step: PreparedStep, runner: ModelRunner) -> bool:
+    """Whether the step after ``step`` must wait for ``step``'s tokens on the host (called as
+    ``step`` starts, with the input batch as ``step`` left it): when its preparation or
+    sampling reads what those tokens change (``InputBatch.needs_host_tokens``), or when the
+    verifier says so (``Verifier.waits``: ``step`` verified, or the next one may propose)."""
+    ib = runner.input_batch
+    if ib.needs_host_tokens():
+        return True
+    return runner.verifier is not None and runner.verifier.waits(step.verify, ib.num_rows)
+
+
 @dataclass(slots=True)
 class InFlightStep:
     sched: SchedulerOutput
     future: Future[StepResult]
-    # The next step must wait for this one to be applied (``needs_host_tokens``).
+    # The next step must wait for this one to be applied (``must_wait``).
     needs_host: bool
     _rows: dict[Request, int] | None = None
 
@@ -85,7 +94,7 @@ class StepPipeline:
         assert self.in_flight is None
         tokens = None if after is None else after.sampler_output.token_tensor
         future = self._pool.submit(self.runner.run, step, tokens)
-        self.in_flight = InFlightStep(sched, future, step.needs_host)
+        self.in_flight = InFlightStep(sched, future, must_wait(step, self.runner))
 
     def wait(self) -> tuple[SchedulerOutput, StepResult]:
         """The step in flight, finished (its exception, if it failed); nothing is in flight

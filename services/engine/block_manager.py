@@ -260,7 +260,7 @@ class BlockManager:
 
     def trim(self, request_id: str, num_tokens: int) -> int | None:
         """Gives back the request's last blocks past those that hold ``num_tokens`` tokens
-        (speculative decoding: blocks that held only rejected drafts); returns how many blocks
+        (a verified step: blocks that held only rejected tokens); returns how many blocks
         it keeps, or None when it gave none back. Such blocks were never full of computed
         tokens, so never cached: they go to the front of the queue, to be reused first."""
         entry = self._requests.get(request_id)

@@ -31,7 +31,7 @@ from services.engine.sampler import make_generator
 from services.engine.scheduler import Scheduler, SchedulerOutput, SchedulingPolicy
 from services.engine.spec_decode.config import check_draft_matches
 from services.engine.spec_decode.metrics import SpecDecodeStats
-from services.engine.spec_step import Speculator
+from services.engine.spec_decode.proposers import Speculator
 from services.engine.structured.compiler import GrammarCompiler
 from services.engine.structured.masks import GrammarState
 from services.protocol import kv_transfer_params as kv_params
@@ -146,8 +146,8 @@ class LLMEngine:
         self.transfer_stats: TransferStats | None = next(
             (c.stats for c in parts if isinstance(getattr(c, "stats", None), TransferStats)),
             None) if self.kv_connector is not None else None
-        self.speculator = None if config.speculative_config is None else Speculator(
-            config.speculative_config, self.max_model_len)
+        self.speculator = None if self.runner.verifier is None else Speculator(
+            config.speculative_config, self.max_model_len, self.runner.verifier)
         self.requests: dict[str, Request] = {}
         self.last_step_tokens = 0
         self.grammars = GrammarCompiler(str(model_path), mc.vocab_size, self.eos_token_ids)
@@ -382,7 +382,7 @@ class LLMEngine:
 
     def _schedule(self) -> SchedulerOutput:
         if self.speculator is not None:  # the drafts the scheduler then makes room for
-            self.speculator.propose(self.scheduler.running, self.runner.input_batch)
+            self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         self._release_rows()  # the preempted ones': before the runner gives rows to joiners
         if self.kv_connector is not None:
@@ -424,7 +424,7 @@ class LLMEngine:
             lps = [[lp] for lp in out.logprobs]
         else:  # each run's tokens, as the scheduler cut it
             lps = [lp[: len(run)] for lp, run in zip(spec.logprobs, spec.runs, strict=True)]
-            self.speculator.record(sched, spec, self.runner.input_batch)
+            self.speculator.record(sched, spec)
         if len(sampled) < len(lps):  # some had finished (or were aborted) since: no token
             kept = {id(req) for req in sampled}
             rows = (s.request for s in sched.scheduled if s.completes_sequence)

@@ -8,9 +8,8 @@ would otherwise first run, and on a GPU compile, inside a user's request. Here, 
                      (``StepFeature.warm_up``)
     sampler          greedy rows, and rows with every sampling feature (top-k, top-p, min-p,
                      penalties, logprobs)
-    verification     the rejection sampler over drafts at every verified position, with the
-                     draft's distributions when there is a draft model (rank 0)
-    draft model      its own warm-up (``DraftModel.warm_up``; rank 0)
+    verification     the verifier's own (``Verifier.warm_up``; rank 0): the rejection sampler
+                     at every verified position, and its proposing model if it has one
     features' logits each step feature's logits path (``StepFeature.warm_up_logits``: the
                      grammar masks where kernels compile)
 
@@ -22,10 +21,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-from services.engine import spec_step
 from services.engine.attention.metadata import build_attention_metadata
 from services.engine.sampling_batch import SamplingBatch, SamplingRequest
 from services.protocol.sampling_params import SamplingParams
@@ -42,22 +39,19 @@ _EVERYTHING = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, l
 def warm_up_features(runner: ModelRunner, grammar_masks: bool) -> list[str]:
     """Runs each enabled feature's path once (every rank calls it: a feature's forward is a
     collective); returns the names of the paths run. ``grammar_masks``: the device compiles
-    kernels on first use (a GPU), so the logits paths run too."""
+    kernels on first use (a GPU), so the features' logits paths run too."""
     ran = runner.features.warm_up(runner)
     if not runner.tp.is_first:
         return ran
     rows = min(runner.config.max_num_seqs, 4)
-    logits = torch.zeros(rows * (1 + runner.num_spec_tokens), runner.model_config.vocab_size,
+    logits = torch.zeros(rows * runner.rows_per_seq, runner.model_config.vocab_size,
                          device=runner.device)
     ran += _sampler(runner, logits[:rows])
-    if runner.spec is not None:
-        _verify(runner, logits, rows)
-        ran.append("verification")
-    if runner.draft is not None:
+    if runner.verifier is not None:
         c = runner.config
-        runner.draft.warm_up(c.max_num_batched_tokens, c.max_num_seqs,
-                             runner.num_blocks * runner.block_size)
-        ran.append("draft model")
+        ran += runner.verifier.warm_up(
+            logits, rows, lambda params, n: _batch(runner, params, n),
+            c.max_num_batched_tokens, c.max_num_seqs, runner.num_blocks * runner.block_size)
     return ran + runner.features.warm_up_logits(runner, logits, grammar_masks)
 
 
@@ -82,24 +76,3 @@ def _sampler(runner: ModelRunner, logits: torch.Tensor) -> list[str]:
     runner.sampler(logits, _batch(runner, SamplingParams(temperature=0.0), rows))
     runner.sampler(logits, _batch(runner, _EVERYTHING, rows))
     return ["sampler: greedy", "sampler: every feature"]
-
-
-def _verify(runner: ModelRunner, logits: torch.Tensor, rows: int) -> None:
-    """Every request verifying ``num_spec_tokens`` drafts (token 0), as sampling rows."""
-    k = runner.num_spec_tokens
-    num_drafts = np.full(rows, k, np.int64)
-    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, max_tokens=1)
-    q = None
-    if runner.draft is not None:
-        vocab = logits.shape[1]
-        q = torch.full((rows, k, vocab), 1.0 / vocab, device=runner.device)
-    spec = spec_step.SpecInputs(
-        num_drafts=num_drafts,
-        drafts=torch.zeros((rows, k), dtype=torch.long, device=runner.device),
-        draft_at=np.zeros(0, np.int64),
-        positions=_batch(runner, params, rows * (1 + k)),
-        owner=np.repeat(np.arange(rows), 1 + k),
-        ahead=np.tile(np.arange(1 + k), rows),
-        q=q,
-    )
-    spec_step.verify(logits, spec, _batch(runner, params, rows))

@@ -13,8 +13,6 @@ Rows::
     block_table:   [5 9 ..] [1 ..]   [3 4 8]  [2]       int32 [max_rows, max_blocks]
     num_blocks:    2        1        3        1         written entries of each table row
     temperature, top_k, top_p, min_p, greedy, logprobs ... one entry per row
-    draft_tokens:  [d1 d2 ..] ...                       speculative decoding: the next step's
-                                                        drafts (prompt lookup writes them)
 
 A request that leaves (finished, aborted, preempted) gives its row back at once: the last row
 moves into the hole (compaction), so rows ``0 .. num_rows - 1`` are always the live ones. A
@@ -30,7 +28,9 @@ views of these rows or a request's live lists.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -45,6 +45,14 @@ from services.engine.sampling_batch import (
     stop_ids,
 )
 from services.engine.step_features import StepFeatures
+
+
+class RowFollower(Protocol):
+    """State kept per row outside the batch (a step feature's, such as the verifier's)."""
+
+    def join(self, row: int) -> None: ...
+
+    def move(self, src: int, dst: int) -> None: ...
 
 
 @dataclass(slots=True)
@@ -130,9 +138,10 @@ class InputBatch:
 
     def __init__(self, max_rows: int, max_blocks_per_seq: int, vocab_size: int,
                  device: torch.device, features: StepFeatures | None = None,
-                 num_spec_tokens: int = 0) -> None:
+                 followers: Sequence[RowFollower] = ()) -> None:
         """``features``: the step's optional features, told of each row's join, leave and
-        move. ``num_spec_tokens``: the drafts a row may hold (speculative decoding)."""
+        move. ``followers``: per-row state
+        kept outside the batch, told when a row is taken and when compaction moves one."""
         self.max_rows = max_rows
         self.vocab_size = vocab_size
         self.num_rows = 0
@@ -152,10 +161,7 @@ class InputBatch:
         self.stop_ids: list[list[int]] = [[] for _ in range(max_rows)]  # min_tokens bans
         self.penalty_slot = np.full(max_rows, -1, dtype=np.int64)
         self.step_features = features or StepFeatures()
-        # Speculative decoding (``spec_step``): each row's drafts for the next step, and how
-        # many of its tokens the draft model has in its KV cache (-1: just joined).
-        self.draft_tokens = np.zeros((max_rows, max(num_spec_tokens, 1)), dtype=np.int64)
-        self.draft_computed = np.zeros(max_rows, dtype=np.int64)
+        self.followers = list(followers)
         self.features = RowFeatures()
         self.penalties = PenaltyCounts(vocab_size, device)
 
@@ -184,7 +190,8 @@ class InputBatch:
         self.stop_ids[row] = (stop_ids(p, req.eos_token_ids, self.vocab_size)
                               if p.min_tokens > 0 else [])
         self.penalty_slot[row] = self.penalties.take(req) if has_penalty(p) else -1
-        self.draft_computed[row] = -1
+        for f in self.followers:
+            f.join(row)
         self.features.count(req, +1)
         self.step_features.join(req, row)
         return row
@@ -216,10 +223,12 @@ class InputBatch:
         self.block_table[dst, :n] = self.block_table[src, :n]
         self.num_blocks[dst] = self.blocks_written[dst] = n
         for arr in (self.temperature, self.greedy, self.top_k, self.top_p, self.min_p,
-                    self.logprobs, self.penalty_slot, self.draft_tokens, self.draft_computed):
+                    self.logprobs, self.penalty_slot):
             arr[dst] = arr[src]
         for lst in (self.generator, self.logit_bias, self.stop_ids):
             lst[dst] = lst[src]
+        for f in self.followers:
+            f.move(src, dst)
         self.step_features.move(src, dst)
 
     # -- every step ---------------------------------------------------------------------------
@@ -239,7 +248,7 @@ class InputBatch:
                 self.penalties.catch_up(slot, req)
 
     def trim_blocks(self, req: Request, num_blocks: int) -> None:
-        """The request gave its last blocks back (speculative decoding's rejected slots): its
+        """The request gave its last blocks back (slots it no longer needs): its
         table row ends after ``num_blocks`` (the next ``refresh`` writes what comes after)."""
         row = req.batch_row
         if num_blocks < self.blocks_written[row]:
@@ -247,9 +256,9 @@ class InputBatch:
 
     def sampling_batch(self, rows: np.ndarray, ahead: np.ndarray | None = None) -> SamplingBatch:
         """The sampler's inputs for ``rows`` (the sampling requests' rows, in logits order):
-        gathered copies, so the step owns them. ``ahead`` (speculative decoding, one row per
-        verified position): how many drafts each row's position comes after, counted as
-        output for min_tokens."""
+        gathered copies, so the step owns them. ``ahead`` (a row per scored position): how
+        many tokens not yet appended each row's position comes after, counted as output for
+        min_tokens."""
         f = self.features
         greedy = temperature = truncation = generators = None
         if f.sampling:
@@ -278,6 +287,13 @@ class InputBatch:
             banned=self._banned(rows, ahead) if f.min_tokens else None,
             penalties=self._penalties(rows) if f.penalties else None,
         )
+
+    def draw_params(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray,
+                                                     list[torch.Generator | None] | None]:
+        """What drawing a token for ``rows`` needs besides the logits (gathered copies): greedy,
+        temperature (1 on greedy rows) and the seeded rows' generators (None: no seeded row)."""
+        gens = [self.generator[r] for r in rows.tolist()] if self.features.seeded else None
+        return self.greedy[rows], self.temperature[rows], gens
 
     def needs_host_tokens(self) -> bool:
         """Whether the step after one that samples for these rows must wait for its tokens on

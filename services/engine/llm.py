@@ -48,7 +48,7 @@ class _Child:
     # (``_finish``), and the step loop never detokenizes.
     stream: _TextStream | None
     # Output tokens that stand when a stop string ended the sample inside a step's tokens
-    # (speculative decoding gives several per step); None: all of them.
+    # (a verified step gives several); None: all of them.
     num_tokens: int | None = None
 
 

@@ -27,7 +27,6 @@ from services.engine import (
     pp_stage,
     prompt_logprobs,
     shard_sampling,
-    spec_step,
 )
 from services.engine.attention.base import AttentionMetadata
 from services.engine.attention.contract import check_kv_caches, check_step
@@ -64,7 +63,8 @@ from services.engine.sampling_batch import SamplingBatch, SamplingRequest
 from services.engine.scheduler import SchedulerOutput
 from services.engine.spec_decode import draft_model
 from services.engine.spec_decode.config import SpecMethod
-from services.engine.spec_decode.draft_model import DraftInputs, DraftModel
+from services.engine.spec_decode.draft_model import DraftModel
+from services.engine.spec_decode.verifier import SpecOutput, Verifier, VerifyStep
 from services.engine.step_buffers import StagedStep, StepBuffers
 from services.engine.step_features import StepFeatures, StepRows
 from services.engine.structured.manager import GrammarManager
@@ -134,11 +134,7 @@ class PreparedStep:
     # (positions in the input ids, rows of the in-flight step's sampled ids) of placeholders
     fill: tuple[torch.Tensor, torch.Tensor] | None
     cpu_inputs: CpuInputs | None
-    # Async scheduling: the next step must wait for this one's tokens on the host
-    # (``InputBatch.needs_host_tokens``, drafts in this step, or drafts for the next).
-    needs_host: bool = False
-    spec: spec_step.SpecInputs | None = None  # speculative decoding: the drafts to verify
-    draft: DraftInputs | None = None  # the draft model's passes (with a draft model)
+    verify: VerifyStep | None = None  # what the step verifies (``spec_decode.verifier``)
 
 
 @dataclass(slots=True)
@@ -150,7 +146,7 @@ class StepResult:
     # (the request's place in the schedule, its prompt positions scored this step): only for
     # prompt_logprobs requests
     prompt_logprobs: list = field(default_factory=list)
-    spec: spec_step.SpecOutput | None = None  # a step with drafts: every token it emits
+    spec: SpecOutput | None = None  # a step that verified: every token it emits
 
 
 class ModelRunner:
@@ -221,30 +217,32 @@ class ModelRunner:
         self.num_kv_heads = local_kv_heads(self.model_config, self.tp.size)  # this rank's
         self.block_size = config.block_size
         self.spec = config.speculative_config
-        self.num_spec_tokens = 0 if self.spec is None else self.spec.num_speculative_tokens
+        # Logits rows a sequence may take in one step: its token, and the drafts verified.
+        self.rows_per_seq = 1 + (0 if self.spec is None else self.spec.num_speculative_tokens)
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         mc = self.model_config
         # Rank 0 prepares the steps (the other ranks receive them whole).
         max_len = config.max_model_len or mc.max_position_embeddings
         self.input_batch: InputBatch | None = None
-        self.draft: DraftModel | None = None  # rank 0 runs it whole
+        self.verifier: Verifier | None = None  # rank 0's, with the draft model if any
         self.grammar_masks: GrammarManager | None = None  # rank 0's grammars and bitmask
         if self.tp.rank == 0 and (self.pipeline is None or self.pipeline.where.rank == 0):
             if lora is not None:
                 lora.serve_adapters(config, self.dtype)
             self.grammar_masks = GrammarManager(config.max_num_seqs, mc.vocab_size,
-                                                config.max_num_seqs * (1 + self.num_spec_tokens))
+                                                config.max_num_seqs * self.rows_per_seq)
             self.features.add(self.grammar_masks)
             self.features.add(prompt_logprobs.PromptLogprobs())
+            if self.spec is not None:
+                draft = None if self._draft_path() is None else DraftModel(
+                    self._draft_path(), self.dtype, self.device, self.attn_backend,
+                    self.num_blocks, self.block_size, max_len, self._draft_staging(max_len))
+                self.verifier = Verifier(self.spec, config.max_num_seqs, self.device, draft)
             self.input_batch = InputBatch(
                 config.max_num_seqs, min(-(-max_len // self.block_size), self.num_blocks),
                 mc.vocab_size, self.device, features=self.features,
-                num_spec_tokens=self.num_spec_tokens)
-            if self._draft_path() is not None:
-                self.draft = DraftModel(self._draft_path(), self.dtype, self.device,
-                                        self.attn_backend, self.num_blocks, self.block_size,
-                                        max_len, self._draft_staging(max_len))
+                followers=[] if self.verifier is None else [self.verifier])
         self.sampler = Sampler()
         self.warmed_up: list[str] = []  # the features' paths the warm-up ran
         self.buffers: StepBuffers | None = None
@@ -333,14 +331,14 @@ class ModelRunner:
         (``memory_budget``): counted before the pool is allocated."""
         c, mc = self.config, self.model_config
         draft = self._draft_path()
-        verify_rows = c.max_num_seqs * (1 + self.num_spec_tokens)
+        verify_rows = c.max_num_seqs * self.rows_per_seq
         return memory_budget.FeatureMemory(
             activations=memory_budget.activation_bytes(mc, c.max_num_batched_tokens,
                                                        self.tp.size, self.dtype),
             sampler=memory_budget.sampler_bytes(verify_rows, mc.vocab_size),
             draft_weights=0 if draft is None else memory_budget.weight_bytes(draft, self.dtype),
             draft_probs=0 if draft is None else memory_budget.draft_probs_bytes(
-                c.max_num_seqs, self.num_spec_tokens, mc.vocab_size),
+                c.max_num_seqs, self.rows_per_seq - 1, mc.vocab_size),
             lora_slots=sum(self.features.held_bytes(self.device).values()),
         )
 
@@ -389,7 +387,7 @@ class ModelRunner:
             ids = torch.zeros(n, dtype=torch.long, device=self.device)
             hidden = self.model(ids, positions, self.kv_caches, meta, warm_up_input(self.model, n))
             if isinstance(hidden, torch.Tensor) and (  # a pipeline's last stage makes logits
-                    n <= self.config.max_num_seqs * (1 + self.num_spec_tokens)):  # logits rows
+                    n <= self.config.max_num_seqs * self.rows_per_seq):  # logits rows
                 self.model.compute_logits(hidden)
         self.warmed_up = warm_up_features(self, grammar_masks=False)
         logger.info("warmed up in %.1fs (and %s)", time.perf_counter() - start,
@@ -519,9 +517,9 @@ class ModelRunner:
             elif every_row or len(s.block_ids) > written[row]:
                 refresh(req, s.block_ids)
             toks = req.token_ids
-            if s.num_draft_tokens:  # speculative decoding: the last token, then its drafts
+            if s.num_lookahead_tokens:  # the last token, then the drafts the verifier holds
                 ids.append(toks[start])
-                ids.extend(ib.draft_tokens[req.batch_row, : s.num_draft_tokens].tolist())
+                ids.extend(self.verifier.drafts_of(req.batch_row, s.num_lookahead_tokens))
             elif num == 1 and start < len(toks):  # a decode: its last known token
                 ids.append(toks[start])
             else:
@@ -556,22 +554,15 @@ class ModelRunner:
         )
         sampled_rows = row_idx[sampled]
         state = self.features.prepare_rows(StepRows(sched, batch, row_idx, q_lens, sampled_rows))
-        spec = draft = None
-        if self.spec is not None:  # before the CPU inputs: drafts change the logits rows
-            spec, draft = spec_step.prepare(ib, sched, batch, row_idx, self.draft)
+        verify = None
+        if self.verifier is not None:  # before the CPU inputs: drafts change the logits rows
+            verify = self.verifier.prepare(ib, sched, batch, row_idx)
         fill = None
         if fill_at:
             assert self.workers is None, "placeholders never cross to tensor-parallel ranks"
             fill = (torch.tensor(fill_at), torch.tensor(fill_from))  # to the device in run()
         cpu = self._cpu_inputs(batch) if self.buffers is None and self.workers is None else None
-        # A step with drafts emits a varying number of tokens per request, which the next
-        # step's placeholders (one each) cannot stand for; and drafts for the next step come
-        # from this one's tokens (unless the batch is too big). The first is this step's own
-        # state: the batch may have grown past disable_by_batch_size since its drafts were made.
-        needs_host = ib.needs_host_tokens() or spec is not None or (
-            self.spec is not None and self.spec.drafts_at(ib.num_rows))
-        return PreparedStep(batch, ib.sampling_batch(sampled_rows), state, fill, cpu, needs_host,
-                            spec, draft)
+        return PreparedStep(batch, ib.sampling_batch(sampled_rows), state, fill, cpu, verify)
 
     def launch(self, step: PreparedStep) -> None:
         """Pipeline parallelism: starts ``step`` down the stages before the last (rank 0's),
@@ -606,8 +597,9 @@ class ModelRunner:
             assert in_flight_tokens is not None
             at, rows = (t.to(self.device, non_blocking=True) for t in step.fill)
             fill = (at, in_flight_tokens.index_select(0, rows))
-        if step.draft is not None:  # before the target: its drafts are the target's inputs
-            spec_step.propose_drafts(self.draft, step.draft, step.spec, step.batch.input_ids)
+        verify = step.verify
+        if verify is not None:  # before the target: a draft model's drafts are its inputs
+            self.verifier.before_forward(verify, step.batch.input_ids)
         shards = self._shard_plan(step)
         logits = self.forward_logits(step.batch, self.features.slice_scorer(step.state),
                                      step.cpu_inputs, fill)
@@ -621,14 +613,16 @@ class ModelRunner:
             return StepResult(SamplerOutput(token_ids=[], logprobs=[]))
         if shards is not None:  # the ranks sampled: these are the tokens
             return StepResult(SamplerOutput(logits.tolist(), [None] * len(logits), logits))
-        self.features.after_logits(logits, step)  # structured outputs' masks: before sampling
-        grammars = step.state.get(GrammarManager.name)
-        if step.spec is not None and grammars is not None:  # every verified position
-            spec_step.mask_positions(self.grammar_masks.token_masker(), logits, grammars,
-                                     step.spec)
-        if step.spec is not None:
-            out, spec = spec_step.verify(logits, step.spec, step.sampling)
-            return StepResult(out, spec=spec)
+        spec = None if step.verify is None else step.verify.spec
+        if spec is None:
+            self.features.after_logits(logits, step)  # structured outputs' masks: before sampling
+        else:  # rows are verified positions: the verifier masks them (the manager's bitmask)
+            grammars = step.state.get(GrammarManager.name)
+            if grammars is not None:
+                Verifier.mask(self.grammar_masks.token_masker(), logits, grammars, spec)
+        if spec is not None:
+            out, emitted = self.verifier.verify(logits, spec, step.sampling)
+            return StepResult(out, spec=emitted)
         return StepResult(self.sampler(logits, step.sampling))
 
     def _shard_plan(self, step: PreparedStep) -> shard_sampling.ShardPlan | None:
@@ -636,7 +630,8 @@ class ModelRunner:
         logits are gathered). Grammar masks and drafts need whole rows; a pipeline's stages
         pass the batch on without the plan, so a pipeline gathers too."""
         if (self.workers is None or self.pipeline is not None or not self.sample_on_shards
-                or self.features.whole_logits(step) or step.spec is not None
+                or self.features.whole_logits(step)
+                or (step.verify is not None and step.verify.spec is not None)
                 or not len(step.batch.rows)):
             return None
         plan = shard_sampling.plan(step.sampling, self.device)

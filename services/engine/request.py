@@ -62,10 +62,10 @@ class Request:
     # scheduled while they are on their way, assuming one token per sampling step, as vLLM).
     num_scheduled_tokens: int = 0
     num_placeholders: int = 0
-    # Speculative decoding: drafts the next step verifies after its last token (set before
-    # each schedule by ``spec_step.Speculator``; the values sit in its input-batch row, or
-    # the draft model proposes them in the step). 0 while it is not decoding.
-    num_draft_tokens: int = 0
+    # Tokens proposed past its last one, which the next step verifies (set before each
+    # schedule by ``spec_decode.proposers``; the verifier holds their values). 0 while it is
+    # not decoding.
+    num_lookahead_tokens: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first schedule

@@ -63,11 +63,37 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == batch.num_rows, (logits.shape,
                                                                           batch.num_rows)
-        logits = logits.float()
-        want, raw = raw_logprobs(logits, batch)
-        tokens = _sample(adjust_logits(logits, batch), batch)
-        logprobs = token_logprobs(raw, want, tokens, batch)
+        staged = StagedLogits(logits, batch)
+        tokens = staged.greedy_tokens() if batch.greedy is None else draw(
+            staged.scaled(), staged.adjusted, batch)
+        logprobs = staged.logprobs(tokens)
         return SamplerOutput(token_ids=tokens.tolist(), logprobs=logprobs, token_tensor=tokens)
+
+
+class StagedLogits:
+    """A batch's logits through the sampler's stages, each taken when asked for: what the
+    sampler itself draws from and what another consumer of the same distributions (the
+    verifier, ``spec_decode.verifier``) reads, so that both apply one set of rules. Built
+    from ``logits`` as they came from the model (the raw logprobs are taken first)."""
+
+    __slots__ = ("batch", "want", "raw", "adjusted")
+
+    def __init__(self, logits: torch.Tensor, batch: SamplingBatch) -> None:
+        logits = logits.float()
+        self.batch = batch
+        self.want, self.raw = raw_logprobs(logits, batch)
+        self.adjusted = adjust_logits(logits, batch)  # what a greedy row takes the argmax of
+
+    def greedy_tokens(self) -> torch.Tensor:
+        return argmax_rows(self.adjusted)
+
+    def scaled(self) -> torch.Tensor:
+        """The sampling rows' log-weights (temperature, truncation); needs a sampling row."""
+        return scale_and_truncate(self.adjusted, self.batch)
+
+    def logprobs(self, tokens: torch.Tensor) -> list[TokenLogprobs | None]:
+        """Each row's logprobs of ``tokens`` (one per row), for the rows that asked."""
+        return token_logprobs(self.raw, self.want, tokens, self.batch)
 
 
 def raw_logprobs(logits: torch.Tensor,
@@ -138,16 +164,9 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return kernels.argmax_rows(logits.contiguous())
 
 
-def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    if batch.greedy is None:
-        return argmax_rows(logits)
-    # Greedy rows divide by 1 here; their token is the plain argmax, picked at the end.
-    return draw(scale_and_truncate(logits, batch), logits, batch)
-
-
 def draw(scaled: torch.Tensor, adjusted: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """One token per row: a Gumbel-max draw from ``scaled`` (log-weights) for the sampling
-    rows, the argmax of ``adjusted`` for the greedy ones."""
+    rows, the argmax of ``adjusted`` for the greedy ones (they divide by 1 in ``scaled``)."""
     sampled = gumbel_argmax(scaled, batch)
     if not batch.greedy.any():
         return sampled

@@ -23,12 +23,14 @@ value reaches the model runner from step n's sampled ids). ``update`` of step n 
 token of a request that has finished or was aborted meanwhile. Synchronous stepping goes
 through the same bookkeeping, with nothing in flight at ``schedule``.
 
-Speculative decoding: a decoding request with ``num_draft_tokens`` drafts is scheduled for its
-last token and its drafts (``1 + k`` tokens, fewer drafts when the budget is short), and gets
-up to ``k + 1`` tokens back (``update``'s ``runs``). Only the accepted drafts' KV counts as
+Lookahead tokens (proposed by ``spec_decode``, verified by the step): a decoding request with
+``num_lookahead_tokens`` = k is scheduled for its last token and them (``1 + k`` tokens, fewer
+lookahead ones when the budget is short), and gets a run of up to ``k + 1`` tokens back (every
+request gets a run: one token without lookahead). Only the accepted tokens' KV counts as
 computed; the blocks past what its tokens then need go back to the pool (``trim``) and the
-input batch's row is told (``take_trimmed``). A step with drafts is never in flight while the
-next is scheduled (its tokens decide the next step's), so none of this meets a placeholder.
+input batch's row is told (``take_trimmed``). A step with lookahead tokens is never in flight
+while the next is scheduled (its runs decide the next step's), so none of this meets a
+placeholder.
 
 KV from outside the pool (``connector``: any ``kv_connector.base.KVConnector``): an admission
 whose prefix the connector can deliver past its pool hit gets its blocks and waits for KV in
@@ -93,7 +95,7 @@ class ScheduledRequest:
     # from its logits (False for every chunk of a chunked prefill but the last).
     completes_sequence: bool
     start: int  # the request's first position computed this step
-    num_draft_tokens: int = 0  # speculative decoding: the last ones of the new tokens
+    num_lookahead_tokens: int = 0  # the last ones of the new tokens: proposed, to verify
 
 
 @dataclass(slots=True)
@@ -146,7 +148,7 @@ class Scheduler:
         # Requests that left the running set (finished, aborted, preempted) since the last
         # ``take_left``: the engine gives their input-batch rows back.
         self._left: list[Request] = []
-        # (request, blocks it kept) after giving back rejected drafts' blocks (``trim``).
+        # (request, blocks it kept) after giving back rejected tokens' blocks (``trim``).
         self._trimmed: list[tuple[Request, int]] = []
         self.connector: KVConnector | None = None  # moves KV from outside the pool, if any
         self.kv_transfer_timeout_s = DEFAULT_TIMEOUT_S
@@ -206,7 +208,7 @@ class Scheduler:
 
     def take_trimmed(self) -> list[tuple[Request, int]]:
         """(request, blocks it holds now) for each request that gave blocks back since the
-        last call (speculative decoding's rejected slots)."""
+        last call (rejected lookahead tokens' slots)."""
         trimmed, self._trimmed = self._trimmed, []
         return trimmed
 
@@ -280,8 +282,8 @@ class Scheduler:
                 continue
             start = req.num_computed_tokens + req.num_scheduled_tokens
             end = len(req.token_ids) + placeholders
-            # A decode's drafts come after its last token (as many as the budget holds).
-            num_new = min(end - start + req.num_draft_tokens, budget)
+            # A decode's lookahead tokens come after its last one (as many as the budget holds).
+            num_new = min(end - start + req.num_lookahead_tokens, budget)
             total = start + num_new
             ids = block_ids(req.request_id)  # grows in place when blocks are allocated
             # While its last block has room (most decodes) nothing needs allocating.
@@ -312,7 +314,7 @@ class Scheduler:
         self.block_manager.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = req.num_scheduled_tokens = 0  # a step in flight: not applied
-        req.num_draft_tokens = 0  # its drafts go with its row
+        req.num_lookahead_tokens = 0  # their values go with its row
         req.num_preemptions += 1
         self.num_preemptions += 1
         if self.by_priority:  # back at its rank: vLLM's priority queue has no front
@@ -442,13 +444,11 @@ class Scheduler:
 
     def update(self, sched: SchedulerOutput, token_ids: Sequence[int],
                runs: Sequence[list[int]] | None = None) -> list[Request]:
-        """Applies a step: counts its tokens as computed, caches the blocks they filled, then
-        appends ``token_ids`` (one per request scheduled with ``completes_sequence``, in
-        schedule order), runs the stop checks and frees the requests that finished.
-
-        ``runs`` (a step with drafts): each sampling request's tokens, its accepted drafts
-        then the target's token (``token_ids`` holds their first ones). They are appended one
-        by one, each stop-checked; a run is cut where its request stops.
+        """Applies a step: appends ``token_ids`` (one per request scheduled with
+        ``completes_sequence``, in schedule order), or ``runs`` when the step verified lookahead
+        tokens (each sampling request's accepted ones, then the model's own token;
+        ``token_ids`` holds their first ones). Either way each request's tokens are a run,
+        one token without lookahead, applied by ``_apply_run``.
 
         Returns the requests that got a token, in the order of ``token_ids``; each one's new
         token is its last output token, and ``status`` says whether it finished. A request
@@ -462,81 +462,60 @@ class Scheduler:
         finished = False
         kept = []
         running, preempted = RequestStatus.RUNNING, RequestStatus.PREEMPTED
-        max_len, bs = self.max_model_len, self.block_manager.block_size
-        tokens = iter(token_ids)
-        spec = None if runs is None else iter(runs)
+        bs = self.block_manager.block_size
+        each = iter(runs) if runs is not None else ((t,) for t in token_ids)
         for s in sched.scheduled:
             req = s.request
-            if s.num_draft_tokens:  # drafts verified (no other step was in flight)
-                next(tokens)
-                outcome = self._apply_run(s, next(spec), now)
-                if outcome is not None:
-                    kept.append(req)
-                    finished |= outcome
-                continue
-            if spec is not None and s.completes_sequence:
-                next(spec)  # without drafts its run is its one token
             status = req.status
             if status is running:  # else preempted, finished or aborted since: no blocks
                 req.num_scheduled_tokens -= s.num_new_tokens
-                done, after = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
-                if after // bs != done // bs:  # the step filled a block: cache it
-                    self._cache_blocks(req, after)
-                req.num_computed_tokens = after
+                if not s.completes_sequence:
+                    after = req.num_computed_tokens + s.num_new_tokens
+                    if after // bs != req.num_computed_tokens // bs:  # filled a block
+                        self._cache_blocks(req, after)
+                    req.num_computed_tokens = after
             if not s.completes_sequence:
                 continue
-            tok = next(tokens)
+            run = next(each)
             if status is not running and status is not preempted:
                 continue  # finished or aborted: the extra token of a step scheduled before
-            req.num_placeholders -= 1
             kept.append(req)
-            req.append_output_token(tok)
-            if req.grammar is not None:
-                req.grammar.accept(tok)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            if (tok not in req.stop_token_set and len(req.output_token_ids) < req.max_tokens
-                    and len(req.token_ids) < max_len):
-                continue  # surely not the last token: the exact rules below need not run
-            if self._stopped(req, tok):
-                finished = True
-                self._free_finished(req, [] if status is preempted else (
-                    self.block_manager.block_ids(req.request_id)))
-                if status is preempted:  # by a step scheduled since
-                    self.waiting.remove(req)
+            finished |= self._apply_run(s, run, status is running, now)
         if finished:  # one pass, not a list.remove per finished request
             self.running[:] = [r for r in self.running if not r.status.is_finished]
             self._left.extend(r for r in kept if r.status.is_finished)
         return kept
 
-    def _apply_run(self, s: ScheduledRequest, run: list[int], now: float) -> bool | None:
-        """A request whose drafts the step verified: its run appended (and cut where it
-        stops), the accepted drafts' KV counted as computed and cached, the blocks past its
-        tokens given back. None if it had left meanwhile, else whether it finished."""
+    def _apply_run(self, s: ScheduledRequest, run: list[int] | tuple[int], computed: bool,
+                   now: float) -> bool:
+        """A sampling request's run appended (cut where it stops); ``computed``: it still
+        runs, so the step's KV counts: every token it scheduled but the rejected lookahead
+        (``num_lookahead_tokens`` less the accepted ``len(run) - 1``), cached where a block
+        filled, and the blocks past its tokens given back. True if it finished."""
         req = s.request
-        if req.status is not RequestStatus.RUNNING:
-            return None
-        req.num_scheduled_tokens -= s.num_new_tokens
         req.num_placeholders -= 1
-        done = req.num_computed_tokens
-        stopped = self._append_run(req, run, now)
-        # The step computed the KV of the last token and of every draft; the accepted ones
-        # are now the sequence's tokens (all but its new last one), the rest is garbage.
-        after = len(req.token_ids) - 1
-        if after // self.block_manager.block_size != done // self.block_manager.block_size:
-            self._cache_blocks(req, after)
-        req.num_computed_tokens = after
+        n = self._append_run(req, run, now)
+        stopped = req.status.is_finished
+        if computed:
+            done = req.num_computed_tokens
+            after = done + s.num_new_tokens - s.num_lookahead_tokens + n - 1
+            if after // self.block_manager.block_size != done // self.block_manager.block_size:
+                self._cache_blocks(req, after)
+            req.num_computed_tokens = after
+            if s.num_lookahead_tokens and not stopped:
+                kept = self.block_manager.trim(req.request_id, after + 1)
+                if kept is not None:
+                    self._trimmed.append((req, kept))
         if stopped:
-            self._free_finished(req, self.block_manager.block_ids(req.request_id))
-            return True
-        kept = self.block_manager.trim(req.request_id, after + 1)
-        if kept is not None:
-            self._trimmed.append((req, kept))
-        return False
+            self._free_finished(req, self.block_manager.block_ids(req.request_id)
+                                if computed else [])
+            if not computed:  # preempted by a step scheduled since
+                self.waiting.remove(req)
+        return stopped
 
-    def _append_run(self, req: Request, run: list[int], now: float) -> bool:
-        """Appends a speculative step's tokens one by one; True if one of them ended the
-        request (the run is then cut after it)."""
+    def _append_run(self, req: Request, run: list[int] | tuple[int], now: float) -> int:
+        """Appends a run's tokens one by one, each stop-checked; returns how many it took
+        (the run is cut after the one that ended the request)."""
         max_len = self.max_model_len
         for i, tok in enumerate(run):
             req.append_output_token(tok)
@@ -547,9 +526,10 @@ class Scheduler:
             maybe_last = (tok in req.stop_token_set or len(req.output_token_ids) >= req.max_tokens
                           or len(req.token_ids) >= max_len)
             if maybe_last and self._stopped(req, tok):
-                del run[i + 1:]
-                return True
-        return False
+                if i + 1 < len(run):
+                    del run[i + 1:]  # the caller's run: its logprobs are cut to match
+                return i + 1
+        return len(run)
 
     def _stopped(self, req: Request, tok: int) -> bool:
         """Sets the finished status if ``tok`` ends the request; True if it does."""

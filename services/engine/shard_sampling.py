@@ -14,7 +14,7 @@ few numbers per row are enough, and the tokens are the ones the gathered logits 
 
 Rows that need the whole distribution keep the gather (``plan`` returns None for the step):
 logprobs, top-p, min-p, logit_bias, min_tokens bans, penalties; the runner adds grammar masks
-and drafts. A sampling row needs the counter-based noise, so only with the CPU kernels; an
+and verification. A sampling row needs the counter-based noise, so only with the CPU kernels; an
 all-greedy step on any CPU. The plan is rank 0's, made when the step runs (the seeded rows'
 keys come from their generators as the sampler draws them), and travels in the step broadcast.
 

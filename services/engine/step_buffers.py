@@ -35,7 +35,7 @@ _SEGMENTS = (  # name, numpy dtype, which count sizes it
     ("input_ids", np.int64, "tokens"),
     ("positions", np.int64, "tokens"),
     ("slot_mapping", np.int64, "tokens"),
-    ("logits_rows", np.int64, "tokens"),  # one per request, or more with drafts
+    ("logits_rows", np.int64, "tokens"),  # one per request, or more in a verified step
     ("cu_seqlens_q", np.int32, "seqs+1"),
     ("cu_seqlens_k", np.int32, "seqs+1"),
     ("context_lens", np.int32, "seqs"),

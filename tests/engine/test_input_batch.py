@@ -19,6 +19,8 @@ from services.engine.model_runner import ModelRunner
 from services.engine.request import Request
 from services.engine.sampler import make_generator
 from services.engine.sampling_batch import SamplingBatch, SamplingRequest
+from services.engine.spec_decode.config import SpeculativeConfig
+from services.engine.spec_decode.verifier import Verifier
 from services.protocol.block_hash import BlockHasher
 from services.protocol.sampling_params import SamplingParams
 
@@ -101,19 +103,22 @@ def test_gathered_rows_equal_the_reference_as_requests_come_and_go() -> None:
 
 
 def test_drafts_and_the_draft_models_progress_move_with_their_rows() -> None:
-    batch = InputBatch(6, 4, VOCAB, torch.device("cpu"), num_spec_tokens=3)
+    # The verifier holds them, following the batch's rows.
+    held = Verifier(SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3}),
+                    6, torch.device("cpu"))
+    batch = InputBatch(6, 4, VOCAB, torch.device("cpu"), followers=[held])
     reqs = [_request(f"d{i}", i, temperature=0.0) for i in range(5)]
     for i, req in enumerate(reqs):
         batch.add(req, [i])
-        assert batch.draft_computed[req.batch_row] == -1  # joined: the draft has seen nothing
-        batch.draft_tokens[req.batch_row] = [10 * i, 10 * i + 1, 10 * i + 2]
-        batch.draft_computed[req.batch_row] = 7 + i
+        assert held.draft_computed[req.batch_row] == -1  # joined: the draft has seen nothing
+        held.hold(req.batch_row, [10 * i, 10 * i + 1, 10 * i + 2])
+        held.draft_computed[req.batch_row] = 7 + i
     batch.remove(reqs[1])  # the last row moves into its place
     batch.remove(reqs[3])
     for i in (0, 2, 4):
         row = reqs[i].batch_row
-        assert batch.draft_tokens[row].tolist() == [10 * i, 10 * i + 1, 10 * i + 2]
-        assert batch.draft_computed[row] == 7 + i
+        assert held.drafts_of(row, 3) == [10 * i, 10 * i + 1, 10 * i + 2]
+        assert held.draft_computed[row] == 7 + i
     # min_tokens at a verified position counts the drafts before it as output
     req = _request("m", 99, temperature=0.0, min_tokens=7, stop_token_ids=[7])
     batch.add(req, [9])
@@ -203,7 +208,8 @@ def test_the_step_thread_gets_nothing_the_engine_thread_appends_to(spec, tiny_mo
     assert handed
     if speculative is not None:
         assert engine.stats().spec_decode.num_drafts > 0
-        assert any(step.spec is not None for step in handed)
+        assert any(step.verify is not None and step.verify.spec is not None
+                   for step in handed)
     for step in handed:
         for obj in _reachable(step):
             assert not isinstance(obj, Request), "a request reached the step thread"

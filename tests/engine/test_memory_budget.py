@@ -19,6 +19,7 @@ import torch
 from services.engine import feature_warm_up, memory_budget, model_runner
 from services.engine.memory_budget import FeatureMemory
 from services.engine.models.loader import load_model
+from services.engine.spec_decode import verifier
 from services.protocol.sampling_params import SamplingParams
 from tests.support import spec_decode as sd
 
@@ -31,8 +32,8 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 def _pool(runner) -> tuple[int, int, FeatureMemory]:
     """(blocks, bytes per block of both models' KV, what was held back)."""
     per_block = runner.kv_caches[0][0].nbytes * 2 * len(runner.kv_caches) // runner.num_blocks
-    if runner.draft is not None:
-        draft = runner.draft.kv_caches
+    if runner.verifier is not None and runner.verifier.draft is not None:
+        draft = runner.verifier.draft.kv_caches
         per_block += draft[0][0].nbytes * 2 * len(draft) // runner.num_blocks
     return runner.num_blocks, per_block, runner.feature_memory
 
@@ -48,8 +49,8 @@ def engines(tiny_model_dir) -> dict:
         mp.setattr(model_runner, "_DEFAULT_CPU_KV_BYTES", BUDGET)
         mp.setenv(model_runner.SKIP_WARM_UP_ENV, "0")  # the warm-up is what this tests
         calls: list[int] = []
-        real = feature_warm_up.spec_step.verify
-        mp.setattr(feature_warm_up.spec_step, "verify", lambda *a: calls.append(1) or real(*a))
+        real = verifier.verify
+        mp.setattr(verifier, "verify", lambda *a: calls.append(1) or real(*a))
         for name, extra in features.items():
             config = {**SMALL, **extra}
             engine = sd.engine(target, config.pop("speculative_config", None), **config)

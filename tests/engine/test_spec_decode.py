@@ -51,6 +51,10 @@ def reference(target, prompts):
         eng.close()
 
 
+# Every test of the engine under speculation runs synchronously and with async scheduling.
+STEPPING = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+
+
 def _check_invariants(stats: SpecDecodeStats) -> None:
     per_pos = stats.accepted_per_position
     assert sum(per_pos) == stats.num_accepted_tokens
@@ -108,12 +112,13 @@ def test_the_flag_reads_vllm_json_and_a_bad_one_exits_2(target, capsys) -> None:
 # -- greedy equality -----------------------------------------------------------------------------
 
 
+@STEPPING
 @pytest.mark.parametrize("kind", ["ngram", "bad_draft", "self_draft"])
 def test_greedy_equals_speculation_off_and_transformers(kind, target, bad_draft, prompts,
-                                                         reference) -> None:
+                                                         reference, async_scheduling) -> None:
     spec = {"ngram": sd.ngram(), "bad_draft": sd.draft(bad_draft),
             "self_draft": sd.draft(target)}[kind]
-    eng = sd.engine(target, spec, num_blocks=256)
+    eng = sd.engine(target, spec, num_blocks=256, async_scheduling=async_scheduling)
     try:
         assert sd.run(eng, prompts, sd.greedy()) == reference
         stats = eng.stats().spec_decode
@@ -126,7 +131,8 @@ def test_greedy_equals_speculation_off_and_transformers(kind, target, bad_draft,
     elif kind == "ngram":
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_total_blocks
-    assert sd.hf_speculative(target, prompts[:4], spec) == reference[:4]
+    if not async_scheduling:  # transformers' side is the same either way
+        assert sd.hf_speculative(target, prompts[:4], spec) == reference[:4]
 
 
 def test_draft_passes_staged_in_one_copy_give_the_same_tokens(target, bad_draft, prompts,
@@ -143,7 +149,7 @@ def test_draft_passes_staged_in_one_copy_give_the_same_tokens(target, bad_draft,
         staged = []
         real = staging.stage
         staging.stage = lambda *a, **k: staged.append(1) or real(*a, **k)
-        runner.draft.staging = staging
+        runner.verifier.draft.staging = staging
         assert sd.run(eng, prompts[:4], sd.greedy()) == reference[:4]
     finally:
         eng.close()
@@ -195,12 +201,13 @@ def test_sampling_law_is_kept_end_to_end(small_vocab) -> None:
 # -- the engine's features under speculation -----------------------------------------------------
 
 
-def test_stop_token_inside_an_accepted_run_ends_the_request_there(target, prompts,
-                                                                  reference) -> None:
+@STEPPING
+def test_stop_token_inside_an_accepted_run_ends_the_request_there(target, prompts, reference,
+                                                                  async_scheduling) -> None:
     # A token each output reaches after a few tokens: with 100% acceptance it sits inside a run.
     stops = [ref[5] for ref in reference[:6]]
     params = [SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[t]) for t in stops]
-    eng = sd.engine(target, sd.draft(target), num_blocks=256)
+    eng = sd.engine(target, sd.draft(target), num_blocks=256, async_scheduling=async_scheduling)
     try:
         got = sd.run(eng, prompts[:6], params)
     finally:
@@ -209,7 +216,9 @@ def test_stop_token_inside_an_accepted_run_ends_the_request_there(target, prompt
         assert out == ref[: ref.index(t) + 1]
 
 
-def test_penalties_bias_min_tokens_and_logprobs_apply_at_every_position(target, prompts) -> None:
+@STEPPING
+def test_penalties_bias_min_tokens_and_logprobs_apply_at_every_position(target, prompts,
+                                                                        async_scheduling) -> None:
     params = [
         SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
         SamplingParams(max_tokens=24, temperature=0.0, frequency_penalty=0.6,
@@ -221,7 +230,7 @@ def test_penalties_bias_min_tokens_and_logprobs_apply_at_every_position(target, 
     ]
 
     def outputs(spec):
-        eng = sd.engine(target, spec, num_blocks=256)
+        eng = sd.engine(target, spec, num_blocks=256, async_scheduling=async_scheduling)
         reqs = [eng.add_request(f"p{i}", p, sp)
                 for i, (p, sp) in enumerate(zip(prompts, params, strict=False))]
         lps = {r.request_id: [] for r in reqs}
@@ -247,11 +256,13 @@ def test_penalties_bias_min_tokens_and_logprobs_apply_at_every_position(target, 
                 assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
-def test_seeded_sampling_is_reproducible_alone_or_in_a_batch(target, bad_draft, prompts) -> None:
+@STEPPING
+def test_seeded_sampling_is_reproducible_alone_or_in_a_batch(target, bad_draft, prompts,
+                                                             async_scheduling) -> None:
     params = SamplingParams(max_tokens=32, temperature=0.8, top_p=0.95, seed=11,
                             ignore_eos=True)
     for spec in (sd.ngram(), sd.draft(bad_draft)):
-        eng = sd.engine(target, spec, num_blocks=256)
+        eng = sd.engine(target, spec, num_blocks=256, async_scheduling=async_scheduling)
         try:
             alone = sd.run(eng, prompts[:1], params)
             batched = sd.run(eng, prompts[:6], [params] + [SamplingParams(

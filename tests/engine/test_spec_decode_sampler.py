@@ -13,8 +13,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from services.engine import spec_step
 from services.engine.sampling_batch import SamplingBatch, make_truncation
+from services.engine.spec_decode import verifier
 
 VOCAB = 16
 DRAWS = 200_000
@@ -37,11 +37,11 @@ def _verify(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None,
     [n] and the emitted tokens [n, k + 1] (-1 past each request's last)."""
     n, k = drafts.shape
     counts = np.full(n, k + 1)
-    spec = spec_step.SpecInputs(
+    spec = verifier.SpecInputs(
         num_drafts=np.full(n, k, np.int64), drafts=drafts, draft_at=np.zeros(0, np.int64),
         positions=_batch(n * (k + 1), **batch), owner=np.repeat(np.arange(n), counts),
         ahead=np.tile(np.arange(k + 1), n), q=None if q is None else q.expand(n, k, VOCAB))
-    _, out = spec_step.verify(logits.repeat(n, 1), spec, _batch(n, **batch))
+    _, out = verifier.verify(logits.repeat(n, 1), spec, _batch(n, **batch))
     accepted = torch.tensor(out.num_accepted)
     last = torch.tensor([run[-1] for run in out.runs])
     assert all(run[:-1] == d[: len(run) - 1] for run, d in zip(out.runs[:100], drafts.tolist(),

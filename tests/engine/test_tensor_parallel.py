@@ -237,9 +237,9 @@ def test_step_batch_round_trip() -> None:
     assert decode(encode(empty_rows)).same_as(empty_rows)
     # speculative decoding: request 1 verifies 3 drafts, its last 4 tokens get logits
     drafts = StepBatch.of([5, 6, 7, 8, 9, 1], [[2], [3, 4]], [9, 20], [2, 4], [0, 1])
-    drafts.draft_lens = np.array([0, 3])
+    drafts.extra_logits = np.array([0, 3])
     back = decode(encode(drafts))
-    assert back.same_as(drafts) and back.draft_lens.tolist() == [0, 3]
+    assert back.same_as(drafts) and back.extra_logits.tolist() == [0, 3]
     assert back.logits_rows().tolist() == [1, 2, 3, 4, 5]
 
 

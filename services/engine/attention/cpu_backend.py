@@ -52,7 +52,7 @@ from services.engine.cpu_ops.isa import has_amx
 # Rows re-read their context's K/V with no tiling across queries, so past ~1k tokens of context
 # torch's flash SDPA (tiled) wins: 2,048-token prompt 0.7x, 512 2.0x, 128 2.6x (2 cores).
 ROWS_MAX_CONTEXT = 1024
-AMX_ROWS_MAX_QUERY = 8  # decodes and speculative steps (1 + k tokens) stay rows
+AMX_ROWS_MAX_QUERY = 8  # decodes and verified steps (1 + k tokens) stay rows
 # below these contexts rows win whatever the query length: SDPA's per-call cost dominates
 AMX_ROWS_MAX_CONTEXT = {torch.bfloat16: 16, torch.float32: 96}
 

@@ -87,7 +87,7 @@ class _Load:
 class KVTiers:
     def __init__(self, spec: KVTransferConfig, ctx: ConnectorContext) -> None:
         # The tier flags (or this connector's extra config, merged into them by EngineConfig),
-        # which also refuses what the tiers cannot serve (tensor parallelism, a draft model).
+        # which also refuses what the tiers cannot serve (tensor parallelism, a second model's KV).
         config, block_manager = ctx.engine_config, ctx.block_manager
         model_name, seed, record_events = ctx.model_name, ctx.seed, ctx.record_events
         assert config.tensor_parallel_size == 1

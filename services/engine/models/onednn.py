@@ -23,7 +23,7 @@ from services.engine.cpu_ops.isa import has_native_bf16
 
 # A packed product costs ~13 us on top of its math, a float32 ``F.linear`` ~2 us: below this many
 # weight elements that is more than the whole product (64 x 512 at 256 rows: 49 against 65 us;
-# equal near 200k elements; 2-core Intel Xeon). Small and draft models' projections stay plain.
+# equal near 200k elements; 2-core Intel Xeon). Small models' projections stay plain.
 _MIN_PACKED_FLOAT32 = 1 << 16
 
 

@@ -33,9 +33,9 @@ class StepBatch:
     ``query_lens[i]`` of its ``seq_lens[i]``, in blocks ``block_tables[i, :num_blocks[i]]``;
     ``rows``: the requests (indices) whose last new token gets logits, in order; ``scored``:
     (first hidden row, count) pairs, flattened, of the slices whose logits score prompt
-    positions (prompt_logprobs), in order; ``draft_lens`` (speculative decoding, one per
-    ``rows`` entry): how many drafts end that request's new tokens, whose positions get
-    logits too (the request's last ``1 + draft_lens[i]`` tokens)."""
+    positions (prompt_logprobs), in order; ``extra_logits`` (one per ``rows`` entry): how many
+    positions before that request's last new token get logits too (its last
+    ``1 + extra_logits[i]`` tokens: a verifier scores every token it checks)."""
 
     input_ids: np.ndarray  # [T] int64
     block_tables: np.ndarray  # [S, W] int32, zero-padded rows
@@ -49,21 +49,21 @@ class StepBatch:
     # rank 0 only (it broadcasts their bytes to the other ranks: lora.transfer).
     lora_slots: np.ndarray | None = None
     lora_installs: list[tuple[int, np.ndarray, Any]] = field(default_factory=list)
-    draft_lens: np.ndarray | None = None  # [R] int64
+    extra_logits: np.ndarray | None = None  # [R] int64
     # Sampling on the shards (``shard_sampling.ShardPlan``, encoded): the ranks sample their
     # vocabulary columns and rank 0 merges; None: rank 0 gathers the logits.
     shard_sampling: np.ndarray | None = None  # int64
 
     def logits_rows(self) -> np.ndarray:
-        """The hidden rows that get logits, in order: each of ``rows``' last new token, or with
-        drafts its last ``1 + draft_lens[i]``."""
+        """The hidden rows that get logits, in order: each of ``rows``' last new token, or its
+        last ``1 + extra_logits[i]``."""
         ends = np.cumsum(self.query_lens) - 1
         last = ends[self.rows]
-        if self.draft_lens is None:
+        if self.extra_logits is None:
             return last
-        counts = 1 + self.draft_lens
+        counts = 1 + self.extra_logits
         within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-        return np.repeat(last - self.draft_lens, counts) + within
+        return np.repeat(last - self.extra_logits, counts) + within
 
     @classmethod
     def of(
@@ -87,10 +87,10 @@ class StepBatch:
 
 def encode(batch: StepBatch) -> np.ndarray:
     num_seqs, width = batch.block_tables.shape
-    drafts = batch.draft_lens if batch.draft_lens is not None else np.zeros(0, np.int64)
+    extra = batch.extra_logits if batch.extra_logits is not None else np.zeros(0, np.int64)
     plan = batch.shard_sampling if batch.shard_sampling is not None else np.zeros(0, np.int64)
     sizes = [len(batch.input_ids), num_seqs, width, len(batch.rows), len(batch.scored),
-             len(drafts), len(plan)]
+             len(extra), len(plan)]
     return np.concatenate(
         [
             np.asarray(sizes, dtype=np.int64),
@@ -99,7 +99,7 @@ def encode(batch: StepBatch) -> np.ndarray:
             batch.query_lens.astype(np.int64, copy=False),
             batch.rows.astype(np.int64, copy=False),
             np.asarray(batch.scored, dtype=np.int64),
-            drafts.astype(np.int64, copy=False),
+            extra.astype(np.int64, copy=False),
             plan.astype(np.int64, copy=False),
             batch.num_blocks.astype(np.int64, copy=False),
             batch.block_tables.reshape(-1).astype(np.int64),
@@ -109,7 +109,7 @@ def encode(batch: StepBatch) -> np.ndarray:
 
 
 def decode(data: np.ndarray) -> StepBatch:
-    num_tokens, num_seqs, width, num_rows, num_scored, num_drafts, num_plan = (
+    num_tokens, num_seqs, width, num_rows, num_scored, num_extra, num_plan = (
         int(v) for v in data[:7])
     at = 7
 
@@ -119,7 +119,7 @@ def decode(data: np.ndarray) -> StepBatch:
         return data[at - n : at]
 
     input_ids, seq_lens, query_lens = take(num_tokens), take(num_seqs), take(num_seqs)
-    rows, scored, drafts = take(num_rows), take(num_scored), take(num_drafts)
+    rows, scored, extra = take(num_rows), take(num_scored), take(num_extra)
     plan = take(num_plan)
     num_blocks = take(num_seqs)
     tables = take(num_seqs * width).reshape(num_seqs, width).astype(np.int32)
@@ -131,7 +131,7 @@ def decode(data: np.ndarray) -> StepBatch:
         query_lens=query_lens.copy(),
         rows=rows.copy(),
         scored=scored.tolist(),
-        draft_lens=drafts.copy() if num_drafts else None,
+        extra_logits=extra.copy() if num_extra else None,
         shard_sampling=plan.copy() if num_plan else None,
     )
     if at < len(data):

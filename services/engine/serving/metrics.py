@@ -20,7 +20,7 @@ from services.engine.serving.request_metrics import (
     RequestMetrics,
     WaitingAndCacheCollector,
 )
-from services.engine.spec_decode.metrics import SpecDecodeStats
+from services.engine.spec_decode.metrics import metric_families
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -61,7 +61,7 @@ class _StatsCollector(Collector):
         if s.lora is not None:
             yield _lora_info(s)
         if s.spec_decode is not None:
-            yield from _spec_decode(self._model, s.spec_decode)
+            yield from metric_families(self._model, ENGINE_INDEX, s.spec_decode)
         if s.kv_tiers is not None:
             yield from _kv_tiers(self._model, s.kv_tiers)
         if s.kv_transfer is not None:
@@ -175,25 +175,6 @@ def _lora_info(s: EngineStats) -> GaugeMetricFamily:
     g.add_metric([str(lora.max_loras), ",".join(lora.running), ",".join(lora.waiting)],
                  time.time())
     return g
-
-
-def _spec_decode(model: str, spec: SpecDecodeStats) -> Iterator:
-    """vLLM's speculative-decoding counters (names, documentation, labels)."""
-    labels, values = ["model_name", "engine"], [model, ENGINE_INDEX]
-    for name, doc, value in (
-        ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts),
-        ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", spec.num_draft_tokens),
-        ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
-         spec.num_accepted_tokens),
-    ):
-        c = CounterMetricFamily(name, doc, labels=labels)
-        c.add_metric(values, value)
-        yield c
-    c = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
-                            "Accepted tokens per draft position.", labels=[*labels, "position"])
-    for position, value in enumerate(spec.accepted_per_position):
-        c.add_metric([*values, str(position)], value)
-    yield c
 
 
 class EngineMetrics:

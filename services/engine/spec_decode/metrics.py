@@ -10,8 +10,10 @@ position; the mean acceptance length is ``1 + accepted / drafts``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+
+from prometheus_client.core import CounterMetricFamily
 
 
 @dataclass(slots=True)
@@ -47,3 +49,23 @@ class SpecDecodeStats:
         return SpecDecodeStats(self.num_speculative_tokens, self.num_drafts,
                                self.num_draft_tokens, self.num_accepted_tokens,
                                list(self.accepted_per_position))
+
+
+def metric_families(model: str, engine: str, spec: SpecDecodeStats) -> Iterator:
+    """vLLM's speculative-decoding counters (names, documentation, labels) for a Prometheus
+    collector."""
+    labels, values = ["model_name", "engine"], [model, engine]
+    for name, doc, value in (
+        ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", spec.num_drafts),
+        ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", spec.num_draft_tokens),
+        ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+         spec.num_accepted_tokens),
+    ):
+        c = CounterMetricFamily(name, doc, labels=labels)
+        c.add_metric(values, value)
+        yield c
+    c = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                            "Accepted tokens per draft position.", labels=[*labels, "position"])
+    for position, value in enumerate(spec.accepted_per_position):
+        c.add_metric([*values, str(position)], value)
+    yield c

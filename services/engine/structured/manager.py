@@ -72,9 +72,9 @@ class GrammarManager(StepFeature):
         return state is not None
 
     def after_logits(self, logits: torch.Tensor, state: Any, step: PreparedStep) -> None:
-        # A step with drafts masks every verified position: the speculative path calls
-        # ``apply`` with its own fill (``spec_step.mask_positions``).
-        if state is not None and getattr(step, "spec", None) is None:
+        """One logits row per sampled row (a step that verifies drafts masks its positions
+        through the verifier, which may call ``apply`` with its own fill)."""
+        if state is not None:
             self.apply(logits, state)
 
     def apply(

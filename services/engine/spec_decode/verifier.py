@@ -1,32 +1,31 @@
-"""Speculative decoding in the engine's step: the core's side of ``spec_decode``.
+"""The verifier: speculative decoding's one owner of the drafts in a step.
 
-Engine thread, before each schedule (``Speculator.propose``): each running request that decodes
-with all its tokens known gets ``num_speculative_tokens`` drafts (fewer near max_tokens or the
-context; none while more than ``disable_by_batch_size`` requests run). Prompt lookup finds
-them at once and writes them into the request's input-batch row; a draft model proposes them
-inside the step, so only their count is set. The scheduler then schedules ``1 + k`` tokens.
+It holds each input-batch row's drafts for the next step and how far the draft model's KV
+reaches in it (rows join and move through ``join``/``move``), the draft model (rank 0), and the
+rejection sampler. The proposers (``proposers``) hand it their drafts per row; the rest of the
+engine sees a ``VerifyStep`` (what a step verifies) and a ``SpecOutput`` (the runs it emits).
 
 Engine thread, when the step is prepared (``prepare``): the verification's inputs, as copies
 the step owns: one sampling row per verified position (the request's parameters repeated,
 min_tokens counting the drafts before the position as output), the drafts padded per request,
 where they sit in the step's input ids, and for a draft model its passes
-(``spec_decode.draft_model``, built from the step's gathered block tables).
+(``draft_model``, built from the step's gathered block tables).
 
-Step thread: the draft model proposes (``propose_drafts``), the target scores every position
-in its one forward pass, grammars mask every position (``spec_decode.grammar``), then
-``verify``: penalties count the drafts before each position, the sampler's own pieces adjust,
-scale and truncate the logits at every position, ``spec_decode.rejection`` accepts or rejects,
-and one Gumbel-max per request (the sampler's) draws the replacement or bonus token, so a
-request without drafts draws exactly as in a step without speculation. Logprobs are the
-target's, at each emitted position.
+Step thread: the draft model proposes (``before_forward``), the target scores every position
+in its one forward pass, grammars mask every position (``mask``, ``grammar``), then
+``verify``: penalties count the drafts before each position, the sampler's stages
+(``StagedLogits``) adjust, scale and truncate the logits at every position, ``rejection``
+accepts or rejects, and one Gumbel-max per request (the sampler's ``draw``) draws the
+replacement or bonus token, so a request without drafts draws exactly as in a step without
+speculation. Logprobs are the target's, at each emitted position.
 
-Engine thread, after the step (``Speculator.record``): the counters, and how far the draft
-model's KV reaches in each row (its accepted drafts' KV is valid, the others' is overwritten
-by the next step's first pass).
+Engine thread, after the step (``record``): how far the draft model's KV reaches in each row
+(its accepted drafts' KV is valid, the others' is overwritten by the next step's first pass).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,26 +33,16 @@ import torch
 
 from services.engine.input_batch import InputBatch
 from services.engine.parallel.step_broadcast import StepBatch
-from services.engine.request import Request
-from services.engine.sampler import (
-    SamplerOutput,
-    adjust_logits,
-    argmax_rows,
-    draw,
-    raw_logprobs,
-    scale_and_truncate,
-    token_logprobs,
-)
+from services.engine.sampler import SamplerOutput, StagedLogits, draw
 from services.engine.sampling_batch import Penalties, SamplingBatch
 from services.engine.scheduler import SchedulerOutput
 from services.engine.spec_decode import rejection
-from services.engine.spec_decode.config import SpecMethod, SpeculativeConfig
+from services.engine.spec_decode.config import SpeculativeConfig
 from services.engine.spec_decode.draft_model import DraftInputs, DraftModel, DraftPass
 from services.engine.spec_decode.grammar import fill_position_masks
-from services.engine.spec_decode.metrics import SpecDecodeStats
-from services.engine.spec_decode.ngram import NgramProposer
 from services.engine.structured.masks import GrammarState, TokenMasker
 from services.protocol.engine_api import TokenLogprobs
+from services.protocol.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -92,88 +81,153 @@ class SpecOutput:
     num_accepted: list[int]
 
 
-class Speculator:
-    """The engine thread's side (see the module docstring)."""
+@dataclass(slots=True)
+class VerifyStep:
+    """What one step verifies (None parts: no drafts this step / no draft model)."""
 
-    def __init__(self, spec: SpeculativeConfig, max_model_len: int) -> None:
+    spec: SpecInputs | None
+    draft: DraftInputs | None
+
+
+class Verifier:
+    """Rank 0's drafts per input-batch row, the draft model and the rejection sampler."""
+
+    def __init__(self, spec: SpeculativeConfig, max_rows: int, device: torch.device,
+                 draft: DraftModel | None = None) -> None:
         self.spec = spec
-        self.max_model_len = max_model_len
-        self.ngram = (NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-                      if spec.method is SpecMethod.NGRAM else None)
-        self.stats = SpecDecodeStats(spec.num_speculative_tokens)
+        self.device = device
+        self.draft = draft
+        # Each row's drafts for the next step, and how many of its tokens the draft model has
+        # in its KV cache (-1: just joined).
+        k = spec.num_speculative_tokens
+        self.draft_tokens = np.zeros((max_rows, max(k, 1)), dtype=np.int64)
+        self.draft_computed = np.zeros(max_rows, dtype=np.int64)
 
-    def propose(self, running: list[Request], batch: InputBatch) -> None:
-        """Sets each running request's ``num_draft_tokens`` for the next schedule."""
+    # -- rows (the input batch calls these) -------------------------------------------------
+
+    def join(self, row: int) -> None:
+        self.draft_computed[row] = -1
+
+    def move(self, src: int, dst: int) -> None:
+        self.draft_tokens[dst] = self.draft_tokens[src]
+        self.draft_computed[dst] = self.draft_computed[src]
+
+    # -- proposals (engine thread, before the schedule) -------------------------------------
+
+    def hold(self, row: int, drafts: list[int]) -> None:
+        """A proposer's drafts for ``row``'s next step."""
+        self.draft_tokens[row, : len(drafts)] = drafts
+
+    def drafts_of(self, row: int, n: int) -> list[int]:
+        """The first ``n`` drafts ``row`` holds: the step's input ids after its last token
+        (zeros with a draft model, which fills them in the step)."""
+        return self.draft_tokens[row, :n].tolist()
+
+    # -- a step -----------------------------------------------------------------------------
+
+    def prepare(self, ib: InputBatch, sched: SchedulerOutput, batch: StepBatch,
+                row_idx: np.ndarray) -> VerifyStep | None:
+        """The step's verification inputs and draft passes (None: neither); sets
+        ``batch.extra_logits``."""
+        scheduled = sched.scheduled
+        per_req = np.fromiter((s.num_lookahead_tokens for s in scheduled), np.int64,
+                              len(scheduled))
+        num_drafts = per_req[batch.rows]
+        spec = None
+        if num_drafts.any():
+            batch.extra_logits = num_drafts
+            ends = np.cumsum(batch.query_lens)[batch.rows] - 1
+            spec = _gather(ib, self.draft_tokens, row_idx[batch.rows], num_drafts, ends,
+                           lookup=self.draft is None, device=self.device)
+        passes = None if self.draft is None else _draft_inputs(
+            self.draft_computed, ib, sched, batch, row_idx, per_req)
+        return None if spec is None and passes is None else VerifyStep(spec, passes)
+
+    def before_forward(self, step: VerifyStep, input_ids: np.ndarray) -> None:
+        """Step thread: the draft model's passes; its drafts go into the verification and
+        the input ids."""
+        if step.draft is not None:
+            drafts, q = self.draft.propose(step.draft)
+            if step.spec is not None:
+                step.spec.fill(drafts, q, input_ids)
+
+    def waits(self, step: VerifyStep | None, num_rows: int) -> bool:
+        """Whether the step after ``step`` needs its tokens on the host before it is
+        prepared (async scheduling): a step that verified emits a varying number of tokens
+        per request, which the next step's placeholders (one each) cannot stand for; and the
+        next step's drafts come from this one's tokens unless the batch is too big. The first
+        is this step's own state: the batch may have grown past disable_by_batch_size since
+        its drafts were made."""
+        return (step is not None and step.spec is not None) or self.spec.drafts_at(num_rows)
+
+    @staticmethod
+    def mask(masker: TokenMasker, logits: torch.Tensor,
+             grammars: list[GrammarState | None], spec: SpecInputs) -> None:
+        """Structured outputs' masks at every verified position."""
+        rows = fill_position_masks(masker.bitmask, grammars, spec.num_drafts.tolist(),
+                                   spec.drafts.tolist())
+        if rows:
+            masker.mask(logits, rows)
+
+    @staticmethod
+    def verify(logits: torch.Tensor, spec: SpecInputs,
+               rows: SamplingBatch) -> tuple[SamplerOutput, SpecOutput]:
+        return verify(logits, spec, rows)
+
+    def warm_up(self, logits: torch.Tensor, rows: int,
+                make_batch: Callable[[SamplingParams, int], SamplingBatch], max_tokens: int,
+                max_rows: int, room: int) -> list[str]:
+        """Before serving: ``rows`` requests verifying every draft (token 0) as sampling rows
+        (``logits``: ``rows * (1 + k)`` of them), with the draft's distributions when there is
+        a draft model; then the draft model's own warm-up. Returns the paths run."""
         k = self.spec.num_speculative_tokens
-        on = self.spec.drafts_at(len(running))
-        max_len = self.max_model_len
-        for req in running:
-            n = 0
-            if (on and not req.num_placeholders and not req.num_scheduled_tokens
-                    and req.num_computed_tokens == len(req.token_ids) - 1):
-                room = min(k, req.max_tokens - len(req.output_token_ids),
-                           max_len - len(req.token_ids))
-                if room > 0:
-                    n = self._drafts(req, room, batch)
-            req.num_draft_tokens = n
-        if self.ngram is not None:
-            self.ngram.end_step()
+        params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, max_tokens=1)
+        q = None
+        if self.draft is not None:
+            vocab = logits.shape[1]
+            q = torch.full((rows, k, vocab), 1.0 / vocab, device=self.device)
+        spec = SpecInputs(
+            num_drafts=np.full(rows, k, np.int64),
+            drafts=torch.zeros((rows, k), dtype=torch.long, device=self.device),
+            draft_at=np.zeros(0, np.int64),
+            positions=make_batch(params, rows * (1 + k)),
+            owner=np.repeat(np.arange(rows), 1 + k),
+            ahead=np.tile(np.arange(1 + k), rows),
+            q=q,
+        )
+        verify(logits, spec, make_batch(params, rows))
+        if self.draft is None:
+            return ["verification"]
+        self.draft.warm_up(max_tokens, max_rows, room)
+        return ["verification", "draft model"]
 
-    def _drafts(self, req: Request, room: int, batch: InputBatch) -> int:
-        row = req.batch_row
-        assert row >= 0, req.request_id  # a decoding request has had a step, so a row
-        if self.ngram is None:  # the draft model fills them in the step
-            batch.draft_tokens[row, :room] = 0
-            return room
-        found = self.ngram.propose(req.request_id, req.token_ids, room)
-        batch.draft_tokens[row, : len(found)] = found
-        return len(found)
-
-    def record(self, sched: SchedulerOutput, out: SpecOutput, batch: InputBatch) -> None:
-        """After the step was applied (rows of finished requests already given back)."""
-        self.stats.observe(out.num_drafts, out.num_accepted)
-        if self.ngram is not None:
+    def record(self, sched: SchedulerOutput, out: SpecOutput) -> None:
+        """After the step was applied (rows of finished requests already given back): how
+        far the draft model's KV reaches."""
+        if self.draft is None:
             return
         sampled = (s.request for s in sched.scheduled if s.completes_sequence)
         for req, k, a in zip(sampled, out.num_drafts, out.num_accepted, strict=True):
             if k and req.batch_row >= 0:  # draft j's KV is valid when draft j was accepted
-                batch.draft_computed[req.batch_row] += min(a, k - 1)
+                self.draft_computed[req.batch_row] += min(a, k - 1)
 
 
-# -- preparing a step (engine thread) -----------------------------------------------------------
+# -- preparing a step (engine thread) -----------------------------------------------
 
 
-def prepare(ib: InputBatch, sched: SchedulerOutput, batch: StepBatch, row_idx: np.ndarray,
-            draft: DraftModel | None) -> tuple[SpecInputs | None, DraftInputs | None]:
-    """The step's verification inputs (None without drafts) and its draft passes (None without
-    a draft model); sets ``batch.draft_lens``."""
-    scheduled = sched.scheduled
-    per_req = np.fromiter((s.num_draft_tokens for s in scheduled), np.int64, len(scheduled))
-    num_drafts = per_req[batch.rows]
-    spec = None
-    if num_drafts.any():
-        batch.draft_lens = num_drafts
-        ends = np.cumsum(batch.query_lens)[batch.rows] - 1
-        spec = _gather(ib, row_idx[batch.rows], num_drafts, ends, lookup=draft is None)
-    passes = None if draft is None else _draft_inputs(draft, ib, sched, batch, row_idx,
-                                                      per_req)
-    return spec, passes
-
-
-def _gather(ib: InputBatch, rows: np.ndarray, num_drafts: np.ndarray, ends: np.ndarray,
-            lookup: bool) -> SpecInputs:
+def _gather(ib: InputBatch, held: np.ndarray, rows: np.ndarray, num_drafts: np.ndarray,
+            ends: np.ndarray, lookup: bool, device: torch.device) -> SpecInputs:
     counts = 1 + num_drafts
     first = np.cumsum(counts) - counts
     ahead = np.arange(int(counts.sum())) - np.repeat(first, counts)
     width = int(num_drafts.max())
     drafts = np.zeros((len(rows), width), dtype=np.int64)
     if lookup:
-        drafts[:] = ib.draft_tokens[rows, :width]
+        drafts[:] = held[rows, :width]
         drafts[np.arange(width) >= num_drafts[:, None]] = 0
     draft_at = np.repeat(ends - num_drafts + 1, num_drafts) + (
         np.arange(int(num_drafts.sum())) - np.repeat(np.cumsum(num_drafts) - num_drafts,
                                                      num_drafts))
-    device = ib.penalties.device
     return SpecInputs(
         num_drafts=num_drafts,
         drafts=torch.from_numpy(drafts).to(device),
@@ -184,8 +238,8 @@ def _gather(ib: InputBatch, rows: np.ndarray, num_drafts: np.ndarray, ends: np.n
     )
 
 
-def _draft_inputs(draft: DraftModel, ib: InputBatch, sched: SchedulerOutput, batch: StepBatch,
-                  row_idx: np.ndarray, per_req: np.ndarray) -> DraftInputs:
+def _draft_inputs(computed: np.ndarray, ib: InputBatch, sched: SchedulerOutput,
+                  batch: StepBatch, row_idx: np.ndarray, per_req: np.ndarray) -> DraftInputs:
     """Pass 1 (what the draft has not seen of each request: up to the end of the target's
     non-draft tokens, as far as they are known) and one pass per further draft."""
     members: list[int] = []
@@ -194,8 +248,8 @@ def _draft_inputs(draft: DraftModel, ib: InputBatch, sched: SchedulerOutput, bat
     q_lens: list[int] = []
     for i, s in enumerate(sched.scheduled):
         req, row = s.request, int(row_idx[i])
-        end = min(s.start + s.num_new_tokens - s.num_draft_tokens, len(req.token_ids))
-        done = int(ib.draft_computed[row])
+        end = min(s.start + s.num_new_tokens - s.num_lookahead_tokens, len(req.token_ids))
+        done = int(computed[row])
         if done < 0:  # joined: a prefix-cache hit's last token may lack the draft's KV
             done = max(s.start - 1, 0)
         if end > done:
@@ -203,13 +257,12 @@ def _draft_inputs(draft: DraftModel, ib: InputBatch, sched: SchedulerOutput, bat
             ids.extend(req.token_ids[done:end])
             seen.append(end)
             q_lens.append(end - done)
-        ib.draft_computed[row] = end
+        computed[row] = end
     drafting = np.flatnonzero(per_req)  # in schedule order = logits order
     rows = row_idx[drafting]
-    inputs = DraftInputs(passes=[], num_drafts=per_req[drafting], greedy=ib.greedy[rows],
-                         temperature=ib.temperature[rows],
-                         generators=[ib.generator[r] for r in rows.tolist()]
-                         if ib.features.seeded else None)
+    greedy, temperature, generators = ib.draw_params(rows)
+    inputs = DraftInputs(passes=[], num_drafts=per_req[drafting], greedy=greedy,
+                         temperature=temperature, generators=generators)
     if not members:
         return inputs
     idx = np.array(members)
@@ -227,23 +280,7 @@ def _draft_inputs(draft: DraftModel, ib: InputBatch, sched: SchedulerOutput, bat
     return inputs
 
 
-# -- the step thread ----------------------------------------------------------------------------
-
-
-def propose_drafts(draft: DraftModel, inputs: DraftInputs, spec: SpecInputs | None,
-                   input_ids: np.ndarray) -> None:
-    """The draft model's passes; its drafts go into the verification and the input ids."""
-    drafts, q = draft.propose(inputs)
-    if spec is not None:
-        spec.fill(drafts, q, input_ids)
-
-
-def mask_positions(masker: TokenMasker, logits: torch.Tensor,
-                   grammars: list[GrammarState | None], spec: SpecInputs) -> None:
-    rows = fill_position_masks(masker.bitmask, grammars, spec.num_drafts.tolist(),
-                               spec.drafts.tolist())
-    if rows:
-        masker.mask(logits, rows)
+# -- the step thread (rank 0) ----------------------------------------------------------------
 
 
 def verify(logits: torch.Tensor, spec: SpecInputs,
@@ -252,7 +289,6 @@ def verify(logits: torch.Tensor, spec: SpecInputs,
     ``rows``: one sampling row per request, as a step without drafts would sample them."""
     pos = spec.positions
     device = logits.device
-    logits = logits.float()
     drafts = spec.drafts.to(device)
     nd = torch.from_numpy(spec.num_drafts).to(device)
     width = drafts.shape[1]
@@ -261,15 +297,15 @@ def verify(logits: torch.Tensor, spec: SpecInputs,
     mask = rejection.draft_mask(nd, width)
     at = torch.where(mask, starts.unsqueeze(1) + torch.arange(width, device=device),
                      starts.unsqueeze(1))  # the position verifying each draft
-    want, raw = raw_logprobs(logits, pos)
-    if pos.penalties is not None:
+    if pos.penalties is not None:  # before the stages: they read the counts
         _count_drafts(pos.penalties, spec, drafts)
-    adjusted = adjust_logits(logits, pos)
-    argmax = argmax_rows(adjusted)
+    staged = StagedLogits(logits, pos)
+    adjusted = staged.adjusted
+    argmax = staged.greedy_tokens()
     accept = (argmax[at] == drafts) & mask  # greedy rows: while the draft is the argmax
     scaled = probs = None
     if rows.greedy is not None:  # some request samples
-        scaled = scale_and_truncate(adjusted, pos)
+        scaled = staged.scaled()
         probs = torch.softmax(scaled, -1)
         q = None if spec.q is None else spec.q.gather(2, drafts.unsqueeze(2)).squeeze(2)
         sampled = rejection.accept_sampled(probs[at, drafts], q,
@@ -283,7 +319,7 @@ def verify(logits: torch.Tensor, spec: SpecInputs,
     else:
         tokens = draw(_final(scaled, probs, spec, drafts, accepted, decision, nd),
                       adjusted[decision], rows)
-    return _outputs(spec, drafts, accepted, tokens, starts, want, raw)
+    return _outputs(spec, drafts, accepted, tokens, starts, staged)
 
 
 def _final(scaled: torch.Tensor, probs: torch.Tensor, spec: SpecInputs, drafts: torch.Tensor,
@@ -302,19 +338,19 @@ def _final(scaled: torch.Tensor, probs: torch.Tensor, spec: SpecInputs, drafts: 
 
 
 def _outputs(spec: SpecInputs, drafts: torch.Tensor, accepted: torch.Tensor,
-             tokens: torch.Tensor, starts: torch.Tensor, want: list[int] | None,
-             raw: torch.Tensor | None) -> tuple[SamplerOutput, SpecOutput]:
+             tokens: torch.Tensor, starts: torch.Tensor,
+             staged: StagedLogits) -> tuple[SamplerOutput, SpecOutput]:
     acc, toks, ds = accepted.tolist(), tokens.tolist(), drafts.tolist()
     runs = [d[:a] + [t] for d, a, t in zip(ds, acc, toks, strict=True)]
     lps: list[list[TokenLogprobs | None]] = [[None] * len(r) for r in runs]
-    if raw is not None:
+    if staged.raw is not None:
         # The token each position emits: its draft while accepted, then the request's own.
         width = drafts.shape[1]
         per_pos = torch.cat([drafts, tokens.unsqueeze(1)], 1)
         per_pos[torch.arange(len(toks)), accepted] = tokens
         nd = torch.from_numpy(spec.num_drafts).to(drafts.device)
         flat = per_pos[rejection.draft_mask(nd + 1, width + 1)]
-        every = token_logprobs(raw, want, flat, spec.positions)
+        every = staged.logprobs(flat)
         lps = [every[s : s + len(r)] for s, r in zip(starts.tolist(), runs, strict=True)]
     out = SamplerOutput(token_ids=[r[0] for r in runs], logprobs=[lp[0] for lp in lps])
     return out, SpecOutput(runs, lps, spec.num_drafts.tolist(), acc)
