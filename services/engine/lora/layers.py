@@ -1,7 +1,7 @@
 """LoRA on the model's projections: per projection, every slot's stacked A and B, and the
 batched apply.
 
-``ModelLoRA`` attaches one ``LoRAProjection`` to each target projection (``Linear.lora``,
+``ModelLoRA`` attaches one ``LoRAProjection`` to each target projection (``Linear.addend``,
 called by the projection on its output: before the all-reduce of a row-parallel one, so one
 collective covers both). A projection with K slices (q/k/v stacked: 3) keeps, per slot::
 
@@ -151,7 +151,7 @@ class ModelLoRA:
         for path, module in self.targets.modules.items():
             proj = LoRAProjection(module, self.targets.num_slices[path], self.state, max_loras,
                                   max_rank, device)
-            module.lora = proj
+            module.addend = proj
             self.projections[path] = proj
 
     def layout(self, seq_slots: np.ndarray, query_lens: np.ndarray) -> LoRAStep | None:
