@@ -38,7 +38,7 @@ _EVERYTHING = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, l
 def warm_up_features(runner: ModelRunner, grammar_masks: bool) -> list[str]:
     """Runs each enabled feature's path once (every rank calls it: a feature's forward is a
     collective); returns the names of the paths run. ``grammar_masks``: the device compiles
-    kernels on first use (a GPU), so the logits paths run too."""
+    kernels on first use (a GPU), so the features' logits paths run too."""
     ran = runner.features.warm_up(runner)
     if not runner.tp.is_first:
         return ran

@@ -259,7 +259,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.warmed_up: list[str] = []  # the features' paths the warm-up ran
         self.buffers: StepBuffers | None = None
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: DecodeGraphs | None = None  # the base model's decode graphs
+        self.feature_graphs: dict[tuple, DecodeGraphs] = {}  # by graph key (``step_features``)
         if self.device.type == "cpu":
             if os.environ.get(SKIP_WARM_UP_ENV) == "1":
                 logger.info("warm-up skipped (%s=1)", SKIP_WARM_UP_ENV)
@@ -430,14 +431,34 @@ class ModelRunner:
             from services.engine.kernels.paged_attention import decode_num_splits
 
             kv_heads, longest = self.num_kv_heads, width * self.block_size
-            self.graphs = DecodeGraphs(
-                lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
-                self.buffers,
-                capture_sizes(c.max_num_seqs),
-                lambda n: decode_num_splits(n, kv_heads, longest),
-            )
-            self.graphs.capture()
+
+            def splits(n: int) -> int:
+                return decode_num_splits(n, kv_heads, longest)
+
+            self.graphs = self._capture(
+                lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta), splits)
+            for key in self.features.graph_variants():  # a feature's own (LoRA's: opt-in)
+                self.feature_graphs[key] = self._capture(self._feature_forward(key), splits)
         logger.info("GPU warm-up and graph capture took %.1fs", time.perf_counter() - start)
+
+    def _capture(self, forward, num_splits: Callable[[int], int]) -> DecodeGraphs:
+        graphs = DecodeGraphs(forward, self.buffers, capture_sizes(self.config.max_num_seqs),
+                              num_splits)
+        graphs.capture()
+        return graphs
+
+    def _feature_forward(self, key: tuple):
+        """The captured forward of a feature's graphs: its static layout set first (dummy
+        adapters), cleared after."""
+
+        def forward(ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata):
+            self.features.capture_forward(key, len(ids))
+            try:
+                return self.model(ids, pos, self.kv_caches, meta)
+            finally:
+                self.features.after_forward()
+
+        return forward
 
     @torch.inference_mode()
     def _warm_up_gpu(self, longest: int) -> None:
@@ -732,11 +753,12 @@ class ModelRunner:
         input_ids, query_lens, rows = batch.input_ids, batch.query_lens, batch.rows
         num_seqs = len(batch.seq_lens)
         decode = len(input_ids) == num_seqs
-        self.features.before_forward(batch, {})
-        # A feature may keep the step off the graphs (``StepFeature.graph_key``).
-        key = self.features.graph_key(batch)
-        bucket = (self.graphs.bucket(num_seqs)
-                  if self.graphs is not None and decode and key is not None else None)
+        graphs = self._graphs_of(batch) if decode else None
+        bucket = None if graphs is None else graphs.bucket(num_seqs)
+        if bucket is None:
+            self.features.before_forward(batch, {})
+        else:
+            self.features.before_replay(batch, self.features.graph_key(batch), bucket)
         staged = self.buffers.stage(
             input_ids, batch.block_tables, batch.num_blocks, batch.seq_lens, query_lens,
             batch.logits_rows(), pad_to=bucket,
@@ -745,12 +767,20 @@ class ModelRunner:
         if fill is not None:
             staged.input_ids.index_copy_(0, *fill)
         if bucket is not None:
-            hidden = self.graphs.replay(bucket)[:num_seqs]
+            hidden = graphs.replay(bucket)[:num_seqs]
         else:
             hidden = self._run(staged)
         # Every request of a decode step samples: its rows are the hidden states as they are.
         all_rows = decode and len(rows) == num_seqs
         return hidden, None if all_rows else staged.logits_rows
+
+    def _graphs_of(self, batch: StepBatch) -> DecodeGraphs | None:
+        """The graphs a decode step replays: the base model's, or those of the features'
+        parts in its key (``StepFeature.graph_key``); None: it runs eager."""
+        key = self.features.graph_key(batch)
+        if key is None or self.graphs is None:
+            return None
+        return self.graphs if key == () else self.feature_graphs.get(key)
 
     def _run(self, staged: StagedStep) -> torch.Tensor:
         return self.model(staged.input_ids, staged.positions, self.kv_caches, staged.meta)

@@ -1,6 +1,6 @@
 """The step-feature protocol, as the core's modules import it: its home is the ``features``
-part (``features.protocol``), which the features' own parts (``lora``, ``structured``) import
-without a cycle through the core."""
+part (``features.protocol``), which the parts implementing features import without a cycle
+through the core."""
 
 from services.engine.features.protocol import EAGER, StepFeature, StepFeatures, StepRows
 

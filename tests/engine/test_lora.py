@@ -9,7 +9,7 @@ step of the base model and three adapters gives each request what it gives alone
 third adapter waits (deferred, then admitted: never starved). Bad adapters are refused with a
 400 naming the field or module, and the engine keeps serving. The prefix cache never shares
 blocks across adapters or across weights loaded under one name. Tensor parallelism over two
-ranks gives one rank's tokens.
+ranks gives one rank's tokens. The step-path tests run with async scheduling off and on.
 """
 
 from __future__ import annotations
@@ -87,6 +87,12 @@ def _assert_matches(got: tuple[list[int], list[float]], want: tuple[list[int], l
     assert max(abs(a - b) for a, b in zip(got[1], want[1], strict=True)) <= LOGPROB_ATOL
 
 
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def scheduling(request) -> dict[str, bool]:
+    """The engine's ``async_scheduling``: LoRA steps give the same tokens either way."""
+    return {"async_scheduling": request.param}
+
+
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("adapters")
@@ -101,13 +107,13 @@ def llama(tiny_model_dir) -> Path:
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=[f[0] for f in FAMILIES])
-def test_family_matches_peft_merge(family, tiny_model_dir, adapters: Path) -> None:
+def test_family_matches_peft_merge(family, tiny_model_dir, adapters: Path, scheduling) -> None:
     name, architecture, overrides, targets, rslora = family
     base = tiny_model_dir(architecture, **overrides)
     adapter = write_adapter(base, adapters / name, seed=11, targets=targets, rslora=rslora)
     merged, plain = reference(base, adapter), reference(base, None)
     want = [greedy(merged, p, NEW_TOKENS) for p in PROMPTS]
-    engine = _engine(base, max_loras=2, max_lora_rank=8)
+    engine = _engine(base, max_loras=2, max_lora_rank=8, **scheduling)
     lora = LoRARequest(name, 1, str(adapter))
     # One step holding the adapter and the base model (the grouped path) ...
     mixed = _run(engine, [(PROMPTS[0], lora), (PROMPTS[1], lora), (PROMPTS[0], None)])
@@ -142,13 +148,14 @@ def test_default_model_matches_peft_merge(default_model_path: Path, adapters: Pa
 # --------------------------------------------------------------------------- scheduling
 
 
-def test_three_adapters_over_two_slots_each_as_alone(llama: Path, adapters: Path) -> None:
+def test_three_adapters_over_two_slots_each_as_alone(llama: Path, adapters: Path,
+                                                     scheduling) -> None:
     paths = [write_adapter(llama, adapters / f"mix{i}", seed=20 + i, r=4 + 2 * i)
              for i in range(3)]
     loras = [LoRARequest(f"mix{i}", i + 1, str(p)) for i, p in enumerate(paths)]
     jobs = [(PROMPTS[0], None), (PROMPTS[1], loras[0]), (PROMPTS[0], loras[1]),
             (PROMPTS[1], loras[2]), (PROMPTS[0], loras[0])]
-    engine = _engine(llama, max_loras=2, max_lora_rank=8, max_cpu_loras=3)
+    engine = _engine(llama, max_loras=2, max_lora_rank=8, max_cpu_loras=3, **scheduling)
     alone = [_run(engine, [job])[0] for job in jobs]
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     reqs = [engine.add_request(f"m{i}", p, params, lora_request=lora)
@@ -273,9 +280,10 @@ def test_lora_modules_load_at_start_and_flags_are_checked(llama: Path, adapters:
 # --------------------------------------------------------------------------- prefix cache
 
 
-def test_prefix_cache_is_per_adapter_and_per_weights(llama: Path, adapters: Path) -> None:
+def test_prefix_cache_is_per_adapter_and_per_weights(llama: Path, adapters: Path,
+                                                     scheduling) -> None:
     one, two = (write_adapter(llama, adapters / f"pc{i}", seed=30 + i) for i in range(2))
-    engine = _engine(llama, max_loras=2)
+    engine = _engine(llama, max_loras=2, **scheduling)
     prompt = _ids(40, 9)
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
 
@@ -379,8 +387,8 @@ def test_runtime_loads_stay_inside_the_adapter_roots(llama: Path, adapters: Path
     assert (no_roots.status, no_roots.param) == (400, "lora_path")
 
 
-def test_speculative_decoding_under_adapters_gives_the_same_tokens(llama: Path,
-                                                                   adapters: Path) -> None:
+def test_speculative_decoding_under_adapters_gives_the_same_tokens(llama: Path, adapters: Path,
+                                                                   scheduling) -> None:
     """Prompt lookup (ngram) verifies several tokens per step; the adapter layout covers the
     verified rows too, so each request's greedy tokens are what they are without drafts."""
     from tests.support.spec_decode import ngram, repetitive_prompts
@@ -390,7 +398,7 @@ def test_speculative_decoding_under_adapters_gives_the_same_tokens(llama: Path,
     prompts = repetitive_prompts(4, 256, seed=3)
     jobs = [(prompts[0], loras[0]), (prompts[1], None), (prompts[2], loras[1]),
             (prompts[3], loras[0])]
-    plain = _run(_engine(llama, max_loras=2), jobs, logprobs=False)
-    drafted = _engine(llama, max_loras=2, speculative_config=ngram())
+    plain = _run(_engine(llama, max_loras=2, **scheduling), jobs, logprobs=False)
+    drafted = _engine(llama, max_loras=2, speculative_config=ngram(), **scheduling)
     assert _run(drafted, jobs, logprobs=False) == plain
     assert drafted.speculator.stats.snapshot().num_accepted_tokens > 0  # drafts accepted

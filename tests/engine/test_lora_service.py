@@ -22,7 +22,7 @@ from services.common.lora_registry import AdapterRegistry
 from services.common.redis_index import connect
 from services.engine.config import EngineConfig
 from services.engine.lora.manager import LoRAManager
-from services.engine.serving.lora_sync import RegistrySync
+from services.engine.lora.registry_sync import RegistrySync
 from services.engine.serving.server import CORE, ServerConfig, create_app
 from services.protocol import engine_api
 from services.protocol.messages import EngineHeartbeat

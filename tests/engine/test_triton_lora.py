@@ -13,7 +13,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from services.engine.kernels import lora as kernels
+from services.engine.lora import kernels
 from services.engine.lora import step as lora_step
 from services.engine.lora.layers import LoRAProjection
 from services.engine.lora.step import LoRAState

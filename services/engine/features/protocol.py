@@ -15,7 +15,9 @@ points it acts at. Lifecycle and threads::
                             async scheduling): per-step tensors built from the ``StepBatch``
     graph_key               step thread: this feature's part of the CUDA-graph key (None: no
                             part; ``EAGER``: the step cannot replay a graph)
-    before_forward          step thread, every rank: just before the model runs
+    before_forward          step thread, every rank: just before the model runs eagerly
+    before_replay           step thread: instead of ``before_forward`` when a CUDA graph of
+                            this feature's part replays (the step written into static buffers)
     after_forward           step thread, every rank: the model ran (per-step state cleared)
     slice_scorer            rank 0: a callback for the logits of the hidden slices the feature
                             asked for in ``StepBatch.scored`` (prompt logprobs)
@@ -23,6 +25,10 @@ points it acts at. Lifecycle and threads::
                             sampling on tensor-parallel vocabulary shards)
     after_logits            rank 0: the sampled rows' logits, before sampling (masks)
     finish                  rank 0: after sampling, the feature's results into ``StepResult``
+    graph_variants          before the engine serves: the graph-key parts this feature has
+                            graphs of its own for (captured beside the base model's)
+    capture_forward         inside a captured forward of such a graph, before the model: the
+                            feature's static layout for that many rows (dummy adapters)
     warm_up                 before the engine serves, every rank: the feature's own model
                             path runs once (before the sampler's warm-up)
     warm_up_logits          before the engine serves, rank 0: the feature's logits path runs
@@ -99,7 +105,16 @@ class StepFeature:
     def before_forward(self, batch: StepBatch, host: Any) -> None:
         pass
 
+    def before_replay(self, batch: StepBatch, num_rows: int) -> None:
+        pass
+
     def after_forward(self) -> None:
+        pass
+
+    def graph_variants(self) -> list[Hashable]:
+        return []
+
+    def capture_forward(self, part: Hashable, num_rows: int) -> None:
         pass
 
     def slice_scorer(self, state: Any) -> Callable[[torch.Tensor], None] | None:
@@ -198,9 +213,29 @@ class StepFeatures:
         for f in self.all:
             f.before_forward(batch, host.get(f.name))
 
+    def before_replay(self, batch: StepBatch, key: tuple[Hashable, ...], num_rows: int) -> None:
+        """A graph of ``key`` replays: the features with a part in it fill their buffers,
+        the others prepare as for an eager step (they have no per-step device state)."""
+        for f in self.all:
+            if f.graph_key(batch) in key:
+                f.before_replay(batch, num_rows)
+            else:
+                f.before_forward(batch, None)
+
     def after_forward(self) -> None:
         for f in self.all:
             f.after_forward()
+
+    def graph_variants(self) -> list[tuple[Hashable, ...]]:
+        """The keys with graphs besides the base model's ``()``: one per feature part (a step
+        whose key holds parts of two features has no graph: it runs eager)."""
+        return [(part,) for f in self.all for part in f.graph_variants()]
+
+    def capture_forward(self, key: tuple[Hashable, ...], num_rows: int) -> None:
+        for f in self.all:
+            for part in f.graph_variants():
+                if part in key:
+                    f.capture_forward(part, num_rows)
 
     def slice_scorer(self, state: dict[str, Any]) -> Callable[[torch.Tensor], None] | None:
         """The callback for ``StepBatch.scored``'s slices: at most one feature asks for them."""

@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from services.engine.lora.files import LoadTimeout
 from services.engine.lora.manager import RUNTIME, AdapterState, LoRAManager
@@ -52,6 +53,22 @@ class AdapterReply:
     message: str
     param: str | None = None
     adapter: AdapterState | None = None
+
+
+class AdapterCore(Protocol):
+    """What the server's adapter endpoints and the registry's sync use of its engine-core
+    client (``serving.core_client.CoreClient``)."""
+
+    @property
+    def is_ready(self) -> bool: ...
+
+    @property
+    def stats(self) -> Any: ...  # the core's last stats (``.lora``: ``LoRAStats``), or None
+
+    @property
+    def info(self) -> Any: ...  # the engine's description (``.model_name``)
+
+    async def adapter(self, cmd: AdapterCommand) -> AdapterReply: ...
 
 
 @dataclass(slots=True)

@@ -7,10 +7,18 @@ gathers its rows' slots and the adapters installed since the last step into its 
 which crosses to the other ranks. Every rank then installs those adapters and sets the step's
 layout (``LoRAStep``) on the state its projections read, just before the forward, and clears it
 after. A step with no adapter token carries no slots and does no LoRA work at all.
+
+CUDA graphs (``PAGODA_LORA_GRAPHS=1`` on a GPU; off by default: it has not run on one): decode
+steps under adapters replay graphs of their own, captured with the ``stacked`` layout over a
+static buffer of each row's slot, the slots holding whatever adapters (dummy ones: zeros) they
+hold at capture; the graph reads the slots' weights where they are, so installs between
+replays show. Before a replay the step's slots are written into that buffer (-1 for padding
+rows). Off, a decode step under adapters runs eager and base-model steps replay as before.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -26,12 +34,17 @@ from services.engine.features.protocol import (
 )
 from services.engine.lora.layers import ModelLoRA, segment_kernels_wanted
 from services.engine.lora.manager import LoRAManager
-from services.engine.lora.step import LoRAStep
+from services.engine.lora.step import STACKED, LoRAStep
 
 if TYPE_CHECKING:
     from services.engine.models.layers import CausalLM
     from services.engine.parallel.group import TPGroup
     from services.engine.parallel.step_broadcast import StepBatch
+
+
+# Set to 1 on a GPU: decode steps under adapters replay CUDA graphs of their own.
+GRAPHS_ENV = "PAGODA_LORA_GRAPHS"
+_GRAPH_PART = "lora"
 
 
 class LoRALimits(Protocol):
@@ -48,12 +61,17 @@ class LoRALimits(Protocol):
 class LoRAFeature(StepFeature):
     name = "lora"
 
-    def __init__(self, lora: ModelLoRA, max_rows: int, tp: TPGroup) -> None:
+    def __init__(self, lora: ModelLoRA, max_rows: int, tp: TPGroup, graphs: bool = False) -> None:
+        """``graphs``: decode steps under adapters replay graphs of their own (see the module
+        docstring)."""
         self.lora = lora
         self.manager: LoRAManager | None = None  # rank 0's adapters (``serve_adapters``)
         self.tp = tp
         self.slot = np.full(max_rows, -1, dtype=np.int64)
         self.rows = 0  # live rows under an adapter
+        self.graphs = graphs
+        # The graphs' static layout: each replayed row's slot (-1: base model or padding).
+        self.graph_slots = torch.full((max_rows,), -1, dtype=torch.int64, device=lora.device)
 
     @classmethod
     def build(
@@ -66,7 +84,8 @@ class LoRAFeature(StepFeature):
         lora = ModelLoRA(
             model, config.max_loras, config.max_lora_rank, device, segment_kernels_wanted(device)
         )
-        return cls(lora, config.max_num_seqs, tp)
+        graphs = device.type == "cuda" and os.environ.get(GRAPHS_ENV) == "1"
+        return cls(lora, config.max_num_seqs, tp, graphs)
 
     def serve_adapters(self, config: LoRALimits, dtype: torch.dtype) -> None:
         """Rank 0: the adapters' manager (the engine thread's), whose slots rows take."""
@@ -113,8 +132,30 @@ class LoRAFeature(StepFeature):
         return self.lora.layout(batch.lora_slots, batch.query_lens)
 
     def graph_key(self, batch: StepBatch) -> Hashable | None:
-        # Graphs hold base-model steps only: a step with adapters runs eager.
-        return None if batch.lora_slots is None else EAGER
+        # Without graphs of its own, a step with adapters runs eager.
+        if batch.lora_slots is None:
+            return None
+        return _GRAPH_PART if self.graphs else EAGER
+
+    def graph_variants(self) -> list[Hashable]:
+        return [_GRAPH_PART] if self.graphs else []
+
+    def capture_forward(self, part: Hashable, num_rows: int) -> None:
+        self.lora.state.step = self.stacked(num_rows)
+
+    def stacked(self, num_rows: int) -> LoRAStep:
+        """The static layout of a graph of ``num_rows`` rows (a view of ``graph_slots``)."""
+        return LoRAStep(STACKED, token_slots=self.graph_slots[:num_rows])
+
+    def before_replay(self, batch: StepBatch, num_rows: int) -> None:
+        """A decode step (one token per row): its rows' slots into the static buffer, the
+        padding rows' to -1."""
+        if batch.lora_installs:
+            self.lora.apply_installs(batch.lora_installs, self.tp)
+        n = len(batch.lora_slots)
+        assert n == len(batch.input_ids) and n <= num_rows, "graphs replay decode steps only"
+        self.graph_slots[n:num_rows].fill_(-1)
+        self.graph_slots[:n].copy_(torch.from_numpy(batch.lora_slots))
 
     def before_forward(self, batch: StepBatch, host: Any) -> None:
         if batch.lora_installs:  # on the step thread, after the steps that read those slots

@@ -1,7 +1,7 @@
 """LoRA on the model's projections: per projection, every slot's stacked A and B, and the
 batched apply.
 
-``ModelLoRA`` attaches one ``LoRAProjection`` to each target projection (``Linear.lora``,
+``ModelLoRA`` attaches one ``LoRAProjection`` to each target projection (``Linear.addend``,
 called by the projection on its output: before the all-reduce of a row-parallel one, so one
 collective covers both). A projection with K slices (q/k/v stacked: 3) keeps, per slot::
 
@@ -17,7 +17,8 @@ for every token is two matmuls; otherwise the rows under adapters are gathered o
 slot into one batched matmul each way (or, when padding would cost more, two matmuls per
 adapter, added back with one ``index_add_``); a padded result is gathered back per token
 and added. With ``segments`` (the Triton kernels), shrink and expand kernels over per-request
-segments instead.
+segments instead. ``stacked`` (CUDA graphs): every slot over every row, one batched matmul
+down, the rows' other slots zeroed, one matmul up over all slots' B stacked.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 from services.engine.lora import step as lora_step
 from services.engine.lora import transfer
 from services.engine.lora.peft import AdapterWeights
-from services.engine.lora.step import DENSE, PADDED, SEGMENTS, LoRAState, LoRAStep
+from services.engine.lora.step import DENSE, PADDED, SEGMENTS, STACKED, LoRAState, LoRAStep
 from services.engine.lora.targets import LoRATargets
 from services.engine.models.layers import CausalLM, Linear
 from services.engine.parallel.group import TPGroup
@@ -57,6 +58,8 @@ class LoRAProjection:
         self.b = torch.zeros(num_slots, width, out_local, dtype=dtype, device=device)
         self.a_slot = list(self.a.unbind(0))  # views, made once: no indexing per call
         self.b_slot = list(self.b.unbind(0))
+        self.b_stacked = self.b.view(num_slots * width, out_local)  # every slot's B^T, in rows
+        self.slot_ids = torch.arange(num_slots, device=device)
         sizes = module.shard_sizes
         if num_slices == 1:  # the whole (checkpoint-fused) projection is one slice
             self.spans = [(0, sum(sizes))]
@@ -86,6 +89,8 @@ class LoRAProjection:
             return y.add_(delta.index_select(0, step.scatter))
         if kind == SEGMENTS:
             return self._segments(x, y, step)
+        if kind == STACKED:
+            return self._stacked(x, y, step.token_slots)
         xs = x.index_select(0, gather)  # GROUPED
         delta = y.new_empty(len(gather), y.shape[1])
         a, b = self.a_slot, self.b_slot
@@ -96,12 +101,20 @@ class LoRAProjection:
         return y.index_add_(0, gather, delta)
 
     def _segments(self, x: torch.Tensor, y: torch.Tensor, step: LoRAStep) -> torch.Tensor:
-        from services.engine.kernels import lora as kernels
+        from services.engine.lora import kernels
 
         h = torch.zeros(x.shape[0], self.a.shape[2], dtype=torch.float32, device=x.device)
         kernels.lora_shrink(x, self.a, step.segments, step.max_segment, h)
         kernels.lora_expand(h, self.b, step.segments, step.max_segment, y)
         return y
+
+    def _stacked(self, x: torch.Tensor, y: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+        """Shapes depend on the row count only (a graph replays it for any slots): h[s, t] =
+        x[t] @ a[s] for every slot, zero unless s is row t's slot, then y += h @ every B."""
+        h = torch.matmul(x.unsqueeze(0), self.a)  # [slots, T, W]
+        mine = (self.slot_ids.unsqueeze(1) == token_slots.unsqueeze(0)).to(h.dtype)
+        h = h * mine.unsqueeze(-1)  # [slots, T, W]: zero where the slot is not the row's
+        return y.addmm_(h.transpose(0, 1).reshape(x.shape[0], -1), self.b_stacked)
 
     @torch.no_grad()
     def install(self, slot: int, tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] | None
@@ -138,7 +151,7 @@ class ModelLoRA:
         for path, module in self.targets.modules.items():
             proj = LoRAProjection(module, self.targets.num_slices[path], self.state, max_loras,
                                   max_rank, device)
-            module.lora = proj
+            module.addend = proj
             self.projections[path] = proj
 
     def layout(self, seq_slots: np.ndarray, query_lens: np.ndarray) -> LoRAStep | None:

@@ -14,7 +14,11 @@ From each scheduled request's slot (-1: the base model) and its number of new to
   never one per request), added back with one ``index_add_`` over those rows; for steps
   where padding would cost more than twice the rows (a long prompt beside decodes);
 * for the Triton kernels, ``segments``: (first token, tokens, slot) per request under an
-  adapter, on the device.
+  adapter, on the device;
+* ``stacked`` (CUDA graphs of decode steps): each token's slot (-1: the base model) in a static
+  device buffer, and every projection runs every slot over every row, each row's other slots
+  masked to zero: shapes fixed by the row count alone, so one captured graph serves any mix of
+  adapters (``feature.LoRAFeature`` writes the slots before a replay).
 
 A step with no adapter token gets no ``LoRAStep`` at all (``build`` returns None), and its
 projections do nothing beyond reading that.
@@ -27,13 +31,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-DENSE, PADDED, GROUPED, SEGMENTS = "dense", "padded", "grouped", "segments"
+DENSE, PADDED, GROUPED, SEGMENTS, STACKED = "dense", "padded", "grouped", "segments", "stacked"
 _MAX_PADDING = 2.0  # padded rows per real row beyond which the grouped layout runs
 
 
 @dataclass(slots=True)
 class LoRAStep:
-    kind: str  # DENSE, PADDED, GROUPED or SEGMENTS
+    kind: str  # DENSE, PADDED, GROUPED, SEGMENTS or STACKED
     dense_slot: int = -1  # DENSE: the slot every token runs
     # PADDED: [slots * width] rows (padding: row 0); GROUPED: [N] rows under an adapter,
     # grouped by slot
@@ -46,6 +50,8 @@ class LoRAStep:
     # the longest such request (the kernels' grid).
     segments: torch.Tensor | None = None
     max_segment: int = 0
+    # STACKED: [T] int64 each token's slot (-1: base model), a view of a static buffer
+    token_slots: torch.Tensor | None = None
 
 
 class LoRAState:

@@ -167,12 +167,12 @@ class Linear(nn.Module):
     weights are loaded: an unquantized weight moves into oneDNN's blocked layout (``onednn``)
     and the plain copy is dropped.
 
-    ``lora``: in an engine with LoRA enabled, a target projection's adapter slots
-    (``services.engine.lora.layers.LoRAProjection``): ``lora(x, y)`` adds the step's adapter
-    products to the output ``y`` (in place) and returns it. None everywhere else.
+    ``addend``: another contribution to the output, set from outside the model (an adapter
+    part's slots on the projections it targets): ``addend(x, y)`` adds its products of ``x`` to
+    the output ``y`` (in place) and returns it. None everywhere else.
     """
 
-    lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    addend: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     method: LinearMethod = UNQUANTIZED
 
     def __init__(
@@ -203,7 +203,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.apply(self, x, self.bias)
-        return y if self.lora is None else self.lora(x, y)
+        return y if self.addend is None else self.addend(x, y)
 
     def pack(self) -> None:
         self.method.pack(self)

@@ -118,8 +118,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.apply(self, x, self.bias if self.tp.is_first else None)
-        if self.lora is not None:  # this rank's partial product too: one all-reduce for both
-            y = self.lora(x, y)
+        if self.addend is not None:  # this rank's partial product too: one all-reduce for both
+            y = self.addend(x, y)
         return self.tp.all_reduce(y)
 
     def pack(self) -> None:

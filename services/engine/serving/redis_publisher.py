@@ -23,9 +23,9 @@ from collections.abc import Iterable
 
 from services.common.lora_registry import AdapterRegistry
 from services.common.redis_index import KVIndexPublisher, connect
+from services.engine.lora.registry_sync import RegistrySync
+from services.engine.lora.routes import served_adapters
 from services.engine.serving.core_client import CoreClient
-from services.engine.serving.lora_api import served_adapters
-from services.engine.serving.lora_sync import RegistrySync
 from services.protocol.kv_events import KVEvent
 from services.protocol.messages import EngineHeartbeat
 

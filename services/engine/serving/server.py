@@ -26,7 +26,8 @@ from services.common.http_errors import error_middleware, json_error
 from services.common.logs import setup_logging
 from services.engine.config import EngineConfig
 from services.engine.engine import RequestUpdate
-from services.engine.serving import lora_api, step_watchdog, zmq_kv_events
+from services.engine.lora import routes as adapter_routes
+from services.engine.serving import step_watchdog, zmq_kv_events
 from services.engine.serving.core_client import CoreClient, InternalEngineError
 from services.engine.serving.core_process import EngineCoreProcess
 from services.engine.serving.engine_thread import EngineThread
@@ -89,7 +90,7 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig) -> web.
     app.router.add_post(engine_api.ABORT_PATH, handle_abort)
     app.router.add_get("/health", handle_health)
     app.router.add_get("/metrics", handle_metrics)
-    lora_api.add_routes(app, CORE, server_config.lora_roots)
+    adapter_routes.add_routes(app, CORE, server_config.lora_roots)
     return app
 
 

@@ -8,7 +8,7 @@ own KV cache under the target's block ids), ``rejection`` (the accept/replace ar
 ``grammar`` (structured outputs' masks at every verified position) and ``metrics`` (vLLM's
 counters). Two parts import the core and wire these into a step: ``proposers`` (drafts
 proposed before each schedule) and ``verifier`` (the step feature that holds each row's
-drafts, gathers a step's verification inputs and verifies); the core sees the verifier and the proposers only, plus the scheduler's
-lookahead tokens (``1 + k`` scheduled, a run back) and the block manager's trim of rejected
-slots.
+drafts, gathers a step's verification inputs and verifies); the core sees the verifier and
+the proposers only, plus the scheduler's lookahead tokens (``1 + k`` scheduled, a run back)
+and the block manager's trim of rejected slots.
 """

@@ -72,9 +72,9 @@ class GrammarManager(StepFeature):
         return state is not None
 
     def after_logits(self, logits: torch.Tensor, state: Any, step: PreparedStep) -> None:
-        # A step with drafts masks every verified position: the verifier calls ``apply``
-        # with its own fill (``Verifier.after_logits``).
-        if state is not None and getattr(step, "spec", None) is None:
+        """One logits row per sampled row (a step that verifies drafts masks its positions
+        through the verifier, which calls ``apply`` with its own fill)."""
+        if state is not None and step.spec is None:
             self.apply(logits, state)
 
     def apply(

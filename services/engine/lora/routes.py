@@ -17,8 +17,13 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from services.common.http_errors import json_error
-from services.engine.lora.commands import LOAD, UNLOAD, AdapterCommand, AdapterReply
-from services.engine.serving.core_client import CoreClient
+from services.engine.lora.commands import (
+    LOAD,
+    UNLOAD,
+    AdapterCommand,
+    AdapterCore,
+    AdapterReply,
+)
 from services.protocol.lora_api import (
     ADAPTERS_PATH,
     LOAD_PATH,
@@ -34,7 +39,7 @@ if TYPE_CHECKING:  # annotations only: nothing here touches the manager itself
     from services.engine.lora.manager import LoRAStats
 
 
-def add_routes(app: web.Application, core: web.AppKey[CoreClient], roots: tuple[str, ...]
+def add_routes(app: web.Application, core: web.AppKey[AdapterCore], roots: tuple[str, ...]
                ) -> None:
     """Adds the two endpoints; ``core``: the app's key of its core client (set once the app
     starts)."""
@@ -75,7 +80,7 @@ def served_adapters(lora: LoRAStats | None) -> list[AdapterStatus]:
     return [AdapterStatus(a.name, a.version, a.residency, a.path) for a in ranked]
 
 
-async def run(core: CoreClient, cmd: AdapterCommand) -> web.Response:
+async def run(core: AdapterCore, cmd: AdapterCommand) -> web.Response:
     if not core.is_ready:
         return json_error(503, "engine is not ready")
     reply = await core.adapter(cmd)

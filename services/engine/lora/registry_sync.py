@@ -21,10 +21,15 @@ import contextlib
 import logging
 
 from services.common.lora_registry import AdapterRegistry, Quarantined
-from services.engine.lora.commands import LOAD, UNLOAD, AdapterCommand, AdapterReply
+from services.engine.lora.commands import (
+    LOAD,
+    UNLOAD,
+    AdapterCommand,
+    AdapterCore,
+    AdapterReply,
+)
 from services.engine.lora.files import READ_DEADLINE_S
 from services.engine.lora.manager import RUNTIME
-from services.engine.serving.core_client import CoreClient
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +39,7 @@ _QUARANTINED = (400, 500)  # the adapter's fault, or it breaks the engine: not t
 
 
 class RegistrySync:
-    def __init__(self, registry: AdapterRegistry, core: CoreClient, roots: tuple[str, ...],
+    def __init__(self, registry: AdapterRegistry, core: AdapterCore, roots: tuple[str, ...],
                  engine_id: str = "", command_timeout_s: float = COMMAND_TIMEOUT_S) -> None:
         self.registry = registry
         self.core = core
