@@ -119,8 +119,12 @@ class PeerBlocks:
 
     def read(self, kv_caches: list[tuple[Any, Any]], lent: list[Lent]) -> list[bytes]:
         """The lent blocks' bytes (the transfer thread, while they are lent)."""
-        return [read_block(kv_caches, b.pool_id) if b.pool_id is not None
-                else self.host.read(b.host_slot) for b in lent]
+        return [
+            read_block(kv_caches, b.pool_id)
+            if b.pool_id is not None
+            else self.host.read(b.host_slot)
+            for b in lent
+        ]
 
     def _release(self, block_manager: Any, lent: list[Lent]) -> None:
         block_manager.release([b.pool_id for b in lent if b.pool_id is not None])
