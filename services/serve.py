@@ -174,8 +174,8 @@ class ServeConfig:
         "engine) or store (through a KV store serve starts: a second redis-server, 1 GiB, LRU)",
     )
     pd_min_prompt_tokens: int = flag(
-        0, help="P/D: prompts shorter than this many tokens skip the prefill engines (the "
-        "gateway's --pd-min-prompt-tokens; 0: none does)")
+        0, help="P/D: prompts with fewer than this many uncached tokens skip the prefill "
+        "engines (the gateway's --pd-min-prompt-tokens; 0: none does)")
     pd_stream_kv: bool = flag(
         False, help="P/D over tcp: the prefill engines stream the prompt's KV while they "
         "compute it (the gateway's --pd-stream-kv)")

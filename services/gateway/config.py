@@ -118,10 +118,11 @@ class GatewayConfig(FlowFlags):
         "first (max_tokens 1), then on a decode engine that pulls its KV (the router picks each "
         "by the role in the engines' heartbeats); the client sees one completion")
     pd_min_prompt_tokens: int = flag(
-        0, help="with --pd-disaggregation: prompts shorter than this many tokens skip the "
-        "prefill leg and are computed by the decode engine itself (llm-d's selective P/D: a "
-        "short prompt is cheaper to compute than to queue behind long ones on a prefill "
-        "engine); 0: every prompt takes the prefill leg")
+        0, help="with --pd-disaggregation: prompts with fewer than this many tokens to compute "
+        "skip the prefill leg and are computed by the decode engine itself (llm-d's selective "
+        "P/D: a short prompt is cheaper to compute than to queue behind long ones on a prefill "
+        "engine); only the part the decode engine the router picks neither holds nor pulls "
+        "from a peer counts; 0: every prompt takes the prefill leg")
     pd_stream_kv: bool = flag(
         False, help="with --pd-disaggregation: the prefill engine streams the prompt's KV "
         "(its PagodaPDConnector): the decode leg starts when the prefill engine admits the "

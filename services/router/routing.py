@@ -192,7 +192,7 @@ class Router:
         )
         kv_peer = peers.peer_of(chosen) if peers is not None else None
         response = RouteResponse(chosen.engine_id, chosen.url, chosen.matched_blocks, reason,
-                                 policy, kv_peer)
+                                 policy, kv_peer, chosen.kv_layout)
         rest = sorted((c for c in candidates if c is not chosen),
                       key=lambda c: (-c.matched_blocks, c.load, c.engine_id))
         return Pick(response, [chosen, *rest], settle if settle_later else None)

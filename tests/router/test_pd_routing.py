@@ -170,6 +170,7 @@ async def test_a_decode_leg_that_computes_its_prompt_goes_by_prefix_with_peers(
         direct = await ask(client, prompt, "decode")
         assert (direct.engine_id, direct.reason, direct.matched_blocks) == ("d-warm",
                                                                             "prefix-hit", 8)
+        assert direct.kv_layout == OLD  # the gateway keeps it for a prefill of that layout
         pulled = await ask(client, prompt, "decode", layout=OLD)
         assert (pulled.engine_id, pulled.reason) == ("d-idle", "decode-load")
         lent = await ask(client, other, "decode")  # the prefill engine holds it: lent
