@@ -319,7 +319,8 @@ def stream_compare(args: argparse.Namespace, model_flags: list[str], tmp: str) -
           f"1P1D stack; greedy, float32; KV over tcp", flush=True)
     ttfts: dict[str, list[float]] = {}
     gaps: dict[str, list[float]] = {}
-    for name, extra in (("not streamed", []), ("streamed", ["--pd-stream-kv"])):
+    for name, extra in (("not streamed", ["--pd-stream-kv=false"]),
+                        ("streamed", ["--pd-stream-kv=true"])):
         serve = Serve(["--prefill-engines", "1", "--decode-engines", "1", *extra, *model_flags,
                        *args.engine_flags.split()], Path(tmp) / f"serve-{len(ttfts)}.log")
         try:
@@ -335,7 +336,7 @@ def stream_compare(args: argparse.Namespace, model_flags: list[str], tmp: str) -
                   f"(ms) {[round(1000 * g) for g in gaps[name]]}", flush=True)
             w = Workload(0, 0, 1, tokens, 0.0, 2)
             asyncio.run(transfer_vs_prefill(serve, model, w, args.seed + 1000))
-            if extra:
+            if name == "streamed":
                 print("  (streamed: the pull starts with the prefill, so its time includes the "
                       "prefill's; TTFT is the figure to compare)")
         finally:
@@ -404,8 +405,9 @@ def main() -> None:
                     help="P/D: shorter prompts skip the prefill engine (selective P/D)")
     ap.add_argument("--transport", choices=("tcp", "store"), default="tcp",
                     help="P/D's KV transfer: engine to engine (tcp) or through a KV store")
-    ap.add_argument("--pd-stream-kv", action="store_true",
-                    help="P/D: the prefill engine streams the prompt's KV (gateway flag)")
+    ap.add_argument("--pd-stream-kv", choices=("true", "false"), default="true",
+                    help="P/D: the prefill engine streams the prompt's KV (the gateway's flag, "
+                    "on by default)")
     ap.add_argument("--stream-compare", action="store_true",
                     help="instead: P/D with and without --pd-stream-kv, TTFT of long prompts")
     ap.add_argument("--stream-prompts", type=int, default=6,
@@ -416,6 +418,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the stacks this many times, the order reversed each round "
                     "(a shared machine's drift falls on every side)")
+    ap.add_argument("--reversed", action="store_true",
+                    help="the first round in the reversed order (a run continuing another)")
     args = ap.parse_args()
     # A SIGTERM (timeout, Ctrl-C from a supervisor) still stops the stacks (finally below).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -437,7 +441,8 @@ def main() -> None:
     print(f"logs: {tmp}", flush=True)
     setups = _setups(args)
     for turn in range(args.rounds):
-        order = list(setups.items()) if turn % 2 == 0 else list(setups.items())[::-1]
+        forward = (turn + args.reversed) % 2 == 0
+        order = list(setups.items()) if forward else list(setups.items())[::-1]
         results: dict[str, dict[str, float]] = {}
         for name, flags in order:
             results[name] = _run_mixed(args, w, name, flags, Path(tmp) / f"serve-{turn}-"
@@ -453,10 +458,10 @@ def _setups(args: argparse.Namespace) -> dict[str, list[str]]:
     pd = ["--prefill-engines", "1", "--decode-engines", "1", "--pd-transport", args.transport,
           "--pd-min-prompt-tokens", str(args.pd_min_prompt_tokens)]
     if args.stream_mixed:
-        return {"aggregated": ["--engines", "2"], "P/D": pd,
-                "P/D streamed": [*pd, "--pd-stream-kv"]}
+        return {"aggregated": ["--engines", "2"], "P/D": [*pd, "--pd-stream-kv=false"],
+                "P/D streamed": [*pd, "--pd-stream-kv=true"]}
     return {"aggregated": ["--engines", "2"],
-            "P/D": [*pd, *(["--pd-stream-kv"] if args.pd_stream_kv else [])]}
+            "P/D": [*pd, f"--pd-stream-kv={args.pd_stream_kv}"]}
 
 
 def _run_mixed(args: argparse.Namespace, w: Workload, name: str, flags: list[str], log: Path,
@@ -475,6 +480,9 @@ def _run_mixed(args: argparse.Namespace, w: Workload, name: str, flags: list[str
               flush=True)
         if transfer and name.startswith("P/D"):
             asyncio.run(transfer_vs_prefill(serve, model, w, args.seed + 1000, args.transport))
+            if "--pd-stream-kv=true" in flags and args.transport == "tcp":
+                print("  (streamed: the pull starts with the prefill, so its time includes the "
+                      "prefill's)")
         return figures
     finally:
         serve.stop()

@@ -3,9 +3,10 @@ decode engine pulls its KV and generates, and the client (the openai package, st
 not) sees one completion, the same as one engine computing it all. With the prefill engine
 dead the answer is the same (the decode engine recomputes); with the decode engine killed
 mid-stream the stream ends with an error (an engine crash, as today). A prompt shorter than
---pd-min-prompt-tokens skips the prefill leg (selective P/D). With --pd-stream-kv the decode leg
-starts on the prefill engine's announcement and pulls while the prefill's chunks are computed:
-the same answers, the whole prompt's full blocks pulled."""
+--pd-min-prompt-tokens skips the prefill leg (selective P/D); only its uncached part counts.
+With --pd-stream-kv (the default) the decode leg starts on the prefill engine's announcement
+and pulls while the prefill's chunks are computed: the same answers, the whole prompt's full
+blocks pulled."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def pagoda(fast_model_dir: Path) -> Iterator[PagodaStack]:
 
     with PagodaStack(fast_model_dir, engines=2, routers=1, policy="round-robin",
                      engine_args=[role("kv_producer"), role("kv_consumer")],
-                     gateway_args=["--pd-disaggregation", "--pd-min-prompt-tokens", str(SHORT)],
+                     gateway_args=["--pd-disaggregation", "--pd-min-prompt-tokens", str(SHORT),
+                                   "--pd-stream-kv=false"],  # pulled after the prefill
                      env={"PAGODA_INTERNAL_TOKENS": "pd-gateway-test-token-0123456789"}
                      ) as stack:
         yield stack
@@ -163,7 +165,8 @@ def test_the_openai_client_streamed_and_not_then_faults(pagoda: PagodaStack) -> 
 
 @pytest.fixture(scope="module")
 def streamed(fast_model_dir: Path) -> Iterator[PagodaStack]:
-    """--pd-stream-kv, and a prefill engine whose prompts take several steps."""
+    """The gateway's default (streamed KV), and a prefill engine whose prompts take several
+    steps."""
     def role(kv_role: str, *extra: str) -> list[str]:
         return ["--block-size", str(BS), *extra, "--kv-transfer-config", json.dumps(
             {"kv_connector": "PagodaPDConnector", "kv_role": kv_role})]
@@ -171,7 +174,7 @@ def streamed(fast_model_dir: Path) -> Iterator[PagodaStack]:
     with PagodaStack(fast_model_dir, engines=2, routers=1, policy="round-robin",
                      engine_args=[role("kv_producer", "--max-num-batched-tokens", str(BS)),
                                   role("kv_consumer")],
-                     gateway_args=["--pd-disaggregation", "--pd-stream-kv"],
+                     gateway_args=["--pd-disaggregation"],
                      env={"PAGODA_INTERNAL_TOKENS": "pd-gateway-test-token-0123456789"}
                      ) as stack:
         yield stack
