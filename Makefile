@@ -57,6 +57,7 @@ test-gpu:
 #   [each engine also gets its OpenAI front, the pinned gateway; the picker answers its port]
 # Disaggregated prefill/decode on one machine: make serve PREFILL_ENGINES=1 DECODE_ENGINES=1
 #   [PD_TRANSPORT=store: the KV goes through a KV store serve starts, not engine to engine]
+#   [PD_STREAM_KV=false: the decode leg pulls the KV once the prefill ended, not as it streams]
 # Speculative decoding: make serve SPECULATIVE_CONFIG='{"method": "ngram", "num_speculative_tokens": 4}'
 # KV connectors (vLLM's flag): make serve KV_TRANSFER_CONFIG='{"kv_connector": "PagodaTiersConnector",
 #   "kv_role": "kv_both", "kv_connector_extra_config": {"kv_offloading_size": 2}}'
@@ -86,6 +87,7 @@ serve: install
 		$(if $(EXT_PROC_PORT),--ext-proc-port $(EXT_PROC_PORT),) \
 		$(if $(PREFILL_ENGINES),--prefill-engines $(PREFILL_ENGINES) --decode-engines $(DECODE_ENGINES),) \
 		$(if $(PD_TRANSPORT),--pd-transport $(PD_TRANSPORT),) \
+		$(if $(PD_STREAM_KV),--pd-stream-kv=$(PD_STREAM_KV),) \
 		$(strip $(LORA_FLAGS))
 
 bench: install

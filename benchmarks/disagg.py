@@ -7,6 +7,8 @@ workload: steady chat streams decode while long prompts arrive.
     .venv/bin/python benchmarks/disagg.py --quick    # a short check that it all runs
     .venv/bin/python benchmarks/disagg.py --transport store   # P/D through a KV store
     .venv/bin/python benchmarks/disagg.py --stream-compare    # P/D's KV streamed or not
+    .venv/bin/python benchmarks/disagg.py --stream-mixed --rounds 2  # aggregated, P/D, P/D
+                                                              # streamed: mixed workload
 
 What P/D should buy: in an aggregated engine a long prompt's prefill steps hold up every
 decode that shares the engine (inter-token latency spikes); with P/D the decode engine never
@@ -317,7 +319,8 @@ def stream_compare(args: argparse.Namespace, model_flags: list[str], tmp: str) -
           f"1P1D stack; greedy, float32; KV over tcp", flush=True)
     ttfts: dict[str, list[float]] = {}
     gaps: dict[str, list[float]] = {}
-    for name, extra in (("not streamed", []), ("streamed", ["--pd-stream-kv"])):
+    for name, extra in (("not streamed", ["--pd-stream-kv=false"]),
+                        ("streamed", ["--pd-stream-kv=true"])):
         serve = Serve(["--prefill-engines", "1", "--decode-engines", "1", *extra, *model_flags,
                        *args.engine_flags.split()], Path(tmp) / f"serve-{len(ttfts)}.log")
         try:
@@ -333,7 +336,7 @@ def stream_compare(args: argparse.Namespace, model_flags: list[str], tmp: str) -
                   f"(ms) {[round(1000 * g) for g in gaps[name]]}", flush=True)
             w = Workload(0, 0, 1, tokens, 0.0, 2)
             asyncio.run(transfer_vs_prefill(serve, model, w, args.seed + 1000))
-            if extra:
+            if name == "streamed":
                 print("  (streamed: the pull starts with the prefill, so its time includes the "
                       "prefill's; TTFT is the figure to compare)")
         finally:
@@ -356,14 +359,23 @@ def _ms(seconds: float | None) -> str:
 
 
 def report(results: dict[str, dict[str, float]]) -> None:
-    agg, pd = results["aggregated"], results["P/D"]
-    print("\n| metric | aggregated (2 engines) | P/D (1 prefill + 1 decode) | P/D / aggregated |")
-    print("| --- | --- | --- | --- |")
+    """One table: each setup's figures, and each P/D setup's over aggregated's."""
+    agg = results["aggregated"]
+    others = [n for n in results if n != "aggregated"]
+    print("\n| metric | aggregated (2 engines) | " + " | ".join(others) + " | " +
+          " | ".join(f"{n} / aggregated" for n in others) + " |")
+    print("| --- " * (2 + 2 * len(others)) + "|")
     for key in agg:
-        ratio = pd[key] / agg[key] if agg[key] else float("nan")
-        print(f"| {key} | {agg[key]:.1f} | {pd[key]:.1f} | {ratio:.2f}x |")
+        ratios = [results[n][key] / agg[key] if agg[key] else float("nan") for n in others]
+        print(f"| {key} | {agg[key]:.1f} | " +
+              " | ".join(f"{results[n][key]:.1f}" for n in others) + " | " +
+              " | ".join(f"{r:.2f}x" for r in ratios) + " |")
     print("(the issue asks: p99 ITL at least 2x lower with P/D, mean TTFT <= 1.3x, "
           "throughput >= 0.8x)")
+    if "P/D streamed" in results and "P/D" in results:
+        on, off = results["P/D streamed"], results["P/D"]
+        print("streamed / not streamed: " + ", ".join(
+            f"{k} {on[k] / off[k]:.2f}x" for k in off if off[k] and k != "requests"))
 
 
 def peer_pull(quick: bool) -> None:
@@ -393,12 +405,21 @@ def main() -> None:
                     help="P/D: shorter prompts skip the prefill engine (selective P/D)")
     ap.add_argument("--transport", choices=("tcp", "store"), default="tcp",
                     help="P/D's KV transfer: engine to engine (tcp) or through a KV store")
-    ap.add_argument("--pd-stream-kv", action="store_true",
-                    help="P/D: the prefill engine streams the prompt's KV (gateway flag)")
+    ap.add_argument("--pd-stream-kv", choices=("true", "false"), default="true",
+                    help="P/D: the prefill engine streams the prompt's KV (the gateway's flag, "
+                    "on by default)")
     ap.add_argument("--stream-compare", action="store_true",
                     help="instead: P/D with and without --pd-stream-kv, TTFT of long prompts")
     ap.add_argument("--stream-prompts", type=int, default=6,
                     help="--stream-compare: long prompts per stack")
+    ap.add_argument("--stream-mixed", action="store_true",
+                    help="the mixed workload on three stacks in one run: aggregated, P/D, and "
+                    "P/D with --pd-stream-kv (what decides streaming's default)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the stacks this many times, the order reversed each round "
+                    "(a shared machine's drift falls on every side)")
+    ap.add_argument("--reversed", action="store_true",
+                    help="the first round in the reversed order (a run continuing another)")
     args = ap.parse_args()
     # A SIGTERM (timeout, Ctrl-C from a supervisor) still stops the stacks (finally below).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -410,37 +431,61 @@ def main() -> None:
         print(f"logs: {tmp}", flush=True)
         stream_compare(args, ["--model", args.model] if args.model else [], tmp)
         return
+    if args.stream_mixed:
+        print(f"cpu flags: {' '.join(cpu_flags())}", flush=True)
     print(f"work: {w.chat_streams} chat streams of {w.chat_tokens} tokens, meanwhile "
           f"{w.long_prompts} prompts of {w.long_tokens} tokens ({w.long_output} out) one every "
           f"{w.long_every_s:.0f}s; greedy, ignore_eos, float32; P/D's KV over "
           f"{args.transport}", flush=True)
-    model_flags = ["--model", args.model] if args.model else []
-    results: dict[str, dict[str, float]] = {}
-    setups = {"aggregated": ["--engines", "2"],
-              "P/D": ["--prefill-engines", "1", "--decode-engines", "1",
-                      "--pd-transport", args.transport,
-                      "--pd-min-prompt-tokens", str(args.pd_min_prompt_tokens),
-                      *(["--pd-stream-kv"] if args.pd_stream_kv else [])]}
     tmp = tempfile.mkdtemp(prefix="pagoda-disagg-")  # the stacks' logs stay for a post-mortem
     print(f"logs: {tmp}", flush=True)
-    for name, flags in setups.items():
-        serve = Serve([*flags, *model_flags, *args.engine_flags.split()],
-                      Path(tmp) / f"serve-{len(results)}.log")
-        try:
-            serve.wait()
-            model = _served_model(serve.port)
-            streams, wall = asyncio.run(mixed(f"http://127.0.0.1:{serve.port}", model, w,
-                                              args.seed))
-            results[name] = summarize(streams, wall)
-            print(f"{name}: {json.dumps({k: round(v, 1) for k, v in results[name].items()})}",
-                  flush=True)
-            if name == "P/D":
-                asyncio.run(transfer_vs_prefill(serve, model, w, args.seed + 1000,
-                                                args.transport))
-        finally:
-            serve.stop()
-    report(results)
-    peer_pull(args.quick)
+    setups = _setups(args)
+    for turn in range(args.rounds):
+        forward = (turn + args.reversed) % 2 == 0
+        order = list(setups.items()) if forward else list(setups.items())[::-1]
+        results: dict[str, dict[str, float]] = {}
+        for name, flags in order:
+            results[name] = _run_mixed(args, w, name, flags, Path(tmp) / f"serve-{turn}-"
+                                       f"{len(results)}.log", transfer=turn == 0)
+        print(f"\nround {turn + 1} of {args.rounds} (order: "
+              f"{', '.join(n for n, _ in order)}):")
+        report(results)
+    if not args.stream_mixed:
+        peer_pull(args.quick)
+
+
+def _setups(args: argparse.Namespace) -> dict[str, list[str]]:
+    pd = ["--prefill-engines", "1", "--decode-engines", "1", "--pd-transport", args.transport,
+          "--pd-min-prompt-tokens", str(args.pd_min_prompt_tokens)]
+    if args.stream_mixed:
+        return {"aggregated": ["--engines", "2"], "P/D": [*pd, "--pd-stream-kv=false"],
+                "P/D streamed": [*pd, "--pd-stream-kv=true"]}
+    return {"aggregated": ["--engines", "2"],
+            "P/D": [*pd, f"--pd-stream-kv={args.pd_stream_kv}"]}
+
+
+def _run_mixed(args: argparse.Namespace, w: Workload, name: str, flags: list[str], log: Path,
+               transfer: bool) -> dict[str, float]:
+    """One stack under the mixed workload: its figures (and, for a P/D stack on the first
+    round, one prompt's transfer against its prefill on the idle stack)."""
+    model_flags = ["--model", args.model] if args.model else []
+    serve = Serve([*flags, *model_flags, *args.engine_flags.split()], log)
+    try:
+        serve.wait()
+        model = _served_model(serve.port)
+        streams, wall = asyncio.run(mixed(f"http://127.0.0.1:{serve.port}", model, w,
+                                          args.seed))
+        figures = summarize(streams, wall)
+        print(f"{name}: {json.dumps({k: round(v, 1) for k, v in figures.items()})}",
+              flush=True)
+        if transfer and name.startswith("P/D"):
+            asyncio.run(transfer_vs_prefill(serve, model, w, args.seed + 1000, args.transport))
+            if "--pd-stream-kv=true" in flags and args.transport == "tcp":
+                print("  (streamed: the pull starts with the prefill, so its time includes the "
+                      "prefill's)")
+        return figures
+    finally:
+        serve.stop()
 
 
 def _served_model(port: int) -> str:

@@ -174,11 +174,12 @@ class ServeConfig:
         "engine) or store (through a KV store serve starts: a second redis-server, 1 GiB, LRU)",
     )
     pd_min_prompt_tokens: int = flag(
-        0, help="P/D: prompts shorter than this many tokens skip the prefill engines (the "
-        "gateway's --pd-min-prompt-tokens; 0: none does)")
+        0, help="P/D: prompts with fewer than this many uncached tokens skip the prefill "
+        "engines (the gateway's --pd-min-prompt-tokens; 0: none does)")
     pd_stream_kv: bool = flag(
-        False, help="P/D over tcp: the prefill engines stream the prompt's KV while they "
-        "compute it (the gateway's --pd-stream-kv)")
+        True, help="P/D over tcp: the prefill engines stream the prompt's KV while they "
+        "compute it (the gateway's --pd-stream-kv; on by default, =false: pulled after the "
+        "prefill)")
     ext_proc_port: int = flag(
         0, help="the router also serves Envoy's ext_proc (a Gateway API endpoint picker) on "
         "this gRPC port, on loopback, and each engine gets an OpenAI front (the gateway pinned "
@@ -331,9 +332,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             gw_cmd.append("--allow-runtime-lora-updating")
         if args.pd:
             gw_cmd += ["--pd-disaggregation",
-                       "--pd-min-prompt-tokens", str(args.pd_min_prompt_tokens)]
-            if args.pd_stream_kv:
-                gw_cmd.append("--pd-stream-kv")
+                       "--pd-min-prompt-tokens", str(args.pd_min_prompt_tokens),
+                       f"--pd-stream-kv={str(args.pd_stream_kv).lower()}"]
         p = start("gateway", gw_cmd)
         wait_http(f"http://127.0.0.1:{args.port}/health", 120, p)
         for i, front in enumerate(fronts):

@@ -118,15 +118,18 @@ class GatewayConfig(FlowFlags):
         "first (max_tokens 1), then on a decode engine that pulls its KV (the router picks each "
         "by the role in the engines' heartbeats); the client sees one completion")
     pd_min_prompt_tokens: int = flag(
-        0, help="with --pd-disaggregation: prompts shorter than this many tokens skip the "
-        "prefill leg and are computed by the decode engine itself (llm-d's selective P/D: a "
-        "short prompt is cheaper to compute than to queue behind long ones on a prefill "
-        "engine); 0: every prompt takes the prefill leg")
+        0, help="with --pd-disaggregation: prompts with fewer than this many tokens to compute "
+        "skip the prefill leg and are computed by the decode engine itself (llm-d's selective "
+        "P/D: a short prompt is cheaper to compute than to queue behind long ones on a prefill "
+        "engine); only the part the decode engine the router picks neither holds nor pulls "
+        "from a peer counts; 0: every prompt takes the prefill leg")
     pd_stream_kv: bool = flag(
-        False, help="with --pd-disaggregation: the prefill engine streams the prompt's KV "
+        True, help="with --pd-disaggregation: the prefill engine streams the prompt's KV "
         "(its PagodaPDConnector): the decode leg starts when the prefill engine admits the "
         "prompt and pulls each block as the prefill's chunks compute it, so only the last "
-        "chunk's blocks move after the prefill")
+        "chunk's blocks move after the prefill (on by default: measured no worse on the mixed "
+        "workload's p99 inter-token latency and TTFT; --pd-stream-kv=false: the decode leg "
+        "starts once the prefill ended; ignored without --pd-disaggregation)")
     router_timeout: float = flag(
         5.0, help="seconds per router call (with --engine-url: per call of the engine's /health)")
     engines_refresh: float = flag(
@@ -189,8 +192,6 @@ class GatewayConfig(FlowFlags):
     def __post_init__(self) -> None:
         if self.pd_min_prompt_tokens < 0:
             raise ValueError(f"pd_min_prompt_tokens must be >= 0, got {self.pd_min_prompt_tokens}")
-        if self.pd_stream_kv and not self.pd_disaggregation:
-            raise ValueError("pd_stream_kv needs --pd-disaggregation (it streams the prefill leg)")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.engine_url is not None:

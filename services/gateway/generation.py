@@ -231,14 +231,14 @@ class Generation:
         up, model = self._up, self._model
         exclude: list[str] = []
         attempts = up.max_retries + 1
-        kv_params, role = self._kv_params, None
+        kv_params, role, picked = self._kv_params, None, None
         if up.pd and kv_params is None:  # the client drives no legs itself: the gateway does
-            role = "decode"  # a short prompt: computed by the decode engine, no prefill leg
-            if len(job.prompt_ids) >= up.pd_min_prompt_tokens:
-                kv_params = await self._prefill(job)
+            role = "decode"
+            kv_params, picked = await self._pd_legs(job)
         layout = kv_params.get("kv_layout") if role == "decode" and kv_params else None
         for attempt in range(attempts):
-            route = await self._route(job, exclude, role, layout)
+            route = picked if picked is not None and not attempt else await self._route(
+                job, exclude, role, layout)
             rid = f"{self.request_id}-{job.index}" + (f"-r{attempt}" if attempt else "")
             req = GenerateRequest(rid, job.prompt_ids, job.engine_params, self._salt, self._lora,
                                   kv_params if kv_params is not None else _peer_pull(route),
@@ -270,6 +270,36 @@ class Generation:
             code="engine_unavailable",
         )
 
+
+    async def _pd_legs(self, job: ChoiceJob) -> tuple[dict | None, RouteResponse | None]:
+        """Selective P/D: the prefill leg's params (None: no prefill leg, or it failed; the
+        decode engine computes the prompt) and the decode engine already picked (None: the
+        caller routes the decode leg).
+
+        Only the part of the prompt the decode engine must compute counts against
+        ``pd_min_prompt_tokens``: a prompt at least that long first gets its decode engine
+        (the router weighs prefix, load and the peer tier for a leg that computes its
+        prompt), and the leading blocks it holds or pulls from a peer are subtracted. The
+        engine is kept for the decode leg unless the prefill engine's blocks are of another
+        KV layout (a rollout: the router then pairs one that shares it)."""
+        up, model = self._up, self._model
+        threshold, n = up.pd_min_prompt_tokens, len(job.prompt_ids)
+        if n < threshold:
+            up.metrics.pd_legs.labels(model.name, "short").inc()
+            return None, None
+        picked = None
+        if threshold:  # 0: every prompt has a prefill leg, no need to weigh what is cached
+            picked = await self._route(job, [], "decode")
+            lent = picked.kv_peer.blocks if picked.kv_peer is not None else 0
+            if n - max(picked.matched_blocks, lent) * model.block_size < threshold:
+                up.metrics.pd_legs.labels(model.name, "cached").inc()
+                return None, picked
+        up.metrics.pd_legs.labels(model.name, "prefill").inc()
+        kv_params = await self._prefill(job)
+        if picked is not None and kv_params is not None and \
+                kv_params.get("kv_layout") != picked.kv_layout:
+            picked = None
+        return kv_params, picked
 
     async def _prefill(self, job: ChoiceJob) -> dict | None:
         """The prefill leg: the prompt on a prefill engine, which holds its KV; returns the

@@ -46,6 +46,7 @@ class GatewayMetrics:
     stream_errors: Counter = field(init=False)
     waiting_for_engine: Gauge = field(init=False)
     engine_wait_refused: Counter = field(init=False)
+    pd_legs: Counter = field(init=False)
 
     def __post_init__(self) -> None:
         r = self.registry
@@ -80,6 +81,14 @@ class GatewayMetrics:
             "pagoda_gateway_engine_retries",
             "Engines that failed before the first token and were replaced by another.",
             ["model"],
+            registry=r,
+        )
+        self.pd_legs = Counter(
+            "pagoda_gateway_pd_prefill_decisions",
+            "P/D: prompts sent through a prefill leg (prefill) or straight to a decode engine, "
+            "as short (short) or with enough of their prefix cached there or on a peer "
+            "(cached): selective P/D's threshold counts the uncached part.",
+            ["model", "decision"],
             registry=r,
         )
         self.stream_errors = Counter(

@@ -230,8 +230,13 @@ class RouteResponse(Message):
     # Where the chosen engine can pull more of the prompt's prefix than it holds (None: no
     # such peer). Never on a P/D decode leg: the prefill engine's blocks are what it pulls.
     kv_peer: KVPeer | None = None
+    # The chosen engine's KV layout digest (None: it has no P/D connector): a gateway that
+    # picked a decode engine before its prefill leg keeps it only when the prefill engine's
+    # blocks are of this layout.
+    kv_layout: str | None = field(metadata=bounds(MAX_KV_LAYOUT_CHARS, min_len=1), default=None)
 
     def _check(self) -> None:
+        _check_kv_layout("RouteResponse.kv_layout", self.kv_layout)
         _check_non_negative("RouteResponse.matched_blocks", self.matched_blocks)
         if self.kv_peer is not None and self.kv_peer.blocks <= self.matched_blocks:
             raise ValueError("RouteResponse.kv_peer must hold more blocks than matched_blocks")

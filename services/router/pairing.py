@@ -9,12 +9,14 @@ only when the digests are equal (model, weights, block size, per-block KV shape)
 - P/D, decode leg: decode engines of the prefill engine's layout (``RouteRequest.kv_layout``).
   When none has it (the pairing went during a rollout) any decode engine serves: it refuses a
   pull of another layout and computes the prompt itself, so the answer is right, only slower.
-- The peer tier (aggregated requests and prefill legs): for each candidate B, the live engine
-  A of B's layout, with a transfer address, holding the most of the prompt's leading blocks in
-  its pool; when A holds more than B reaches itself, B's ``peer_blocks`` says how many (the
-  policy weighs them as a tier) and the answer's ``kv_peer`` names A, so B pulls them.
+- The peer tier (aggregated requests, prefill legs, decode legs without a prefill): for each
+  candidate B, the live engine A of B's layout, with a transfer address, holding the most of
+  the prompt's leading blocks in its pool or host tier (A serves either); when A holds more
+  than B reaches itself, B's ``peer_blocks`` says how many (the policy weighs them as a tier)
+  and the answer's ``kv_peer`` names A, so B pulls them.
 
-The decode leg never gets a peer: it pulls the prefill engine's blocks.
+A decode leg that pulls a prefill engine's blocks never gets a peer; one without a prefill
+leg computes its prompt and is routed as an aggregated request (prefix, load, peer tier).
 """
 
 from __future__ import annotations
@@ -59,10 +61,10 @@ class PeerTier:
         # of them. Best: most blocks, then least load, then id (every replica agrees).
         self._best: dict[str, list[Candidate]] = {}
         for p in peers:
-            if p.kv_layout and p.kv_transfer_address and p.matched_blocks:
+            if p.kv_layout and p.kv_transfer_address and p.local_blocks:
                 top = self._best.setdefault(p.kv_layout, [])
                 top.append(p)
-                top.sort(key=lambda c: (-c.matched_blocks, c.load, c.engine_id))
+                top.sort(key=lambda c: (-c.local_blocks, c.load, c.engine_id))
                 del top[2:]
 
     def peer_of(self, c: Candidate) -> KVPeer | None:
@@ -71,10 +73,10 @@ class PeerTier:
             return None
         for p in self._best.get(c.kv_layout, ()):
             if p.engine_id != c.engine_id:
-                if p.matched_blocks <= c.local_blocks:
+                if p.local_blocks <= c.local_blocks:
                     return None
                 assert p.kv_transfer_address is not None
-                return KVPeer(p.engine_id, p.kv_transfer_address, p.matched_blocks)
+                return KVPeer(p.engine_id, p.kv_transfer_address, p.local_blocks)
         return None
 
     def annotate(self, candidates: list[Candidate]) -> list[Candidate]:

@@ -37,8 +37,9 @@ class Candidate:
     total_blocks: int = 0
     kv_layout: str | None = None  # its KV layout digest (None: no P/D connector)
     kv_transfer_address: str | None = None  # where peers pull from it ("host:port")
-    # Leading blocks of the prompt a peer of the same layout holds in its pool, when more than
-    # this engine reaches itself (``services.router.pairing``): pulled, not recomputed.
+    # Leading blocks of the prompt a peer of the same layout holds in its pool or host tier,
+    # when more than this engine reaches itself (``services.router.pairing``): pulled, not
+    # recomputed.
     peer_blocks: int = 0
     openai_port: int = 0  # its OpenAI front's port (heartbeat's; 0: none advertised)
 
@@ -215,10 +216,10 @@ class PrefixPolicy:
 # KV tiers' weights (llm-d's): a block in an engine's pool counts 1, in its host memory 0.8
 # (it must be copied back first), in the shared store 0.5 (loaded over the network; the same
 # for every engine, so it never tells engines apart on its own: load decides). A block on a
-# peer engine (its pool, same KV layout) counts 0.6: pulled engine to engine over TCP, one hop
-# and no store in between, yet a network copy and some of the peer's time; still far cheaper
-# than recomputing, so a less loaded engine (or one holding the adapter) can win with the
-# prefix pulled from the one that holds it.
+# peer engine (its pool or host tier, same KV layout) counts 0.6: pulled engine to engine over
+# TCP, one hop and no store in between, yet a network copy and some of the peer's time; still
+# far cheaper than recomputing, so a less loaded engine (or one holding the adapter) can win with
+# the prefix pulled from the one that holds it.
 POOL_WEIGHT, HOST_WEIGHT, PEER_WEIGHT, SHARED_WEIGHT = 1.0, 0.8, 0.6, 0.5
 
 

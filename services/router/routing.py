@@ -161,7 +161,7 @@ class Router:
 
         ctx = PolicyContext(
             req.model, len(req.block_hashes), lambda: self.index.next_counter(req.model),
-            req.role,
+            _policy_role(req),
         )
         decision = await self.policy.choose(candidates, ctx)
         chosen = decision.candidate
@@ -192,7 +192,7 @@ class Router:
         )
         kv_peer = peers.peer_of(chosen) if peers is not None else None
         response = RouteResponse(chosen.engine_id, chosen.url, chosen.matched_blocks, reason,
-                                 policy, kv_peer)
+                                 policy, kv_peer, chosen.kv_layout)
         rest = sorted((c for c in candidates if c is not chosen),
                       key=lambda c: (-c.matched_blocks, c.load, c.engine_id))
         return Pick(response, [chosen, *rest], settle if settle_later else None)
@@ -201,7 +201,7 @@ class Router:
                 ) -> tuple[list[Candidate], bool, PeerTier | None]:
         """The engines that may take the request (not excluded, of its P/D role, paired by KV
         layout, holding its adapter), with peer blocks counted; whether a decode leg's layout
-        pairing held; the peer tier (None on a decode leg)."""
+        pairing held; the peer tier (None on a decode leg that pulls a prefill's blocks)."""
         excluded = set(req.exclude) | {normalize_url(x) for x in req.exclude}
         reachable = [
             c
@@ -219,7 +219,7 @@ class Router:
             candidates, paired = paired_decode(candidates, req.kv_layout)
         if req.lora_name is not None and candidates:
             candidates = with_adapter(candidates, snapshot, req.lora_name)
-        if req.role == "decode":
+        if _pulls_a_prefill(req):
             return candidates, paired, None
         peers = PeerTier([c for c in reachable if not self._suspected(c)])
         return peers.annotate(candidates), paired, peers
@@ -332,6 +332,20 @@ def _trace_choice(span: trace.Span, req: RouteRequest, decision: Decision, reaso
         "pagoda.engine.id": chosen.engine_id,
         "pagoda.engine.url": chosen.url,
     })
+
+
+def _pulls_a_prefill(req: RouteRequest) -> bool:
+    """A decode leg that pulls a prefill engine's blocks (it names their layout). A decode leg
+    without one (a short prompt, one whose prefix a decode engine holds, a failed prefill
+    leg) computes its prompt: it is routed as an aggregated request among the decode
+    engines, by prefix, load and the peer tier."""
+    return req.role == "decode" and req.kv_layout is not None
+
+
+def _policy_role(req: RouteRequest) -> str | None:
+    """The leg the policy weighs: a decode leg that computes its prompt is weighed as an
+    aggregated request (its prefix counts)."""
+    return None if req.role == "decode" and not _pulls_a_prefill(req) else req.role
 
 
 def _candidate(view: EngineView) -> Candidate:

@@ -44,7 +44,9 @@ def test_bad_combinations_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "kv-transfer-config" in capsys.readouterr().err
 
 
-def test_streamed_kv_is_the_gateways_flag() -> None:
+def test_streamed_kv_is_the_gateways_flag_on_by_default() -> None:
+    config, rest = args_from(["--prefill-engines", "1", "--decode-engines", "1"])
+    assert config.pd_stream_kv and rest == []
     config, rest = args_from(["--prefill-engines", "1", "--decode-engines", "1",
-                              "--pd-stream-kv"])
-    assert config.pd_stream_kv and rest == []  # not an engine flag
+                              "--pd-stream-kv=false"])
+    assert not config.pd_stream_kv and rest == []  # not an engine flag

@@ -210,6 +210,10 @@ def test_the_store_transport_uses_the_kv_store_and_opens_no_transfer_port(
     assert "--pd-disaggregation" in gateway["args"]
     parsed = GatewayConfig.from_args([a for a in gateway["args"] if a.startswith("--pd-")])
     assert (parsed.pd_min_prompt_tokens, parsed.pd_stream_kv) == (256, True)
+    values = _store_values()
+    values["gateway"]["pdStreamKV"] = False  # streamed by default: off only when asked
+    args = render(chart, values).container(f"{FULL}-gateway")["args"]
+    assert not GatewayConfig.from_args([a for a in args if a.startswith("--pd-")]).pd_stream_kv
 
 
 def test_the_store_transport_needs_the_kv_store(chart: Any) -> None:

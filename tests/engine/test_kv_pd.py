@@ -532,6 +532,65 @@ def test_a_prefix_pulled_from_a_peer_matches_and_never_crosses_tenants(
     assert peer.block_manager.num_free_blocks == peer.block_manager.num_total_blocks
 
 
+@pytest.fixture(scope="module")
+def host_peer(fast_model_dir: Path, engines: tuple[LLMEngine, LLMEngine]) -> Iterator[LLM]:
+    """An engine with a host tier and a 24-block pool (a few prompts evict the first one's
+    blocks to host memory) that serves peers; the internal token is set while ``engines``
+    lives."""
+    llm = LLM(str(fast_model_dir), num_blocks=24, block_size=BS, max_num_seqs=4,
+              kv_offloading_size=0.01, kv_transfer_config={
+        "kv_connector": "PagodaPDConnector", "kv_role": "kv_both", "kv_transfer_timeout": 2.0,
+        "kv_connector_extra_config": {"read_timeout_s": 2.0}})
+    yield llm
+    llm.shutdown()
+
+
+def test_a_prefix_pulled_from_a_peers_host_tier(
+        host_peer: LLM, engines: tuple[LLMEngine, LLMEngine], fast_model_dir: Path) -> None:
+    """The peer holds the prefix only in host memory (its pool evicted it): the puller gets
+    every full block, served from the host slots without loading them into the peer's pool;
+    greedy output equals one engine's and transformers' (fp32); nothing stays pinned."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    peer, puller = host_peer.engine, engines[1]
+    tiers, pd = peer.kv_connector.connectors
+    prompt = _prompt(43, 6 * BS + 5)
+    alone, _, _ = _run(puller, "host-ref", prompt, GREEDY)
+    puller.block_manager.reset_prefix_cache()
+    host_peer.generate([prompt], PREFILL, use_tqdm=False)
+    for k in range(4):  # 4 x 7 blocks through the 24-block pool: the prompt's are evicted
+        host_peer.generate([_prompt(3000 + 1000 * k, 6 * BS + 9)], PREFILL, use_tqdm=False)
+    chain = peer.hasher().chain(prompt)
+    assert peer.block_manager.get_computed_blocks(prompt, chain)[1] == 0  # not in the pool
+    ask = {"pull_prefix_from": {"engine_id": "peer", "blocks": 6,
+                                "address": f"127.0.0.1:{pd.server.port}"}}
+    stop = threading.Event()
+
+    def idle_peer() -> None:  # the server's core loop does this while idle
+        while not stop.wait(0.01):
+            peer.poll_kv_transfers()
+
+    threading.Thread(target=idle_peer, daemon=True).start()
+    try:
+        tokens, req, steps = _run(puller, "host-pull", prompt, GREEDY, ask)
+        deadline = time.monotonic() + 2
+        while pd.peers.held and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        stop.set()
+    assert tokens == alone and req.num_cached_tokens == 6 * BS and steps[0] == 5
+    assert pd.peers.held == 0 and all(tiers.host._entries[h].pins == 0 for h in chain[:6])
+    assert peer.block_manager.get_computed_blocks(prompt, chain)[1] == 0  # never loaded
+    assert peer.transfer_stats.snapshot().sent.transfers >= 1
+    hf = AutoModelForCausalLM.from_pretrained(str(fast_model_dir), dtype=torch.float32)
+    ids = torch.tensor([prompt])
+    ref = hf.generate(ids, max_new_tokens=GREEDY.max_tokens, do_sample=False,
+                      min_new_tokens=GREEDY.max_tokens)
+    assert tokens == ref[0, ids.shape[1]:].tolist()
+    puller.block_manager.reset_prefix_cache()
+
+
 # -- streamed: the decode leg pulls while the prefill's chunks are computed ------------------
 
 STREAM = {"do_remote_decode": True, "kv_stream": True}

@@ -40,9 +40,8 @@ def test_config_from_args() -> None:
         GatewayConfig(router_url="redis://x")
     with pytest.raises(ValueError, match="unique"):
         GatewayConfig(models=(ModelSpec("a", "/x"), ModelSpec("a", "/y")))
-    with pytest.raises(ValueError, match="pd_stream_kv needs --pd-disaggregation"):
-        GatewayConfig(pd_stream_kv=True)
-    assert GatewayConfig(pd_disaggregation=True, pd_stream_kv=True).pd_stream_kv
+    assert GatewayConfig(pd_disaggregation=True).pd_stream_kv  # streamed KV by default
+    assert not GatewayConfig(pd_disaggregation=True, pd_stream_kv=False).pd_stream_kv
 
 
 def test_runtime_lora_switch_and_admin_keys_from_the_environment() -> None:

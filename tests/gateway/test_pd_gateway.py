@@ -3,9 +3,10 @@ decode engine pulls its KV and generates, and the client (the openai package, st
 not) sees one completion, the same as one engine computing it all. With the prefill engine
 dead the answer is the same (the decode engine recomputes); with the decode engine killed
 mid-stream the stream ends with an error (an engine crash, as today). A prompt shorter than
---pd-min-prompt-tokens skips the prefill leg (selective P/D). With --pd-stream-kv the decode leg
-starts on the prefill engine's announcement and pulls while the prefill's chunks are computed:
-the same answers, the whole prompt's full blocks pulled."""
+--pd-min-prompt-tokens skips the prefill leg (selective P/D); only its uncached part counts.
+With --pd-stream-kv (the default) the decode leg starts on the prefill engine's announcement
+and pulls while the prefill's chunks are computed: the same answers, the whole prompt's full
+blocks pulled."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def pagoda(fast_model_dir: Path) -> Iterator[PagodaStack]:
 
     with PagodaStack(fast_model_dir, engines=2, routers=1, policy="round-robin",
                      engine_args=[role("kv_producer"), role("kv_consumer")],
-                     gateway_args=["--pd-disaggregation", "--pd-min-prompt-tokens", str(SHORT)],
+                     gateway_args=["--pd-disaggregation", "--pd-min-prompt-tokens", str(SHORT),
+                                   "--pd-stream-kv=false"],  # pulled after the prefill
                      env={"PAGODA_INTERNAL_TOKENS": "pd-gateway-test-token-0123456789"}
                      ) as stack:
         yield stack
@@ -78,10 +80,48 @@ def test_a_short_prompt_skips_the_prefill_engine(pagoda: PagodaStack) -> None:
     assert short["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # nothing pulled
     alone = _complete(pagoda, prompt=prompt, kv_transfer_params={})  # on either engine
     assert short["choices"][0]["text"] == alone["choices"][0]["text"]
-    before = prefilled()
-    long = _complete(pagoda, prompt=[*prompt, 5])  # SHORT tokens: the prefill leg again
-    assert prefilled() == before + 1
+    # SHORT tokens, but the decode engine holds 2 of its 3 blocks (the short prompt's): only
+    # the uncached 8 tokens count, so no prefill leg either.
+    long = _complete(pagoda, prompt=[*prompt, 5])
+    assert prefilled() == before
     assert long["usage"]["prompt_tokens_details"]["cached_tokens"] == 2 * BS
+    alone = _complete(pagoda, prompt=[*prompt, 5], kv_transfer_params={})
+    assert long["choices"][0]["text"] == alone["choices"][0]["text"]
+
+
+def test_a_long_prompt_whose_prefix_the_decode_engine_holds_skips_the_prefill_leg(
+        pagoda: PagodaStack) -> None:
+    """Selective P/D counts only the uncached part: a long prompt goes through the prefill
+    leg (its blocks pulled, so now cached on the decode engine); the same prefix with a
+    short new tail, longer than the threshold in all, is computed by the decode engine
+    alone; a long new tail takes the prefill leg again."""
+    from tests.support.stack import scrape
+
+    def prefilled() -> float:
+        return scrape(pagoda.engines[0].url).get("vllm:request_success_total", 0.0)
+
+    def decisions() -> dict[str, float]:
+        got = scrape(pagoda.gateway.url)
+        name = "pagoda_gateway_pd_prefill_decisions_total{"
+        return {d: sum(v for k, v in got.items() if k.startswith(name) and f'"{d}"' in k)
+                for d in ("prefill", "cached")}
+
+    prefix = [29 + (i * 53) % 700 for i in range(4 * BS)]
+    before, counted = prefilled(), decisions()
+    first = _complete(pagoda, prompt=[*prefix, 3])
+    assert prefilled() == before + 1
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 4 * BS  # pulled
+    tail = [*prefix, *[31 + i for i in range(BS + 3)]]  # 83 tokens, 19 of them uncached
+    cached = _complete(pagoda, prompt=tail)
+    assert prefilled() == before + 1  # no prefill leg
+    assert cached["usage"]["prompt_tokens_details"]["cached_tokens"] == 4 * BS
+    assert cached["choices"][0]["text"] == _complete(
+        pagoda, prompt=tail, kv_transfer_params={})["choices"][0]["text"]
+    longer = [*prefix, *[37 + i for i in range(SHORT + 1)]]  # 41 uncached: a prefill leg
+    _complete(pagoda, prompt=longer)
+    assert prefilled() == before + 2
+    after = decisions()
+    assert (after["prefill"] - counted["prefill"], after["cached"] - counted["cached"]) == (2, 1)
 
 
 def _client(pagoda: PagodaStack) -> openai.OpenAI:
@@ -125,7 +165,8 @@ def test_the_openai_client_streamed_and_not_then_faults(pagoda: PagodaStack) -> 
 
 @pytest.fixture(scope="module")
 def streamed(fast_model_dir: Path) -> Iterator[PagodaStack]:
-    """--pd-stream-kv, and a prefill engine whose prompts take several steps."""
+    """The gateway's default (streamed KV), and a prefill engine whose prompts take several
+    steps."""
     def role(kv_role: str, *extra: str) -> list[str]:
         return ["--block-size", str(BS), *extra, "--kv-transfer-config", json.dumps(
             {"kv_connector": "PagodaPDConnector", "kv_role": kv_role})]
@@ -133,7 +174,7 @@ def streamed(fast_model_dir: Path) -> Iterator[PagodaStack]:
     with PagodaStack(fast_model_dir, engines=2, routers=1, policy="round-robin",
                      engine_args=[role("kv_producer", "--max-num-batched-tokens", str(BS)),
                                   role("kv_consumer")],
-                     gateway_args=["--pd-disaggregation", "--pd-stream-kv"],
+                     gateway_args=["--pd-disaggregation"],
                      env={"PAGODA_INTERNAL_TOKENS": "pd-gateway-test-token-0123456789"}
                      ) as stack:
         yield stack

@@ -17,6 +17,7 @@ from aiohttp.test_utils import TestClient
 
 from services.common.redis_index import KVIndexPublisher
 from services.protocol.block_hash import AdapterKey, BlockHash, BlockHasher
+from services.protocol.kv_events import Medium
 from services.protocol.lora_api import IN_SLOT, AdapterStatus
 from services.protocol.messages import EngineHeartbeat, KVPeer, RouteRequest, RouteResponse
 from services.protocol.wire import BadRequest
@@ -131,9 +132,49 @@ async def test_a_less_loaded_engine_wins_with_the_prefix_pulled_from_its_peer(
         await publisher.apply_events("a", MODEL, [stored(other)])
         resp = await ask(client, other, exclude=["a"])
         assert (resp.engine_id, resp.kv_peer) == ("b", None)
-        # The decode leg pulls the prefill engine's blocks, never a peer's.
+        # A decode leg that pulls a prefill engine's blocks never pulls a peer's.
         await publisher.publish_heartbeat(engine("b", "decode", address="10.0.0.2:7100"))
-        assert (await ask(client, chain(10, start=4), "decode")).kv_peer is None
+        assert (await ask(client, chain(10, start=4), "decode", layout=OLD)).kv_peer is None
+
+
+@pytest.mark.asyncio
+async def test_a_peer_lends_what_it_holds_only_in_its_host_tier(
+        redis_url: str, publisher: KVIndexPublisher) -> None:
+    """The lender's pool evicted the prefix, its host tier keeps it (medium CPU): it still
+    lends all of it, as the engine serves a pull from the host tier."""
+    prompt = chain(10, start=7)
+    await publisher.publish_heartbeat(engine("a", address="10.0.0.1:7100", running=4))
+    await publisher.publish_heartbeat(engine("b", address="10.0.0.2:7100"))
+    await publisher.apply_events("a", MODEL, [
+        dataclasses.replace(stored(prompt), medium=Medium.CPU)])
+    async with router_client(redis_url=redis_url) as client:
+        resp = await ask(client, prompt)
+        assert (resp.engine_id, resp.reason) == ("b", "peer-prefix")
+        assert resp.kv_peer == KVPeer("a", "10.0.0.1:7100", 10)
+
+
+@pytest.mark.asyncio
+async def test_a_decode_leg_that_computes_its_prompt_goes_by_prefix_with_peers(
+        redis_url: str, publisher: KVIndexPublisher) -> None:
+    """No prefill leg (no layout named): the decode engine computes the prompt, so the one
+    holding its prefix wins over a less loaded one, and a peer's blocks are lent; with a
+    prefill's layout the leg still goes by load and free KV alone."""
+    prompt, other = chain(8, start=8), chain(8, start=9)
+    await publisher.publish_heartbeat(engine("d-warm", "decode", running=2))  # lends nothing
+    await publisher.publish_heartbeat(engine("d-idle", "decode", address="10.0.0.4:7100"))
+    await publisher.publish_heartbeat(engine("p", "prefill", address="10.0.0.5:7100",
+                                             running=5))
+    await publisher.apply_events("d-warm", MODEL, [stored(prompt)])
+    await publisher.apply_events("p", MODEL, [stored(other)])
+    async with router_client(redis_url=redis_url) as client:
+        direct = await ask(client, prompt, "decode")
+        assert (direct.engine_id, direct.reason, direct.matched_blocks) == ("d-warm",
+                                                                            "prefix-hit", 8)
+        assert direct.kv_layout == OLD  # the gateway keeps it for a prefill of that layout
+        pulled = await ask(client, prompt, "decode", layout=OLD)
+        assert (pulled.engine_id, pulled.reason) == ("d-idle", "decode-load")
+        lent = await ask(client, other, "decode")  # the prefill engine holds it: lent
+        assert (lent.engine_id, lent.kv_peer) == ("d-idle", KVPeer("p", "10.0.0.5:7100", 8))
 
 
 @pytest.mark.asyncio

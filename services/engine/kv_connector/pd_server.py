@@ -289,8 +289,8 @@ class TransferServer:
         self.held.stats.done("sent", sent, time.monotonic() - started)
 
     def _by_hash(self, ask: dict[str, Any], deadline: float) -> _Copied | str:
-        """A peer's prefix pull: the leading run of the asked chain hashes this engine's cache
-        holds (maybe none), pinned while copied."""
+        """A peer's prefix pull: the leading run of the asked chain hashes this engine holds
+        in its pool or host tier (maybe none), pinned while copied."""
         hashes = ask.get("hashes")
         if self.peers is None:
             return "this engine serves no prefix blocks"
@@ -303,13 +303,13 @@ class TransferServer:
             wanted = [BlockHash(bytes.fromhex(h)) for h in hashes]
         except ValueError:
             return "hashes must be hex"
-        ids = self.peers.pin(wanted, max(0.0, deadline - time.monotonic()))
-        if ids is None:
+        lent = self.peers.pin(wanted, max(0.0, deadline - time.monotonic()))
+        if lent is None:
             return "the engine is busy"
         try:
-            return _Copied([pd_wire.read_block(self.kv_caches, b) for b in ids])
+            return _Copied(self.peers.read(self.kv_caches, lent))
         finally:
-            self.peers.unpin(ids)
+            self.peers.unpin(lent)
 
     def _runs_for(self, ask: dict[str, Any]) -> Runs | str:
         tid, first, count = ask.get("transfer_id"), ask.get("first"), ask.get("count")

@@ -42,7 +42,18 @@ def build(specs: list[KVTransferConfig], context: ConnectorContext) -> KVConnect
         raise
     if len(built) < 2:
         return built[0] if built else None
+    _lend_host_tier(built)
     return MultiConnector(built)
+
+
+def _lend_host_tier(built: list[KVConnector]) -> None:
+    """A connector that serves peers by hash (``peers``) serves the KV tiers' host store too
+    (``host``): a prefix the pool evicted is still this engine's to lend."""
+    host = next((h for c in built if (h := getattr(c, "host", None)) is not None), None)
+    for c in built:
+        peers = getattr(c, "peers", None)
+        if peers is not None:
+            peers.host = host
 
 
 def _load(name: str) -> type:

@@ -70,6 +70,22 @@ class HostBlockStore:
     def pin(self, block_hash: BlockHash) -> None:
         self._entries[block_hash].pins += 1
 
+    def lend(self, block_hash: BlockHash) -> int | None:
+        """The slot of a ready block, pinned (``unpin`` when read) and touched, for a peer
+        that asked by chain hash (the hash covers the tokens: no token check here, as in the
+        pool's ``hold_cached``); None when it is not here."""
+        entry = self._entries.get(block_hash)
+        if entry is None or not entry.ready:
+            return None
+        self._entries.move_to_end(block_hash)
+        entry.pins += 1
+        return entry.slot
+
+    def read(self, slot: int) -> bytes:
+        """A slot's bytes in the pool's block order (per layer: key, then value). Any thread
+        may call it for a slot pinned for it: the slot is neither evicted nor rewritten."""
+        return self.data[slot].view(torch.uint8).numpy().tobytes()
+
     def unpin(self, block_hash: BlockHash) -> None:
         entry = self._entries[block_hash]
         entry.pins -= 1
