@@ -168,7 +168,8 @@ from vllm.inputs import TokensPrompt
 if __name__ == "__main__":
     cfg = json.load(open(sys.argv[1]))
     llm = LLM(model=cfg["model"], dtype="bfloat16", block_size=32, max_model_len=2048,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False,
+              gpu_memory_utilization=0.3)  # on the CPU: the share of RAM for weights + KV
     prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in cfg["work"]]
     params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in cfg["work"]]
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)

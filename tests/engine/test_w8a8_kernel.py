@@ -14,8 +14,8 @@ from services.engine.cpu_ops import w8a8_ops
 from services.engine.cpu_ops.isa import has_int8_dot
 from services.engine.quantization import w8a8_int8
 from services.engine.quantization.w8a8_int8 import (
+    int8_linear_int_mm,
     int8_linear_kernel,
-    kernels_for,
     quantize_rows,
 )
 
@@ -111,11 +111,26 @@ def test_kernel_layer_product_is_the_int_mm_products(dtype) -> None:
     scale_row = torch.rand(40, generator=gen)
     expected = w8a8_int8.int8_linear_torch(x, w, scale_row)
     assert torch.equal(int8_linear_kernel(kernels, x, w, scale_row), expected)
+    assert torch.equal(int8_linear_int_mm(kernels, x, w, scale_row), expected)
 
 
-def test_the_kernel_runs_only_where_the_cpu_lacks_int8_dot_products() -> None:
-    x = torch.ones(1, 8)
-    assert (kernels_for(x) is kernels) == (not has_int8_dot())
+class _Layer(torch.nn.Module):
+    pass
+
+
+def test_the_kernel_runs_only_where_the_cpu_lacks_int8_dot_products(monkeypatch) -> None:
+    layer = _Layer()
+    layer.weight = torch.ones(4, 8, dtype=torch.int8)
+    layer.scale_row = torch.ones(4)
+    called = []
+    for name in ("int8_linear_int_mm", "int8_linear_kernel"):
+        real = getattr(w8a8_int8, name)
+        monkeypatch.setattr(
+            w8a8_int8, name, lambda *a, _real=real, _name=name: called.append(_name) or _real(*a)
+        )
+    y = w8a8_int8.W8A8Int8Method().apply(layer, torch.ones(2, 8), None)
+    assert torch.equal(y, torch.full((2, 4), 8.0))
+    assert called == ["int8_linear_int_mm" if has_int8_dot() else "int8_linear_kernel"]
     assert has_int8_dot(frozenset({"avx2", "avx512_vnni"}))
     assert has_int8_dot(frozenset({"amx_int8", "amx_tile"}))
     assert not has_int8_dot(frozenset({"avx2", "fma", "avx512f"}))

@@ -6,15 +6,16 @@ Each step every row of the input is quantized on its own (``scale = max|x| / 127
 ``q = round(x / scale)``), the product runs on int8 with int32 sums, and the sums are scaled back
 in float32: ``y = (q @ weight^T) * scale * weight_scale + bias``.
 
-Two implementations of that one math, bit for bit the same results:
+Two implementations of that one math, bit for bit the same results, both with the rows
+quantized by ``csrc/w8a8.cpp``'s fused op where the kernels are built:
 
 - ``torch._int_mm`` (oneDNN's int8 GEMM) where the CPU has int8 dot-product instructions
   (AVX512-VNNI or AMX, ``isa.has_int8_dot``). Measured on a 2-core AMD EPYC with AVX512-VNNI
   (576 -> 1536, one thread, best of 30, shared machine): 9 us at 1 row and 565 us at 256 against
   63 and 2,251 us for the packed float32 product (``models.onednn``).
 - ``csrc/w8a8.cpp`` elsewhere (AVX2 only, or a non-x86 CPU): there ``_int_mm`` takes a reference
-  path 10-35x slower than float32. The kernel's sums are exact int32 (int16 pair products), the
-  rows quantized in one pass; it serves every row count (it matches float32 ``F.linear`` at 1,024
+  path 10-35x slower than float32. The kernel's sums are exact int32 (int16 pair products); it
+  serves every row count (it matches float32 ``F.linear`` at 1,024
   rows, and beats it 2.5x at one; docs/benchmarks.md, "Quantized checkpoints").
 """
 
@@ -56,22 +57,32 @@ def int8_linear_torch(
     return torch._int_mm(q, weight.t()).float().mul_(scale).mul_(scale_row)
 
 
+def quantize_rows_fused(kernels: ModuleType, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows``' result in one pass over each row (``csrc/w8a8.cpp``): 2-3 us instead
+    of ~25 for one 576-wide row."""
+    return kernels.quantize_rows((x if x.dtype in _KERNEL_DTYPES else x.float()).contiguous())
+
+
 def int8_linear_kernel(
     kernels: ModuleType, x: torch.Tensor, weight: torch.Tensor, scale_row: torch.Tensor
 ) -> torch.Tensor:
     """``int8_linear_torch``'s result from ``csrc/w8a8.cpp``."""
-    if x.dtype not in _KERNEL_DTYPES:
-        x = x.float()
-    q, scale = kernels.quantize_rows(x.contiguous())
+    q, scale = quantize_rows_fused(kernels, x)
     return kernels.w8a8_linear(q, scale, weight, scale_row)
 
 
+def int8_linear_int_mm(
+    kernels: ModuleType, x: torch.Tensor, weight: torch.Tensor, scale_row: torch.Tensor
+) -> torch.Tensor:
+    """``int8_linear_torch``'s result with the rows quantized by the fused op (CPUs with int8
+    dot products: ``_int_mm`` is oneDNN's VNNI/AMX GEMM there)."""
+    q, scale = quantize_rows_fused(kernels, x)
+    return torch._int_mm(q, weight.t()).float().mul_(scale).mul_(scale_row)
+
+
 def kernels_for(x: torch.Tensor) -> ModuleType | None:
-    """``csrc/w8a8.cpp`` when it should run ``x``'s product: a CPU without int8 dot products,
-    the kernels built; None takes ``torch._int_mm``."""
-    if x.device.type != "cpu" or has_int8_dot():
-        return None
-    return w8a8_ops()
+    """``csrc/w8a8.cpp`` for ``x``'s rows (a CPU tensor, the kernels built), else None."""
+    return w8a8_ops() if x.device.type == "cpu" else None
 
 
 class W8A8Int8Method(LinearMethod):
@@ -94,10 +105,12 @@ class W8A8Int8Method(LinearMethod):
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         kernels = kernels_for(x)
-        if kernels is not None:
-            y = int8_linear_kernel(kernels, x, layer.weight, layer.scale_row)
-        else:
+        if kernels is None:
             y = int8_linear_torch(x, layer.weight, layer.scale_row)
+        elif has_int8_dot():
+            y = int8_linear_int_mm(kernels, x, layer.weight, layer.scale_row)
+        else:
+            y = int8_linear_kernel(kernels, x, layer.weight, layer.scale_row)
         if bias is not None:
             y.add_(bias)
         return y.to(x.dtype)
