@@ -95,6 +95,9 @@ def test_mismatched_shapes_are_refused() -> None:
         kernels.w8a8_linear(q, torch.ones(2, 1), torch.ones(4, 31, dtype=torch.int8), torch.ones(4))
     with pytest.raises(RuntimeError, match="w_scale"):
         kernels.w8a8_linear(q, torch.ones(2, 1), torch.ones(4, 32, dtype=torch.int8), torch.ones(3))
+    with pytest.raises(RuntimeError, match="at most 131072"):
+        wide = torch.ones(1, (1 << 17) + 1, dtype=torch.int8)
+        kernels.w8a8_linear(wide, torch.ones(1, 1), wide, torch.ones(1))
     with pytest.raises(RuntimeError, match="q must be"):
         kernels.w8a8_linear(
             q.t(), torch.ones(32, 1), torch.ones(4, 2, dtype=torch.int8), torch.ones(4)

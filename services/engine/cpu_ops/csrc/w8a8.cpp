@@ -1,5 +1,6 @@
 // W8A8 int8 on CPUs without int8 dot-product instructions (no AVX512-VNNI, no AMX): there
-// ``torch._int_mm`` takes a reference path 10-35x slower than float32. Two ops:
+// ``torch._int_mm`` takes a reference path 10-35x slower than float32. Two ops (the first also
+// runs before ``_int_mm`` on the CPUs that have them):
 //
 //   quantize_rows(x)  float32 or bfloat16 [T, in] -> (q int8 [T, in], scale float32 [T, 1]):
 //                     scale = max|x_t| / 127 (at least 1e-30), q = round_half_even(x / scale)
@@ -12,9 +13,11 @@
 //                     order the torch path does (``_int_mm(...).float().mul_(s).mul_(ws)``).
 //
 // The AVX2 path sign-extends 16 int8 values to int16 (``vpmovsxbw``) and multiplies pairs into
-// int32 (``vpmaddwd``): every product and pair sum fits, so the sums are exact for any inputs
-// (maddubs would be one instruction fewer, but its int16 pair sums saturate at 2 * 255 * 127).
-// Tiles of kRows rows by kOuts outputs share each load. Elsewhere a plain loop, the reference.
+// int32 (``vpmaddwd``): every product and pair sum fits, so the sums are exact for any int8
+// inputs up to 2^17 wide (|sum| <= in * 2^14 < 2^31). ``vpmaddubsw`` does twice the
+// multiply-adds per instruction but saturates its int16 pair sums (u8 x s8) and needs a second
+// one to widen them: no faster. Tiles of 4 rows by 2 outputs (1 by 4 for a decode row) share
+// each load. Elsewhere a plain loop, the reference.
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -29,6 +32,7 @@ namespace {
 constexpr float kMinScale = 1e-30f;  // as w8a8_int8._MIN_SCALE: keeps 0 / 0 out
 constexpr int64_t kRowBlock = 64;    // rows per parallel task: their activations stay in L2
 constexpr int64_t kOutBlock = 64;    // outputs per parallel task
+constexpr int64_t kMaxIn = 1 << 17;  // in * 128 * 128 must stay below 2^31
 
 struct Problem {
   const int8_t* q;        // [rows, in]
@@ -235,6 +239,7 @@ torch::Tensor w8a8_linear(const torch::Tensor& q, const torch::Tensor& scale,
   check(w_scale, at::kFloat, 1, "w_scale");
   const int64_t rows = q.size(0), in = q.size(1), out = w.size(0);
   TORCH_CHECK(w.size(1) == in, "w must be [out, in] with q's in");
+  TORCH_CHECK(in <= kMaxIn, "in must be at most ", kMaxIn, " for exact int32 sums");
   TORCH_CHECK(scale.size(0) == rows && scale.size(1) == 1, "scale must be [rows, 1]");
   TORCH_CHECK(w_scale.size(0) == out, "w_scale must be [out]");
   auto y = torch::empty({rows, out}, q.options().dtype(at::kFloat));
