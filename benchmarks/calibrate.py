@@ -10,7 +10,15 @@ project's, so it lives in its own virtualenv, not in the project's). Writes, int
   compressed-tensors ``int-quantized`` format;
 * ``gptq-4bit-g64-calibrated``: GPTQ (llm-compressor's, symmetric int4, group 64: 128 does not
   divide the model's 576-wide hidden size), its values repacked in AutoGPTQ/GPTQModel's v1
-  format (``tests.support.quantized.int4_tensors``); gptqmodel itself was not tried.
+  format (``tests.support.quantized.int4_tensors``); gptqmodel itself was not tried. Variants
+  (``--only gptq4`` with ``--group``, ``--actorder``, ``--pipeline``, ``--samples``) are
+  written as ``gptq-4bit-g{group}[-actweight][-{pipeline}]-calibrated[-s{samples}]``.
+  ``--actorder`` is llm-compressor's only act-order left (``weight``: the columns quantized in
+  activation order, the groups kept contiguous); GPTQ's ``desc_act`` groups (a scattered
+  ``g_idx``) were removed from llm-compressor in 2026-08 and are not tried here.
+* ``awq-4bit-g{group}[-gptq]-calibrated`` (``--only awq4``): llm-compressor's AWQ (its
+  activation-aware scales, ``duo_scaling="both"``) then asymmetric int4 rounded to nearest, or
+  GPTQ with ``--awq-gptq``; written in AutoAWQ's ``gemm`` format.
 
 Calibration (``PIPELINE``): ``--samples`` windows of ``--length`` tokens of the Python
 documentation's topics (``pydoc_data.topics``) taken after token 40,000, disjoint from the 20,480
@@ -66,7 +74,8 @@ def w8a8(base: Path, out: Path, data, length: int) -> None:
     AutoTokenizer.from_pretrained(base).save_pretrained(out)
 
 
-def gptq4(base: Path, out: Path, data, length: int) -> None:
+def gptq4(base: Path, out: Path, data, length: int, group: int = GROUP,
+          actorder: str | None = None, pipeline: str = PIPELINE) -> None:
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import GPTQModifier
@@ -74,10 +83,10 @@ def gptq4(base: Path, out: Path, data, length: int) -> None:
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     weights = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",
-                               group_size=GROUP)
+                               group_size=group, actorder=actorder)
     scheme = QuantizationScheme(targets=["Linear"], weights=weights)
     oneshot(model=model, dataset=data, max_seq_length=length, num_calibration_samples=len(data),
-            pipeline=PIPELINE,
+            pipeline=pipeline,
             recipe=[GPTQModifier(config_groups={"group_0": scheme}, ignore=["lm_head"])])
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()
              if not k.endswith(("weight_scale", "weight_zero_point", "weight_g_idx"))}
@@ -87,21 +96,64 @@ def gptq4(base: Path, out: Path, data, length: int) -> None:
         if not hasattr(module, "weight_scale"):
             continue
         state.pop(f"{name}.weight")
-        state.update(int4_tensors(name, "gptq", *_as_gptq(module)))
-    save_int4(base, out, state, "gptq", GROUP, act_order=False, sym=True)
+        state.update(int4_tensors(name, "gptq", *_as_gptq(module, group)))
+    save_int4(base, out, state, "gptq", group, act_order=False, sym=True)
 
 
-def _as_gptq(module: torch.nn.Module):
+def awq4(base: Path, out: Path, data, length: int, group: int = GROUP,
+         pipeline: str = PIPELINE, then_gptq: bool = False) -> None:
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+    from llmcompressor.modifiers.transform.awq import AWQModifier
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    weights = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group",
+                               group_size=group)
+    groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}
+    quantize = (GPTQModifier if then_gptq else QuantizationModifier)(
+        config_groups=groups, ignore=["lm_head"])
+    oneshot(model=model, dataset=data, max_seq_length=length, num_calibration_samples=len(data),
+            pipeline=pipeline, recipe=[AWQModifier(duo_scaling="both"), quantize])
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()
+             if not k.endswith(("weight_scale", "weight_zero_point", "weight_g_idx"))}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    for name, module in model.named_modules():
+        if not hasattr(module, "weight_scale"):
+            continue
+        state.pop(f"{name}.weight")
+        state.update(int4_tensors(name, "awq", *_as_awq(module, group)))
+    save_int4(base, out, state, "awq", group, act_order=False, sym=False)
+
+
+def _as_awq(module: torch.nn.Module, group: int):
+    """(q [in, out] 0..15, zeros [G, out] 0..15, scales fp16 [G, out], g_idx [in]) of a layer
+    llm-compressor quantized asymmetrically: its int4 values -8..7 and zero points shifted by 8."""
+    w = module.weight.detach().float()
+    scale = module.weight_scale.detach().float()  # [out, G]
+    zero = module.weight_zero_point.detach().long() + 8  # [out, G]
+    out_f, in_f = w.shape
+    groups = torch.arange(in_f) // group
+    s, z = scale[:, groups], zero[:, groups]
+    q = (torch.round(w / s) + z).clamp(0, 15)
+    assert ((q - z) * s - w).abs().max().item() <= 1e-4 * w.abs().max().item()
+    return (q.t().long(), zero.t().contiguous(), scale.t().half().contiguous(),
+            groups.to(torch.int32))
+
+
+def _as_gptq(module: torch.nn.Module, group: int):
     """(q [in, out] 0..15, zeros [G, out], scales fp16 [G, out], g_idx [in]) of a layer that
     llm-compressor quantized symmetrically (its weight holds the dequantized values)."""
     w = module.weight.detach().float()
     scale = module.weight_scale.detach().float()  # [out, G]
     out_f, in_f = w.shape
-    groups = torch.arange(in_f) // GROUP
+    groups = torch.arange(in_f) // group
     s = scale[:, groups]
     q = (torch.round(w / s) + 8).clamp(0, 15)
     assert ((q - 8) * s - w).abs().max().item() <= 1e-4 * w.abs().max().item()
-    zeros = torch.full((in_f // GROUP, out_f), 8, dtype=torch.int64)
+    zeros = torch.full((in_f // group, out_f), 8, dtype=torch.int64)
     return q.t().long(), zeros, scale.t().half().contiguous(), groups.to(torch.int32)
 
 
@@ -110,14 +162,30 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=Path("/tmp/pagoda-quantized"))
     parser.add_argument("--samples", type=int, default=32)
     parser.add_argument("--length", type=int, default=256)
-    parser.add_argument("--only", choices=("w8a8", "gptq4"))
+    parser.add_argument("--only", choices=("w8a8", "gptq4", "awq4"))
+    parser.add_argument("--awq-gptq", action="store_true", help="awq4: GPTQ after AWQ")
+    parser.add_argument("--group", type=int, default=GROUP, help="gptq4's group size")
+    parser.add_argument("--actorder", choices=("weight",), default=None)
+    parser.add_argument("--pipeline", choices=("basic", "sequential"), default=PIPELINE)
     args = parser.parse_args()
     torch.set_num_threads(2)
     base = default_model_path()
     data = calibration_set(base, args.samples, args.length)
-    for name, make in (("w8a8-sq-gptq", w8a8), (f"gptq-4bit-g{GROUP}-calibrated", gptq4)):
+    variant = ((f"-act{args.actorder}" if args.actorder else "")
+               + ("" if args.pipeline == PIPELINE else f"-{args.pipeline}"))
+    samples = "" if args.samples == 32 else f"-s{args.samples}"
+    gptq_name = f"gptq-4bit-g{args.group}{variant}-calibrated{samples}"
+    for name, make in (("w8a8-sq-gptq", w8a8),
+                       (gptq_name, lambda *a: gptq4(*a, group=args.group,
+                                                    actorder=args.actorder,
+                                                    pipeline=args.pipeline)),
+                       (f"awq-4bit-g{args.group}{'-gptq' if args.awq_gptq else ''}"
+                        f"{variant}-calibrated{samples}",
+                        lambda *a: awq4(*a, group=args.group, pipeline=args.pipeline,
+                                        then_gptq=args.awq_gptq))):
         out = args.dir / name
-        if args.only and not name.startswith(args.only[:4]):
+        # Without --only: the two checkpoints benchmarks/quantized.py reads.
+        if not name.startswith(args.only.rstrip("4") if args.only else ("w8a8", "gptq")):
             continue
         if not (out / "config.json").exists():
             make(base, out, data, args.length)

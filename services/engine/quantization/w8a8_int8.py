@@ -3,19 +3,30 @@
 The checkpoint holds ``weight`` (int8 ``[out, in]``) and ``weight_scale`` (``[out, 1]``), as
 compressed-tensors' ``int-quantized`` format writes them: ``W ~= weight * weight_scale``.
 Each step every row of the input is quantized on its own (``scale = max|x| / 127``,
-``q = round(x / scale)``), the product runs on int8 with int32 sums (``torch._int_mm``: oneDNN's
-int8 GEMM on the CPU, VNNI or AMX where present), and the sums are scaled back in float32:
-``y = (q @ weight^T) * scale * weight_scale + bias``.
+``q = round(x / scale)``), the product runs on int8 with int32 sums, and the sums are scaled back
+in float32: ``y = (q @ weight^T) * scale * weight_scale + bias``.
 
-Measured on a 2-core AMD EPYC with AVX512-VNNI (576 -> 1536, one thread, best of 30, shared
-machine): the int8 product took 9 us at 1 row and 565 us at 256 against 63 and 2,251 us for
-the packed float32 one (``models.onednn``); quantizing the rows costs 10-66 us more.
+Two implementations of that one math, bit for bit the same results, both with the rows
+quantized by ``csrc/w8a8.cpp``'s fused op where the kernels are built:
+
+- ``torch._int_mm`` (oneDNN's int8 GEMM) where the CPU has int8 dot-product instructions
+  (AVX512-VNNI or AMX, ``isa.has_int8_dot``). Measured on a 2-core AMD EPYC with AVX512-VNNI
+  (576 -> 1536, one thread, best of 30, shared machine): 9 us at 1 row and 565 us at 256 against
+  63 and 2,251 us for the packed float32 product (``models.onednn``).
+- ``csrc/w8a8.cpp`` elsewhere (AVX2 only, or a non-x86 CPU): there ``_int_mm`` takes a reference
+  path 10-35x slower than float32. The kernel's sums are exact int32 (int16 pair products); it
+  serves every row count (it matches float32 ``F.linear`` at 1,024
+  rows, and beats it 2.5x at one; docs/benchmarks.md, "Quantized checkpoints").
 """
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
+from services.engine.cpu_ops import w8a8_ops
+from services.engine.cpu_ops.isa import has_int8_dot
 from services.engine.quantization.base import (
     PER_OUTPUT,
     WEIGHT,
@@ -26,6 +37,7 @@ from services.engine.quantization.base import (
 
 # Any positive scale quantizes a row of zeros to zeros; this one keeps 0 / 0 out.
 _MIN_SCALE = 1e-30
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,27 +49,68 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def int8_linear_torch(
+    x: torch.Tensor, weight: torch.Tensor, scale_row: torch.Tensor
+) -> torch.Tensor:
+    """``x`` ``[T, in]`` times the int8 ``weight`` ``[out, in]`` -> float32 ``[T, out]``."""
+    q, scale = quantize_rows(x)
+    return torch._int_mm(q, weight.t()).float().mul_(scale).mul_(scale_row)
+
+
+def quantize_rows_fused(kernels: ModuleType, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows``' result in one pass over each row (``csrc/w8a8.cpp``): 2-3 us instead
+    of ~25 for one 576-wide row."""
+    return kernels.quantize_rows((x if x.dtype in _KERNEL_DTYPES else x.float()).contiguous())
+
+
+def int8_linear_kernel(
+    kernels: ModuleType, x: torch.Tensor, weight: torch.Tensor, scale_row: torch.Tensor
+) -> torch.Tensor:
+    """``int8_linear_torch``'s result from ``csrc/w8a8.cpp``."""
+    q, scale = quantize_rows_fused(kernels, x)
+    return kernels.w8a8_linear(q, scale, weight, scale_row)
+
+
+def int8_linear_int_mm(
+    kernels: ModuleType, x: torch.Tensor, weight: torch.Tensor, scale_row: torch.Tensor
+) -> torch.Tensor:
+    """``int8_linear_torch``'s result with the rows quantized by the fused op (CPUs with int8
+    dot products: ``_int_mm`` is oneDNN's VNNI/AMX GEMM there)."""
+    q, scale = quantize_rows_fused(kernels, x)
+    return torch._int_mm(q, weight.t()).float().mul_(scale).mul_(scale_row)
+
+
+def kernels_for(x: torch.Tensor) -> ModuleType | None:
+    """``csrc/w8a8.cpp`` for ``x``'s rows (a CPU tensor, the kernels built), else None."""
+    return w8a8_ops() if x.device.type == "cpu" else None
+
+
 class W8A8Int8Method(LinearMethod):
     name = "w8a8-int8"
 
     def create_weights(self, layer: torch.nn.Module) -> None:
         layer.weight = frozen_param(layer.out_features, layer.in_features, dtype=torch.int8)
         layer.weight_scale = frozen_param(layer.out_features, 1, dtype=torch.float32)
-        layer.bias = frozen_param(layer.out_features, dtype=layer.dtype) if layer.has_bias \
-            else None
+        layer.bias = frozen_param(layer.out_features, dtype=layer.dtype) if layer.has_bias else None
 
     def layout(self, leaf: str) -> ParamLayout:
         return WEIGHT if leaf == "weight" else PER_OUTPUT
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         # One float32 row of scales, multiplied into the product's columns.
-        layer.scale_row = layer.weight_scale.detach().reshape(-1).float()
+        layer.scale_row = layer.weight_scale.detach().reshape(-1).float().contiguous()
+        assert layer.weight.is_contiguous(), "the int8 kernel reads the weight's rows in place"
 
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        q, scale = quantize_rows(x)
-        y = torch._int_mm(q, layer.weight.t()).float().mul_(scale).mul_(layer.scale_row)
+        kernels = kernels_for(x)
+        if kernels is None:
+            y = int8_linear_torch(x, layer.weight, layer.scale_row)
+        elif has_int8_dot():
+            y = int8_linear_int_mm(kernels, x, layer.weight, layer.scale_row)
+        else:
+            y = int8_linear_kernel(kernels, x, layer.weight, layer.scale_row)
         if bias is not None:
             y.add_(bias)
         return y.to(x.dtype)

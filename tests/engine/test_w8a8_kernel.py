@@ -1,0 +1,139 @@
+"""The int8 (W8A8) CPU kernel (``csrc/w8a8.cpp``, ``quantization.w8a8_int8``) against exact
+references: the per-row quantization bit for bit against the torch path's, the product against
+int64 sums scaled as the torch path scales them (so equal bit for bit too), for 1 to 67 rows,
+odd sizes, the extreme int8 values, both the AVX2 path and the portable loop; and the layer
+method's choice between the kernel and ``torch._int_mm`` by the CPU's flags.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.cpu_ops import w8a8_ops
+from services.engine.cpu_ops.isa import has_int8_dot
+from services.engine.quantization import w8a8_int8
+from services.engine.quantization.w8a8_int8 import (
+    int8_linear_int_mm,
+    int8_linear_kernel,
+    quantize_rows,
+)
+
+kernels = w8a8_ops()
+pytestmark = pytest.mark.skipif(kernels is None, reason="the CPU kernels did not build here")
+PATHS = pytest.mark.parametrize("avx2", [True, False], ids=["avx2", "portable"])
+
+
+def _x(rows: int, inp: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, inp, generator=gen) * 3).to(dtype)
+
+
+def _reference(
+    q: torch.Tensor, scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
+) -> torch.Tensor:
+    """Exact int64 sums, rounded to float32 and scaled in the torch path's order."""
+    sums = q.long() @ w.long().t()
+    assert sums.abs().max().item() < 2**31
+    return sums.to(torch.int32).float().mul_(scale).mul_(w_scale)
+
+
+@PATHS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(1, 576), (3, 17), (8, 1536), (67, 100), (5, 7)])
+def test_quantize_rows_is_the_torch_paths_bit_for_bit(avx2, dtype, shape) -> None:
+    x = _x(*shape, dtype, seed=shape[0])
+    x[0, : min(4, shape[1])] = 0  # a few exact zeros
+    q, scale = kernels.quantize_rows(x, allow_avx2=avx2)
+    q_ref, scale_ref = quantize_rows(x)
+    assert q.dtype == torch.int8 and scale.shape == (shape[0], 1)
+    assert torch.equal(q, q_ref) and torch.equal(scale, scale_ref)
+
+
+@PATHS
+def test_a_row_of_zeros_quantizes_to_zeros(avx2) -> None:
+    q, scale = kernels.quantize_rows(torch.zeros(2, 40), allow_avx2=avx2)
+    assert torch.equal(q, torch.zeros(2, 40, dtype=torch.int8)) and (scale > 0).all()
+
+
+@PATHS
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 19, 64, 67])
+@pytest.mark.parametrize("inp,out", [(576, 24), (33, 7), (1536, 65), (16, 1)])
+def test_product_is_the_exact_int_sum_scaled(avx2, rows, inp, out) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + inp + out)
+    q = torch.randint(-128, 128, (rows, inp), generator=gen, dtype=torch.int8)
+    w = torch.randint(-128, 128, (out, inp), generator=gen, dtype=torch.int8)
+    scale = torch.rand(rows, 1, generator=gen) + 1e-3
+    w_scale = torch.rand(out, generator=gen) + 1e-3
+    y = kernels.w8a8_linear(q, scale, w, w_scale, allow_avx2=avx2)
+    assert torch.equal(y, _reference(q, scale, w, w_scale))
+
+
+@PATHS
+def test_extreme_values_sum_without_overflow(avx2) -> None:
+    """-128 everywhere: every int16 pair sum is 2 * 2^14 (a saturating instruction would clip
+    it), the total 2^14 * 4096 = 2^26."""
+    q = torch.full((3, 4096), -128, dtype=torch.int8)
+    w = torch.full((5, 4096), -128, dtype=torch.int8)
+    y = kernels.w8a8_linear(q, torch.ones(3, 1), w, torch.ones(5), allow_avx2=avx2)
+    assert torch.equal(y, torch.full((3, 5), float(2**26)))
+
+
+def test_no_rows_gives_an_empty_product() -> None:
+    y = kernels.w8a8_linear(
+        torch.empty(0, 32, dtype=torch.int8),
+        torch.empty(0, 1),
+        torch.ones(4, 32, dtype=torch.int8),
+        torch.ones(4),
+    )
+    assert y.shape == (0, 4)
+
+
+def test_mismatched_shapes_are_refused() -> None:
+    q = torch.ones(2, 32, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="w must be"):
+        kernels.w8a8_linear(q, torch.ones(2, 1), torch.ones(4, 31, dtype=torch.int8), torch.ones(4))
+    with pytest.raises(RuntimeError, match="w_scale"):
+        kernels.w8a8_linear(q, torch.ones(2, 1), torch.ones(4, 32, dtype=torch.int8), torch.ones(3))
+    with pytest.raises(RuntimeError, match="at most 131072"):
+        wide = torch.ones(1, (1 << 17) + 1, dtype=torch.int8)
+        kernels.w8a8_linear(wide, torch.ones(1, 1), wide, torch.ones(1))
+    with pytest.raises(RuntimeError, match="q must be"):
+        kernels.w8a8_linear(
+            q.t(), torch.ones(32, 1), torch.ones(4, 2, dtype=torch.int8), torch.ones(4)
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kernel_layer_product_is_the_int_mm_products(dtype) -> None:
+    """The two implementations of the layer's product agree bit for bit (``_int_mm`` takes
+    its reference path on this CPU when it lacks VNNI: slow, but exact)."""
+    x = _x(9, 96, dtype, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randint(-127, 128, (40, 96), generator=gen, dtype=torch.int8)
+    scale_row = torch.rand(40, generator=gen)
+    expected = w8a8_int8.int8_linear_torch(x, w, scale_row)
+    assert torch.equal(int8_linear_kernel(kernels, x, w, scale_row), expected)
+    assert torch.equal(int8_linear_int_mm(kernels, x, w, scale_row), expected)
+
+
+class _Layer(torch.nn.Module):
+    pass
+
+
+def test_the_kernel_runs_only_where_the_cpu_lacks_int8_dot_products(monkeypatch) -> None:
+    layer = _Layer()
+    layer.weight = torch.ones(4, 8, dtype=torch.int8)
+    layer.scale_row = torch.ones(4)
+    called = []
+    for name in ("int8_linear_int_mm", "int8_linear_kernel"):
+        real = getattr(w8a8_int8, name)
+        monkeypatch.setattr(
+            w8a8_int8, name, lambda *a, _real=real, _name=name: called.append(_name) or _real(*a)
+        )
+    y = w8a8_int8.W8A8Int8Method().apply(layer, torch.ones(2, 8), None)
+    assert torch.equal(y, torch.full((2, 4), 8.0))
+    assert called == ["int8_linear_int_mm" if has_int8_dot() else "int8_linear_kernel"]
+    assert has_int8_dot(frozenset({"avx2", "avx512_vnni"}))
+    assert has_int8_dot(frozenset({"amx_int8", "amx_tile"}))
+    assert not has_int8_dot(frozenset({"avx2", "fma", "avx512f"}))
