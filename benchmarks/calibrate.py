@@ -55,7 +55,7 @@ def calibration_set(path: Path, samples: int, length: int):
     text = "\n".join(topics[k] for k in sorted(topics))
     ids = AutoTokenizer.from_pretrained(path)(text)["input_ids"][CALIBRATION_START:]
     assert len(ids) >= samples * length, (len(ids), samples, length)
-    rows = [ids[i * length:(i + 1) * length] for i in range(samples)]
+    rows = [ids[i * length : (i + 1) * length] for i in range(samples)]
     return Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * length] * samples})
 
 
@@ -66,30 +66,59 @@ def w8a8(base: Path, out: Path, data, length: int) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    recipe = [SmoothQuantModifier(smoothing_strength=0.8),
-              GPTQModifier(targets="Linear", scheme="W8A8", ignore=["lm_head"])]
-    oneshot(model=model, dataset=data, recipe=recipe, max_seq_length=length,
-            num_calibration_samples=len(data), pipeline=PIPELINE)
+    recipe = [
+        SmoothQuantModifier(smoothing_strength=0.8),
+        GPTQModifier(targets="Linear", scheme="W8A8", ignore=["lm_head"]),
+    ]
+    oneshot(
+        model=model,
+        dataset=data,
+        recipe=recipe,
+        max_seq_length=length,
+        num_calibration_samples=len(data),
+        pipeline=PIPELINE,
+    )
     model.save_pretrained(out, save_compressed=True)
     AutoTokenizer.from_pretrained(base).save_pretrained(out)
 
 
-def gptq4(base: Path, out: Path, data, length: int, group: int = GROUP,
-          actorder: str | None = None, pipeline: str = PIPELINE) -> None:
+def gptq4(
+    base: Path,
+    out: Path,
+    data,
+    length: int,
+    group: int = GROUP,
+    actorder: str | None = None,
+    pipeline: str = PIPELINE,
+) -> None:
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import GPTQModifier
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    weights = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",
-                               group_size=group, actorder=actorder)
+    weights = QuantizationArgs(
+        num_bits=4,
+        type="int",
+        symmetric=True,
+        strategy="group",
+        group_size=group,
+        actorder=actorder,
+    )
     scheme = QuantizationScheme(targets=["Linear"], weights=weights)
-    oneshot(model=model, dataset=data, max_seq_length=length, num_calibration_samples=len(data),
-            pipeline=pipeline,
-            recipe=[GPTQModifier(config_groups={"group_0": scheme}, ignore=["lm_head"])])
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()
-             if not k.endswith(("weight_scale", "weight_zero_point", "weight_g_idx"))}
+    oneshot(
+        model=model,
+        dataset=data,
+        max_seq_length=length,
+        num_calibration_samples=len(data),
+        pipeline=pipeline,
+        recipe=[GPTQModifier(config_groups={"group_0": scheme}, ignore=["lm_head"])],
+    )
+    state = {
+        k: v.detach().contiguous()
+        for k, v in model.state_dict().items()
+        if not k.endswith(("weight_scale", "weight_zero_point", "weight_g_idx"))
+    }
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     for name, module in model.named_modules():
@@ -100,8 +129,15 @@ def gptq4(base: Path, out: Path, data, length: int, group: int = GROUP,
     save_int4(base, out, state, "gptq", group, act_order=False, sym=True)
 
 
-def awq4(base: Path, out: Path, data, length: int, group: int = GROUP,
-         pipeline: str = PIPELINE, then_gptq: bool = False) -> None:
+def awq4(
+    base: Path,
+    out: Path,
+    data,
+    length: int,
+    group: int = GROUP,
+    pipeline: str = PIPELINE,
+    then_gptq: bool = False,
+) -> None:
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
@@ -109,15 +145,26 @@ def awq4(base: Path, out: Path, data, length: int, group: int = GROUP,
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    weights = QuantizationArgs(num_bits=4, type="int", symmetric=False, strategy="group",
-                               group_size=group)
+    weights = QuantizationArgs(
+        num_bits=4, type="int", symmetric=False, strategy="group", group_size=group
+    )
     groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}
     quantize = (GPTQModifier if then_gptq else QuantizationModifier)(
-        config_groups=groups, ignore=["lm_head"])
-    oneshot(model=model, dataset=data, max_seq_length=length, num_calibration_samples=len(data),
-            pipeline=pipeline, recipe=[AWQModifier(duo_scaling="both"), quantize])
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()
-             if not k.endswith(("weight_scale", "weight_zero_point", "weight_g_idx"))}
+        config_groups=groups, ignore=["lm_head"]
+    )
+    oneshot(
+        model=model,
+        dataset=data,
+        max_seq_length=length,
+        num_calibration_samples=len(data),
+        pipeline=pipeline,
+        recipe=[AWQModifier(duo_scaling="both"), quantize],
+    )
+    state = {
+        k: v.detach().contiguous()
+        for k, v in model.state_dict().items()
+        if not k.endswith(("weight_scale", "weight_zero_point", "weight_g_idx"))
+    }
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     for name, module in model.named_modules():
@@ -139,8 +186,12 @@ def _as_awq(module: torch.nn.Module, group: int):
     s, z = scale[:, groups], zero[:, groups]
     q = (torch.round(w / s) + z).clamp(0, 15)
     assert ((q - z) * s - w).abs().max().item() <= 1e-4 * w.abs().max().item()
-    return (q.t().long(), zero.t().contiguous(), scale.t().half().contiguous(),
-            groups.to(torch.int32))
+    return (
+        q.t().long(),
+        zero.t().contiguous(),
+        scale.t().half().contiguous(),
+        groups.to(torch.int32),
+    )
 
 
 def _as_gptq(module: torch.nn.Module, group: int):
@@ -171,18 +222,23 @@ def main() -> None:
     torch.set_num_threads(2)
     base = default_model_path()
     data = calibration_set(base, args.samples, args.length)
-    variant = ((f"-act{args.actorder}" if args.actorder else "")
-               + ("" if args.pipeline == PIPELINE else f"-{args.pipeline}"))
+    variant = (f"-act{args.actorder}" if args.actorder else "") + (
+        "" if args.pipeline == PIPELINE else f"-{args.pipeline}"
+    )
     samples = "" if args.samples == 32 else f"-s{args.samples}"
     gptq_name = f"gptq-4bit-g{args.group}{variant}-calibrated{samples}"
-    for name, make in (("w8a8-sq-gptq", w8a8),
-                       (gptq_name, lambda *a: gptq4(*a, group=args.group,
-                                                    actorder=args.actorder,
-                                                    pipeline=args.pipeline)),
-                       (f"awq-4bit-g{args.group}{'-gptq' if args.awq_gptq else ''}"
-                        f"{variant}-calibrated{samples}",
-                        lambda *a: awq4(*a, group=args.group, pipeline=args.pipeline,
-                                        then_gptq=args.awq_gptq))):
+    for name, make in (
+        ("w8a8-sq-gptq", w8a8),
+        (
+            gptq_name,
+            lambda *a: gptq4(*a, group=args.group, actorder=args.actorder, pipeline=args.pipeline),
+        ),
+        (
+            f"awq-4bit-g{args.group}{'-gptq' if args.awq_gptq else ''}"
+            f"{variant}-calibrated{samples}",
+            lambda *a: awq4(*a, group=args.group, pipeline=args.pipeline, then_gptq=args.awq_gptq),
+        ),
+    ):
         out = args.dir / name
         # Without --only: the two checkpoints benchmarks/quantized.py reads.
         if not name.startswith(args.only.rstrip("4") if args.only else ("w8a8", "gptq")):

