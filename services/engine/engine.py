@@ -31,7 +31,7 @@ from services.engine.sampler import make_generator
 from services.engine.scheduler import Scheduler, SchedulerOutput, SchedulingPolicy
 from services.engine.spec_decode.config import check_draft_matches
 from services.engine.spec_decode.metrics import SpecDecodeStats
-from services.engine.spec_decode.proposers import Speculator
+from services.engine.spec_proposers import Speculator
 from services.engine.structured.compiler import GrammarCompiler
 from services.engine.structured.masks import GrammarState
 from services.protocol import kv_transfer_params as kv_params

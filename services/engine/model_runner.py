@@ -64,7 +64,7 @@ from services.engine.scheduler import SchedulerOutput
 from services.engine.spec_decode import draft_model
 from services.engine.spec_decode.config import SpecMethod
 from services.engine.spec_decode.draft_model import DraftModel
-from services.engine.spec_decode.verifier import SpecInputs, SpecOutput, Verifier, VerifyStep
+from services.engine.spec_verifier import SpecInputs, SpecOutput, Verifier, VerifyStep
 from services.engine.step_buffers import StagedStep, StepBuffers
 from services.engine.step_features import StepFeatures, StepRows
 from services.engine.structured.manager import GrammarManager
@@ -137,7 +137,7 @@ class PreparedStep:
 
     @property
     def verify(self) -> VerifyStep | None:
-        """What the step verifies (``spec_decode.verifier``; None: nothing)."""
+        """What the step verifies (``spec_verifier``; None: nothing)."""
         return self.state.get(Verifier.name)
 
     @property

@@ -63,7 +63,7 @@ class Request:
     num_scheduled_tokens: int = 0
     num_placeholders: int = 0
     # Tokens proposed past its last one, which the next step verifies (set before each
-    # schedule by ``spec_decode.proposers``; the verifier holds their values). 0 while it is
+    # schedule by ``spec_proposers``; the verifier holds their values). 0 while it is
     # not decoding.
     num_lookahead_tokens: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)

@@ -20,7 +20,7 @@ from services.engine.request import Request
 from services.engine.sampler import make_generator
 from services.engine.sampling_batch import SamplingBatch, SamplingRequest
 from services.engine.spec_decode.config import SpeculativeConfig
-from services.engine.spec_decode.verifier import Verifier
+from services.engine.spec_verifier import Verifier
 from services.engine.step_features import StepFeatures
 from services.protocol.block_hash import BlockHasher
 from services.protocol.sampling_params import SamplingParams

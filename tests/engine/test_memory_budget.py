@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from services.engine import feature_warm_up, memory_budget, model_runner
+from services.engine import spec_verifier as verifier
 from services.engine.memory_budget import FeatureMemory
 from services.engine.models.loader import load_model
-from services.engine.spec_decode import verifier
 from services.protocol.sampling_params import SamplingParams
 from tests.support import spec_decode as sd
 

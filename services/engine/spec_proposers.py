@@ -15,7 +15,7 @@ from services.engine.scheduler import SchedulerOutput
 from services.engine.spec_decode.config import SpecMethod, SpeculativeConfig
 from services.engine.spec_decode.metrics import SpecDecodeStats
 from services.engine.spec_decode.ngram import NgramProposer
-from services.engine.spec_decode.verifier import SpecOutput, Verifier
+from services.engine.spec_verifier import SpecOutput, Verifier
 
 
 class Speculator:
