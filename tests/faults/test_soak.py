@@ -24,6 +24,11 @@ DISCONNECT = 0.2
 # arenas and caches may still settle during the first half (a one-time step of ~5% was seen on
 # an engine), while a leak grows with every request and shows in both halves alike.
 MAX_RSS_GROWTH = 0.05
+# ...or this many bytes, whichever is more: 5% was set when the gateway and router imported
+# torch (~400 MB, so ~20 MB allowed); without it the gateway is ~145 MB and its allocator's
+# drift over 5,000 requests (3-8 MB, the same before and after the changes of 2026-12-03) came
+# within 5%. 12 MiB over 5,000 requests still fails a leak of 2.5 KB a request.
+MIN_RSS_ALLOWANCE = 12 * 2**20
 TASK_SLACK = 4
 
 
@@ -111,5 +116,6 @@ def test_soak_no_leaks(fast_model_dir: Path) -> None:
         # requests would add ten.
         for name in services:
             assert tasks1[name] <= tasks0[name] + TASK_SLACK, (name, tasks0[name], tasks1[name])
-        for name, g in growth.items():
-            assert g < MAX_RSS_GROWTH, (name, rss0[name], rss1[name])
+        for name in growth:
+            allowed = max(MAX_RSS_GROWTH * rss0[name], MIN_RSS_ALLOWANCE)
+            assert rss1[name] - rss0[name] < allowed, (name, rss0[name], rss1[name])
