@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,15 @@ async def _metric(url: str, name: str, label: str = "") -> float:
                if line.startswith(name) and line[len(name)] in " {" and label in line)
 
 
+async def _sent_metric(url: str, name: str, expected: float) -> float:
+    """The prefill side's "sent" sample, waited for: its sender thread counts a transfer after
+    the last frame is written, which the puller may have read (and answered from) first."""
+    deadline = time.monotonic() + 5.0
+    while (value := await _metric(url, name, "sent")) != expected and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return value
+
+
 def test_two_engine_processes_serve_prefill_then_decode(
         pair: tuple[ServiceProcess, ServiceProcess]) -> None:
     prefill, decode = pair
@@ -93,10 +103,10 @@ def test_two_engine_processes_serve_prefill_then_decode(
         assert done.kv_transfer_params is None
         pulled = await _metric(decode.url, "pagoda:kv_transfer_bytes_total", "received")
         assert pulled > 0 and pulled % 3 == 0  # three blocks
-        assert await _metric(prefill.url, "pagoda:kv_transfer_bytes_total", "sent") == pulled
+        assert await _sent_metric(prefill.url, "pagoda:kv_transfer_bytes_total", pulled) == pulled
         assert await _metric(decode.url, "vllm:nixl_xfer_time_seconds_count") == 1
         assert await _metric(decode.url, "vllm:nixl_bytes_transferred_sum") == pulled
-        assert await _metric(prefill.url, "pagoda:kv_transfer_seconds_count", "sent") == 1
+        assert await _sent_metric(prefill.url, "pagoda:kv_transfer_seconds_count", 1) == 1
         # Prefill done, then its engine is gone before the pull: the decode recomputes.
         other = [9 + (i * 7) % 800 for i in range(2 * BS + 3)]
         alone2, _ = await _generate(prefill.url, "alone2", other, 8, None)

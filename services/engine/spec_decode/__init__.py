@@ -10,6 +10,7 @@ counters). Two core modules wire these into a step: ``spec_proposers`` (drafts p
 before each schedule) and ``spec_verifier`` (the step feature that holds each row's drafts,
 gathers a step's verification inputs and verifies); they live in the core because they use
 the input batch, the sampler and the scheduler's output, and this package must not import the
-core (``tests/protocol/test_import_rules.py``). The rest of the core sees those two only, plus the scheduler's lookahead tokens (``1 + k`` scheduled, a run back)
-and the block manager's trim of rejected slots.
+core (``tests/protocol/test_import_rules.py``). The rest of the core sees those two only, plus
+the scheduler's lookahead tokens (``1 + k`` scheduled, a run back) and the block manager's
+trim of rejected slots.
 """
