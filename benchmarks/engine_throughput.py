@@ -227,6 +227,45 @@ def host_overhead(runs: int, async_scheduling: bool) -> dict:
     }
 
 
+def host_parts(steps: int = 60, warm: int = 10) -> dict[str, float]:
+    """µs per decode step at 256 running requests of the engine's own host stages, the model
+    left out: ``schedule`` (the scheduler), ``prepare`` (the runner's inputs and attention
+    plan) and ``apply`` (the scheduler applying a token per request, and the engine's
+    bookkeeping). Each step's tokens are given, not sampled, so the figures hold no model
+    time and vary far less than ``host_overhead``'s (which times whole steps)."""
+    from services.engine.model_runner import StepResult
+    from services.engine.sampler import SamplerOutput
+
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as d:
+        llm = LLM(str(write_host_model(Path(d))), max_num_seqs=256, max_num_batched_tokens=8192,
+                  async_scheduling=False)
+    engine = llm.engine
+    for i in range(256):
+        engine.add_request(str(i), [rng.randrange(512) for _ in range(rng.randint(48, 80))],
+                           params)
+    engine.step_requests()  # the prefill: every request decodes from here
+    spent = {"schedule": 0.0, "prepare": 0.0, "apply": 0.0}
+    for step in range(steps):
+        t0 = time.perf_counter()
+        sched = engine._schedule()
+        t1 = time.perf_counter()
+        engine.runner.prepare(sched)
+        t2 = time.perf_counter()
+        n = sum(s.completes_sequence for s in sched.scheduled)
+        result = StepResult(SamplerOutput(token_ids=[7] * n, logprobs=[None] * n))
+        t3 = time.perf_counter()
+        engine._apply(sched, result)
+        t4 = time.perf_counter()
+        if step >= warm:
+            spent["schedule"] += t1 - t0
+            spent["prepare"] += t2 - t1
+            spent["apply"] += t4 - t3
+    engine.close()
+    return {k: v / (steps - warm) * 1e6 for k, v in spent.items()}
+
+
 def host_overhead_in_process(runs: int, async_scheduling: bool) -> dict:
     """``host_overhead`` in a fresh process of this script."""
     mode = "on" if async_scheduling else "off"
@@ -310,6 +349,12 @@ def main() -> None:
         action="store_true",
         help="only the engine's host work per step at 256 running requests",
     )
+    ap.add_argument(
+        "--host-parts",
+        action="store_true",
+        help="only the engine's host stages (schedule, prepare, apply) at 256 decoding "
+             "requests, the model left out",
+    )
     ap.add_argument("--runs", type=int, default=3, help="timed runs of --host-overhead")
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one mode's child
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # one configuration's child
@@ -323,6 +368,11 @@ def main() -> None:
     if not args.json:
         print(machine_line(), flush=True)
     modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.async_scheduling]
+    if args.host_parts:
+        parts = host_parts()
+        print("host parts, µs per decode step at 256 requests, no model: " + ", ".join(
+            f"{k} {v:.0f}" for k, v in parts.items()) + f"; together {sum(parts.values()):.0f}")
+        return
     if args.host_overhead and args.json:
         print(json.dumps(host_overhead(args.runs, modes[0])))
         return

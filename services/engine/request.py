@@ -84,6 +84,8 @@ class Request:
     # Tokens that may end it (EOS unless ignore_eos, and stop_token_ids): the scheduler's
     # one-lookup test of every new token before the exact rules (min_tokens, which kind).
     stop_token_set: frozenset[int] = field(init=False)
+    # Its length once max_tokens are out: the scheduler's length test, one comparison.
+    token_limit: int = field(init=False)
     # Timestamps (monotonic seconds) for metrics and traces.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -95,6 +97,7 @@ class Request:
         self.token_ids = list(self.prompt_token_ids)
         eos = () if self.params.ignore_eos else self.eos_token_ids
         self.stop_token_set = frozenset((*eos, *self.params.stop_token_ids))
+        self.token_limit = len(self.prompt_token_ids) + self.max_tokens
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]  # nothing predicts the first prompt token
         self.hasher.extend(self.block_hashes, self.token_ids)
@@ -114,8 +117,12 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
-        # Hash a block as soon as it is full, so the block manager can cache it.
-        if len(self.token_ids) % self.hasher.block_size == 0:
+        self.hash_full_blocks()
+
+    def hash_full_blocks(self) -> None:
+        """Hashes the blocks that the tokens appended since filled: a block is hashed as
+        soon as it is full, so the block manager can cache it."""
+        if len(self.token_ids) // self.hasher.block_size > len(self.block_hashes):
             self.hasher.extend(self.block_hashes, self.token_ids)
 
     @property

@@ -240,8 +240,8 @@ class Scheduler:
             self._cache_in_flight()
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
-            self._schedule_waiting(out, budget)
-        out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+            budget = self._schedule_waiting(out, budget)
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
         self._left.extend(out.preempted)
         self.num_steps_in_flight += not out.is_empty
         return out
@@ -265,25 +265,27 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         # Runs for every running request every step: locals, no helper calls on the common
-        # path (a decode whose last block has room).
-        running, scheduled = self.running, out.scheduled
+        # path (a decode whose last block has room). Preemption only removes from the end of
+        # ``running``, which the loop then never reaches.
+        scheduled, append = out.scheduled, out.scheduled.append
         bm = self.block_manager
         allocate, block_ids, bs = bm.allocate_slots, bm.block_ids, bm.block_size
-        i = 0
-        cap, exclusive = self.max_batch_seqs or self.max_num_seqs, self.one_batch_per_request
-        while i < len(running) and budget > 0 and len(scheduled) < cap:
-            req = running[i]
+        room = self.max_batch_seqs or self.max_num_seqs
+        exclusive = self.one_batch_per_request
+        for req in self.running:
+            if budget <= 0 or len(scheduled) >= room:
+                break
             if exclusive and req.num_scheduled_tokens:
-                i += 1  # in a step in flight (a pipeline's): its next step waits for it
-                continue
+                continue  # in a step in flight (a pipeline's): its next step waits for it
             placeholders = req.num_placeholders
             if placeholders and self._surely_finishes(req):
-                i += 1  # its last token is on its way: nothing more to compute for it
-                continue
+                continue  # its last token is on its way: nothing more to compute for it
             start = req.num_computed_tokens + req.num_scheduled_tokens
             end = len(req.token_ids) + placeholders
             # A decode's lookahead tokens come after its last one (as many as the budget holds).
-            num_new = min(end - start + req.num_lookahead_tokens, budget)
+            num_new = end - start + req.num_lookahead_tokens
+            if num_new > budget:
+                num_new = budget
             total = start + num_new
             ids = block_ids(req.request_id)  # grows in place when blocks are allocated
             # While its last block has room (most decodes) nothing needs allocating.
@@ -293,10 +295,9 @@ class Scheduler:
             samples = total >= end
             req.num_scheduled_tokens += num_new
             req.num_placeholders = placeholders + samples
-            scheduled.append(ScheduledRequest(req, num_new, ids, samples, start,
-                                              total - end if total > end else 0))
+            append(ScheduledRequest(req, num_new, ids, samples, start,
+                                    total - end if total > end else 0))
             budget -= num_new
-            i += 1
         return budget
 
     def _preempt_for(self, req: Request, total: int, out: SchedulerOutput) -> bool:
@@ -324,7 +325,7 @@ class Scheduler:
         out.preempted.append(req)
         logger.debug("preempted request_id=%s", req.request_id)
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         loras = AdapterAdmission([*self.running, *(w.request for w in self.loading.values())],
                                  self.max_loras) if self.max_loras else None  # loading: to run
         cap = self.max_batch_seqs or self.max_num_seqs
@@ -365,6 +366,7 @@ class Scheduler:
         if loras is not None and loras.deferred:
             self.num_lora_deferrals += len(loras.deferred)
             self.waiting.extendleft(reversed(loras.deferred))
+        return budget
 
     def _start_running(self, req: Request, num_cached: int) -> None:
         """A request admitted with its first ``num_cached`` tokens already in the pool."""
@@ -462,47 +464,73 @@ class Scheduler:
         finished = False
         kept = []
         running, preempted = RequestStatus.RUNNING, RequestStatus.PREEMPTED
-        bs = self.block_manager.block_size
-        each = iter(runs) if runs is not None else ((t,) for t in token_ids)
+        apply_run = self._apply_run
+        k = 0  # the next sampling request's index in token_ids (and runs)
         for s in sched.scheduled:
             req = s.request
             status = req.status
-            if status is running:  # else preempted, finished or aborted since: no blocks
-                req.num_scheduled_tokens -= s.num_new_tokens
-                if not s.completes_sequence:
-                    after = req.num_computed_tokens + s.num_new_tokens
-                    if after // bs != req.num_computed_tokens // bs:  # filled a block
-                        self._cache_blocks(req, after)
-                    req.num_computed_tokens = after
-            if not s.completes_sequence:
+            if not s.completes_sequence:  # a prefill chunk: its KV counts if it still runs
+                if status is running:
+                    req.num_scheduled_tokens -= s.num_new_tokens
+                    self._computed(req, req.num_computed_tokens + s.num_new_tokens)
                 continue
-            run = next(each)
-            if status is not running and status is not preempted:
+            run = (token_ids[k],) if runs is None else runs[k]
+            k += 1
+            if status is running:
+                req.num_scheduled_tokens -= s.num_new_tokens
+            elif status is not preempted:
                 continue  # finished or aborted: the extra token of a step scheduled before
             kept.append(req)
-            finished |= self._apply_run(s, run, status is running, now)
+            if apply_run(s, run, status is running, now):
+                finished = True
         if finished:  # one pass, not a list.remove per finished request
             self.running[:] = [r for r in self.running if not r.status.is_finished]
             self._left.extend(r for r in kept if r.status.is_finished)
         return kept
 
-    def _apply_run(self, s: ScheduledRequest, run: list[int] | tuple[int], computed: bool,
+    def _computed(self, req: Request, after: int) -> None:
+        """``req``'s KV now holds ``after`` tokens: the blocks that filled are cached."""
+        bs = self.block_manager.block_size
+        if after // bs != req.num_computed_tokens // bs:
+            self._cache_blocks(req, after)
+        req.num_computed_tokens = after
+
+    def _apply_run(self, s: ScheduledRequest, run: Sequence[int], computed: bool,
                    now: float) -> bool:
-        """A sampling request's run appended (cut where it stops); ``computed``: it still
-        runs, so the step's KV counts: every token it scheduled but the rejected lookahead
-        (``num_lookahead_tokens`` less the accepted ``len(run) - 1``), cached where a block
-        filled, and the blocks past its tokens given back. True if it finished."""
+        """A sampling request's run appended, each token stop-checked, cut after the one
+        that ends it (a list run: its logprobs are cut to match); ``computed``: it still runs,
+        so the step's KV counts: every token it scheduled but the rejected lookahead
+        (``num_lookahead_tokens`` less the accepted ``len(run) - 1``), and the blocks past
+        its tokens given back. True if it finished."""
         req = s.request
         req.num_placeholders -= 1
-        n = self._append_run(req, run, now)
-        stopped = req.status.is_finished
+        if req.first_token_time is None:
+            req.first_token_time = now
+        toks, outs, grammar = req.token_ids, req.output_token_ids, req.grammar
+        stops, limit = req.stop_token_set, req.token_limit
+        max_len, bs = self.max_model_len, self.block_manager.block_size
+        n = stopped = 0
+        for tok in run:
+            toks.append(tok)
+            outs.append(tok)
+            n += 1
+            if grammar is not None:
+                grammar.accept(tok)
+            if (tok in stops or len(toks) >= limit or len(toks) >= max_len) and (
+                    self._stopped(req, tok)):
+                stopped = 1
+                if n < len(run):
+                    del run[n:]  # type: ignore[attr-defined]  # a verified run is a list
+                break
+        if len(toks) % bs < n:  # a block filled (the checks inline: this runs per request)
+            req.hash_full_blocks()
         if computed:
-            done = req.num_computed_tokens
-            after = done + s.num_new_tokens - s.num_lookahead_tokens + n - 1
-            if after // self.block_manager.block_size != done // self.block_manager.block_size:
+            lookahead, done = s.num_lookahead_tokens, req.num_computed_tokens
+            after = done + s.num_new_tokens - lookahead + n - 1
+            if after // bs != done // bs:
                 self._cache_blocks(req, after)
             req.num_computed_tokens = after
-            if s.num_lookahead_tokens and not stopped:
+            if lookahead and not stopped:
                 kept = self.block_manager.trim(req.request_id, after + 1)
                 if kept is not None:
                     self._trimmed.append((req, kept))
@@ -511,25 +539,7 @@ class Scheduler:
                                 if computed else [])
             if not computed:  # preempted by a step scheduled since
                 self.waiting.remove(req)
-        return stopped
-
-    def _append_run(self, req: Request, run: list[int] | tuple[int], now: float) -> int:
-        """Appends a run's tokens one by one, each stop-checked; returns how many it took
-        (the run is cut after the one that ended the request)."""
-        max_len = self.max_model_len
-        for i, tok in enumerate(run):
-            req.append_output_token(tok)
-            if req.grammar is not None:
-                req.grammar.accept(tok)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            maybe_last = (tok in req.stop_token_set or len(req.output_token_ids) >= req.max_tokens
-                          or len(req.token_ids) >= max_len)
-            if maybe_last and self._stopped(req, tok):
-                if i + 1 < len(run):
-                    del run[i + 1:]  # the caller's run: its logprobs are cut to match
-                return i + 1
-        return len(run)
+        return bool(stopped)
 
     def _stopped(self, req: Request, tok: int) -> bool:
         """Sets the finished status if ``tok`` ends the request; True if it does."""

@@ -69,17 +69,20 @@ def plan_step(
     k = np.asarray(seq_lens, dtype=np.int64)
     assert tables.shape[0] == len(q) == len(k) == len(num_blocks), "one entry per request"
     num_tokens = int(q.sum())
-    # Absolute position of each new token: seq_len - q_len + j.
-    starts = np.repeat(k - q, q)
-    offsets = np.arange(num_tokens) - np.repeat(np.cumsum(q) - q, q)
-    positions = starts + offsets
     if (-(-k // block_size) > num_blocks).any():
         raise AttentionContractError("a block table is too short for its sequence length")
-    owner = np.repeat(np.arange(len(q)), q)
+    cu_q = np.zeros(len(q) + 1, dtype=np.int32)
+    if num_tokens == len(q):  # all decodes (q >= 1: check_step refuses the rest): the last
+        positions = k - 1
+        owner = np.arange(len(q))
+        cu_q[1:] = np.arange(1, len(q) + 1)
+    else:  # absolute position of each new token: seq_len - q_len + j
+        cumulative = np.cumsum(q)
+        positions = np.repeat(k - q, q) + np.arange(num_tokens) - np.repeat(cumulative - q, q)
+        owner = np.repeat(np.arange(len(q)), q)
+        cu_q[1:] = cumulative
     block_idx = positions // block_size
     slots = tables[owner, block_idx].astype(np.int64) * block_size + positions % block_size
-    cu_q = np.zeros(len(q) + 1, dtype=np.int32)
-    cu_q[1:] = np.cumsum(q)
     cu_k = np.zeros(len(k) + 1, dtype=np.int32)
     cu_k[1:] = np.cumsum(k)
     return HostStep(
