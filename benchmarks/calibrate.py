@@ -144,6 +144,12 @@ def awq4(
     from llmcompressor.modifiers.transform.awq import AWQModifier
     from transformers import AutoModelForCausalLM
 
+    if not torch.accelerator.is_available():
+        # AWQ pins its cached activations for host-to-device copies; with no device the CPU
+        # build of torch refuses to pin, and there is nothing to copy to: keep them as they are.
+        from llmcompressor.pipelines.cache import IntermediatesCache
+
+        IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     weights = QuantizationArgs(
         num_bits=4, type="int", symmetric=False, strategy="group", group_size=group
