@@ -193,14 +193,21 @@ def write_host_model(out: Path) -> Path:
     return out
 
 
-def host_overhead(runs: int, async_scheduling: bool) -> dict:
-    """ms per step of ``LLM.generate`` at 256 running requests with a near-zero model."""
+def host_workload(async_scheduling: bool) -> tuple[LLM, list[list[int]]]:
+    """The host benchmarks' engine (the near-zero model, 256 sequences at once) and their 256
+    prompts of 48-80 tokens (seed 0)."""
     rng = random.Random(0)
     prompts = [[rng.randrange(512) for _ in range(rng.randint(48, 80))] for _ in range(256)]
-    params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
     with tempfile.TemporaryDirectory() as d:
         llm = LLM(str(write_host_model(Path(d))), max_num_seqs=256, max_num_batched_tokens=8192,
                   async_scheduling=async_scheduling)
+    return llm, prompts
+
+
+def host_overhead(runs: int, async_scheduling: bool) -> dict:
+    """ms per step of ``LLM.generate`` at 256 running requests with a near-zero model."""
+    llm, prompts = host_workload(async_scheduling)
+    params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
     steps = _count_steps(llm)
     model_s = _time_model(llm)
     outs = llm.generate(prompts, params, use_tqdm=False)  # warm-up: oneDNN, caches
@@ -236,15 +243,11 @@ def host_parts(steps: int = 60, warm: int = 10) -> dict[str, float]:
     from services.engine.model_runner import StepResult
     from services.engine.sampler import SamplerOutput
 
-    rng = random.Random(0)
+    llm, prompts = host_workload(async_scheduling=False)
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
-    with tempfile.TemporaryDirectory() as d:
-        llm = LLM(str(write_host_model(Path(d))), max_num_seqs=256, max_num_batched_tokens=8192,
-                  async_scheduling=False)
     engine = llm.engine
-    for i in range(256):
-        engine.add_request(str(i), [rng.randrange(512) for _ in range(rng.randint(48, 80))],
-                           params)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
     engine.step_requests()  # the prefill: every request decodes from here
     spent = {"schedule": 0.0, "prepare": 0.0, "apply": 0.0}
     for step in range(steps):

@@ -472,7 +472,9 @@ class Scheduler:
             if not s.completes_sequence:  # a prefill chunk: its KV counts if it still runs
                 if status is running:
                     req.num_scheduled_tokens -= s.num_new_tokens
-                    self._computed(req, req.num_computed_tokens + s.num_new_tokens)
+                    after = req.num_computed_tokens + s.num_new_tokens
+                    self._cache_blocks(req, after)  # the blocks it filled, if any
+                    req.num_computed_tokens = after
                 continue
             run = (token_ids[k],) if runs is None else runs[k]
             k += 1
@@ -488,13 +490,6 @@ class Scheduler:
             self._left.extend(r for r in kept if r.status.is_finished)
         return kept
 
-    def _computed(self, req: Request, after: int) -> None:
-        """``req``'s KV now holds ``after`` tokens: the blocks that filled are cached."""
-        bs = self.block_manager.block_size
-        if after // bs != req.num_computed_tokens // bs:
-            self._cache_blocks(req, after)
-        req.num_computed_tokens = after
-
     def _apply_run(self, s: ScheduledRequest, run: Sequence[int], computed: bool,
                    now: float) -> bool:
         """A sampling request's run appended, each token stop-checked, cut after the one
@@ -509,7 +504,7 @@ class Scheduler:
         toks, outs, grammar = req.token_ids, req.output_token_ids, req.grammar
         stops, limit = req.stop_token_set, req.token_limit
         max_len, bs = self.max_model_len, self.block_manager.block_size
-        n = stopped = 0
+        n, stopped = 0, False
         for tok in run:
             toks.append(tok)
             outs.append(tok)
@@ -518,7 +513,7 @@ class Scheduler:
                 grammar.accept(tok)
             if (tok in stops or len(toks) >= limit or len(toks) >= max_len) and (
                     self._stopped(req, tok)):
-                stopped = 1
+                stopped = True
                 if n < len(run):
                     del run[n:]  # type: ignore[attr-defined]  # a verified run is a list
                 break
@@ -527,7 +522,7 @@ class Scheduler:
         if computed:
             lookahead, done = s.num_lookahead_tokens, req.num_computed_tokens
             after = done + s.num_new_tokens - lookahead + n - 1
-            if after // bs != done // bs:
+            if after // bs != done // bs:  # the check inline: a call only when a block filled
                 self._cache_blocks(req, after)
             req.num_computed_tokens = after
             if lookahead and not stopped:
@@ -539,7 +534,7 @@ class Scheduler:
                                 if computed else [])
             if not computed:  # preempted by a step scheduled since
                 self.waiting.remove(req)
-        return bool(stopped)
+        return stopped
 
     def _stopped(self, req: Request, tok: int) -> bool:
         """Sets the finished status if ``tok`` ends the request; True if it does."""
