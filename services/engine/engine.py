@@ -22,6 +22,7 @@ from services.engine.kv_connector.transfer_stats import TransferStats
 from services.engine.kv_offload.tiers import KVTiers, KVTierStats
 from services.engine.logit_bias import LogitBias, check_logit_bias
 from services.engine.lora import manager as lora_manager
+from services.engine.lora.admission import adapter_limit
 from services.engine.lora.manager import LoRAStats
 from services.engine.lora.request import LoRARequest
 from services.engine.model_runner import ModelRunner, StepResult
@@ -122,7 +123,7 @@ class LLMEngine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.max_model_len,
-            config.max_loras if config.enable_lora else 0,
+            adapter_limit(config.max_loras if config.enable_lora else 0),
             config.scheduling_policy,
         )
         # Pipeline stages: up to one step in flight per stage (``pipeline_batches``).

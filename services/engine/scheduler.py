@@ -7,10 +7,9 @@ the remaining budget is prefilled in chunks over several steps. When KV blocks r
 most recently admitted running request is preempted by recompute: its blocks are freed and it
 goes back to the front of the queue, to be recomputed (mostly from the prefix cache) later.
 
-With LoRA (``max_loras`` > 0) at most that many distinct adapters run at a time: a waiting
-request whose adapter would exceed it is deferred (it keeps its place; later requests that fit
-go ahead) and, deferred long enough, reserves the next free adapter slot
-(``lora.admission``).
+A step feature may limit admission (``admission``: a pass over the requests that hold a
+place, asked for each waiting one): a waiting request it refuses is deferred (it keeps its
+place; later requests that fit go ahead), counted in ``num_deferrals``.
 
 One step is ``schedule()`` -> the model runs -> ``update()``: the scheduler decides who samples
 and applies the result (tokens computed and cached, sampled tokens appended, stop checks,
@@ -58,18 +57,33 @@ import enum
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from services.engine.block_manager import BlockManager
 from services.engine.kv_connector.base import FinishedTransfers, KVConnector
 from services.engine.kv_connector.config import DEFAULT_TIMEOUT_S
-from services.engine.lora.admission import AdapterAdmission
 from services.engine.prompt_logprobs import reads_prefix_cache
 from services.engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
+
+
+class AdmissionPass(Protocol):
+    """One scheduling pass of a feature's admission limit."""
+
+    deferred: list[Request]  # the waiting requests it refused, in queue order
+
+    def admits(self, req: Request) -> bool:
+        """Whether ``req`` may start now (if not, it is recorded in ``deferred``)."""
+        ...
+
+    def admitted(self, req: Request) -> None: ...
+
+
+# A pass built from the requests that hold a place (running, and loading KV to run).
+Admission = Callable[[Iterable[Request]], AdmissionPass]
 
 
 class SchedulingPolicy(enum.Enum):
@@ -126,13 +140,13 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
-        max_loras: int = 0,
+        admission: Admission | None = None,
         policy: SchedulingPolicy = SchedulingPolicy.FCFS,
     ) -> None:
         self.block_manager = block_manager
         self.by_priority = policy is SchedulingPolicy.PRIORITY
-        self.max_loras = max_loras  # distinct adapters running at a time (0: LoRA is off)
-        self.num_lora_deferrals = 0  # admissions an adapter limit deferred (tests, metrics)
+        self.admission = admission  # a feature's limit on who starts (None: anyone who fits)
+        self.num_deferrals = 0  # admissions it deferred (tests, metrics)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len  # prompt + output never grows past it
@@ -326,13 +340,13 @@ class Scheduler:
         logger.debug("preempted request_id=%s", req.request_id)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        loras = AdapterAdmission([*self.running, *(w.request for w in self.loading.values())],
-                                 self.max_loras) if self.max_loras else None  # loading: to run
+        gate = None if self.admission is None else self.admission(
+            [*self.running, *(w.request for w in self.loading.values())])  # loading: to run
         cap = self.max_batch_seqs or self.max_num_seqs
         while self.waiting and budget > 0 and len(out.scheduled) < cap and (
                 len(self.running) + len(self.loading) < self.max_num_seqs):
             req = self.waiting[0]
-            if loras is not None and not loras.admits(req):
+            if gate is not None and not gate.admits(req):
                 self.waiting.popleft()  # keeps its place: put back in front below
                 continue
             # A request preempted by this schedule may await a token, but no admission follows
@@ -347,8 +361,8 @@ class Scheduler:
                 if started is False:
                     break  # FCFS: the head waits for blocks
                 if started:
-                    if loras is not None:
-                        loras.admitted(req)
+                    if gate is not None:
+                        gate.admitted(req)
                     continue
             num_new = min(req.num_tokens - num_cached, budget)
             if not self.block_manager.allocate_slots(req.request_id, num_cached + num_new, blocks):
@@ -361,11 +375,11 @@ class Scheduler:
             self._start_running(req, num_cached)
             out.scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
-            if loras is not None:
-                loras.admitted(req)
-        if loras is not None and loras.deferred:
-            self.num_lora_deferrals += len(loras.deferred)
-            self.waiting.extendleft(reversed(loras.deferred))
+            if gate is not None:
+                gate.admitted(req)
+        if gate is not None and gate.deferred:
+            self.num_deferrals += len(gate.deferred)
+            self.waiting.extendleft(reversed(gate.deferred))
         return budget
 
     def _start_running(self, req: Request, num_cached: int) -> None:

@@ -160,7 +160,7 @@ def test_three_adapters_over_two_slots_each_as_alone(llama: Path, adapters: Path
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     reqs = [engine.add_request(f"m{i}", p, params, lora_request=lora)
             for i, (p, lora) in enumerate(jobs)]
-    deferred_before = engine.scheduler.num_lora_deferrals
+    deferred_before = engine.scheduler.num_deferrals
     first_step: dict[str, int] = {}
     step = 0
     while engine.has_unfinished_requests():
@@ -171,7 +171,7 @@ def test_three_adapters_over_two_slots_each_as_alone(llama: Path, adapters: Path
         for r in engine.scheduler.running:
             first_step.setdefault(r.request_id, step)
     assert [list(r.output_token_ids) for r in reqs] == [a[0] for a in alone]
-    assert engine.scheduler.num_lora_deferrals > deferred_before
+    assert engine.scheduler.num_deferrals > deferred_before
     # The third adapter's request waited for a slot, then ran.
     assert first_step["m3"] > first_step["m1"] and first_step["m3"] > first_step["m2"]
 
@@ -190,7 +190,7 @@ def test_a_deferred_adapter_is_not_starved() -> None:
     from services.engine.scheduler import Scheduler
     from services.protocol.block_hash import BlockHasher
 
-    sched = Scheduler(BlockManager(256, 4, True), 64, 256, 128, max_loras=2)
+    sched = Scheduler(BlockManager(256, 4, True), 64, 256, 128, admission.adapter_limit(2))
     hasher = BlockHasher("m", 4)
     count = 0
 

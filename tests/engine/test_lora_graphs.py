@@ -11,7 +11,7 @@ import torch
 
 from services.engine.features.protocol import EAGER, StepFeatures
 from services.engine.lora import step as lora_step
-from services.engine.lora.feature import LoRAFeature
+from services.engine.lora.feature import SECTION, LoRAFeature, LoRAWire
 from services.engine.lora.layers import LoRAProjection, ModelLoRA
 from services.engine.lora.step import LoRAState
 from services.engine.models.layers import Linear
@@ -86,7 +86,8 @@ def feature(tiny_model_dir) -> LoRAFeature:
 def _decode(slots: list[int] | None) -> StepBatch:
     n = 3
     batch = StepBatch.of([5] * n, [[i] for i in range(n)], [4] * n, [1] * n, list(range(n)))
-    batch.lora_slots = None if slots is None else np.array(slots, np.int64)
+    if slots is not None:
+        batch.sections[SECTION] = LoRAWire(np.array(slots, np.int64))
     return batch
 
 

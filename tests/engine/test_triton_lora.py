@@ -15,6 +15,7 @@ triton = pytest.importorskip("triton")
 
 from services.engine.lora import kernels
 from services.engine.lora import step as lora_step
+from services.engine.lora.feature import SECTION, LoRAWire
 from services.engine.lora.layers import LoRAProjection
 from services.engine.lora.step import LoRAState
 from services.engine.models.layers import Linear
@@ -114,13 +115,16 @@ def test_shrink_expand_kernels_match_einsum(layout: str, dtype: torch.dtype) -> 
 
 def test_step_layout_travels_to_the_other_ranks() -> None:
     batch = StepBatch.of([1, 2, 3, 4], [[0], [1]], [3, 1], [3, 1], [0, 1])
-    batch.lora_slots = np.array([1, -1])
     plan = np.array([1, 0, 0, 8, 64, 192])  # the manifest of lora.transfer: no path crosses
-    batch.lora_installs = [(1, plan, object())]
-    back = decode(encode(batch))
-    assert back.lora_slots.tolist() == [1, -1]
-    [(slot, got, weights)] = back.lora_installs
+    batch.sections[SECTION] = LoRAWire(np.array([1, -1]), [(1, plan, object())])
+    back = decode(encode(batch)).sections[SECTION]
+    assert back.slots.tolist() == [1, -1]
+    [(slot, got, weights)] = back.installs
     assert (slot, got.tolist(), weights) == (1, plan.tolist(), None)
+    installs_only = StepBatch.of([1, 2], [[0]], [2], [2], [0])
+    installs_only.sections[SECTION] = LoRAWire(None, [(0, plan, object())])
+    back = decode(encode(installs_only)).sections[SECTION]
+    assert back.slots is None and [s for s, _, _ in back.installs] == [0]
     plain = StepBatch.of([1, 2], [[0]], [2], [2], [0])
-    assert decode(encode(plain)).lora_slots is None
+    assert SECTION not in decode(encode(plain)).sections
     assert lora_step.build(np.array([-1, -1]), np.array([3, 1]), 2, torch.device("cpu")) is None

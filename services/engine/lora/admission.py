@@ -11,7 +11,8 @@ and it gets a slot (base-model requests still flow: they take none).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from services.protocol.block_hash import AdapterKey
@@ -60,3 +61,8 @@ class AdapterAdmission:
         if req.lora is not None:
             self.active.add(req.lora.key)
             req.lora_deferred_steps = 0
+
+
+def adapter_limit(max_loras: int) -> Callable[[Iterable[Request]], AdapterAdmission] | None:
+    """The scheduler's ``admission`` for at most ``max_loras`` adapters (None: LoRA off)."""
+    return functools.partial(AdapterAdmission, max_loras=max_loras) if max_loras > 0 else None

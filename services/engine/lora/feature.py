@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Hashable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -35,6 +36,7 @@ from services.engine.features.protocol import (
 from services.engine.lora.layers import ModelLoRA, segment_kernels_wanted
 from services.engine.lora.manager import LoRAManager
 from services.engine.lora.step import STACKED, LoRAStep
+from services.engine.parallel.step_broadcast import register_section
 
 if TYPE_CHECKING:
     from services.engine.models.layers import CausalLM
@@ -45,6 +47,49 @@ if TYPE_CHECKING:
 # Set to 1 on a GPU: decode steps under adapters replay CUDA graphs of their own.
 GRAPHS_ENV = "PAGODA_LORA_GRAPHS"
 _GRAPH_PART = "lora"
+SECTION = "lora"  # the feature's name, and its section of a step (``StepBatch.sections``)
+
+
+@dataclass(slots=True)
+class LoRAWire:
+    """The feature's part of a step, as every rank needs it: each request's adapter slot (-1:
+    the base model; None when no request has one), and the copies into slots to do before
+    the step: (slot, manifest, weights), the weights on rank 0 only (it broadcasts their
+    bytes to the other ranks: ``lora.transfer``)."""
+
+    slots: np.ndarray | None = None
+    installs: list[tuple[int, np.ndarray, Any]] = field(default_factory=list)
+
+    def to_wire(self) -> np.ndarray:
+        """[num slots, slots..., num installs, then per install: slot, manifest length,
+        manifest]."""
+        slots = self.slots if self.slots is not None else np.zeros(0, np.int64)
+        parts = [np.asarray([len(slots)], np.int64), slots.astype(np.int64, copy=False),
+                 np.asarray([len(self.installs)], np.int64)]
+        for slot, plan, _ in self.installs:
+            parts += [np.asarray([slot, len(plan)], np.int64), plan.astype(np.int64, copy=False)]
+        return np.concatenate(parts)
+
+    @classmethod
+    def from_wire(cls, data: np.ndarray) -> LoRAWire:
+        n = int(data[0])
+        wire = cls(data[1 : 1 + n].copy() if n else None)
+        at = 2 + n
+        for _ in range(int(data[1 + n])):
+            slot, size = int(data[at]), int(data[at + 1])
+            wire.installs.append((slot, data[at + 2 : at + 2 + size].copy(), None))
+            at += 2 + size
+        return wire
+
+
+register_section(SECTION, LoRAWire.from_wire)
+
+
+def _wire(batch: StepBatch) -> LoRAWire:
+    return batch.sections.get(SECTION) or _NONE  # type: ignore[return-value]
+
+
+_NONE = LoRAWire()  # a step with no adapter row and no install (never written to)
 
 
 class LoRALimits(Protocol):
@@ -59,7 +104,7 @@ class LoRALimits(Protocol):
 
 
 class LoRAFeature(StepFeature):
-    name = "lora"
+    name = SECTION
 
     def __init__(self, lora: ModelLoRA, max_rows: int, tp: TPGroup, graphs: bool = False) -> None:
         """``graphs``: decode steps under adapters replay graphs of their own (see the module
@@ -120,20 +165,20 @@ class LoRAFeature(StepFeature):
     def prepare_rows(self, rows: StepRows) -> None:
         """The rows' slots (a gathered copy; None when no live row has an adapter) and the
         adapters to install before the step."""
-        batch = rows.batch
-        batch.lora_slots = self.slot[rows.rows] if self.rows else None
-        batch.lora_installs = self.lora.installs(self.manager.slots.take_installs())
+        slots = self.slot[rows.rows] if self.rows else None
+        installs = self.lora.installs(self.manager.slots.take_installs())
+        if slots is not None or installs:
+            rows.batch.sections[SECTION] = LoRAWire(slots, installs)
 
     # -- the step (every rank) --------------------------------------------------------------
 
     def host_inputs(self, batch: StepBatch) -> LoRAStep | None:
-        if batch.lora_slots is None:
-            return None
-        return self.lora.layout(batch.lora_slots, batch.query_lens)
+        slots = _wire(batch).slots
+        return None if slots is None else self.lora.layout(slots, batch.query_lens)
 
     def graph_key(self, batch: StepBatch) -> Hashable | None:
         # Without graphs of its own, a step with adapters runs eager.
-        if batch.lora_slots is None:
+        if _wire(batch).slots is None:
             return None
         return _GRAPH_PART if self.graphs else EAGER
 
@@ -150,18 +195,21 @@ class LoRAFeature(StepFeature):
     def before_replay(self, batch: StepBatch, num_rows: int) -> None:
         """A decode step (one token per row): its rows' slots into the static buffer, the
         padding rows' to -1."""
-        if batch.lora_installs:
-            self.lora.apply_installs(batch.lora_installs, self.tp)
-        n = len(batch.lora_slots)
+        wire = _wire(batch)
+        if wire.installs:
+            self.lora.apply_installs(wire.installs, self.tp)
+        assert wire.slots is not None
+        n = len(wire.slots)
         assert n == len(batch.input_ids) and n <= num_rows, "graphs replay decode steps only"
         self.graph_slots[n:num_rows].fill_(-1)
-        self.graph_slots[:n].copy_(torch.from_numpy(batch.lora_slots))
+        self.graph_slots[:n].copy_(torch.from_numpy(wire.slots))
 
     def before_forward(self, batch: StepBatch, host: Any) -> None:
-        if batch.lora_installs:  # on the step thread, after the steps that read those slots
-            self.lora.apply_installs(batch.lora_installs, self.tp)
-        if host is None and batch.lora_slots is not None:
-            host = self.lora.layout(batch.lora_slots, batch.query_lens)
+        wire = _wire(batch)
+        if wire.installs:  # on the step thread, after the steps that read those slots
+            self.lora.apply_installs(wire.installs, self.tp)
+        if host is None and wire.slots is not None:
+            host = self.lora.layout(wire.slots, batch.query_lens)
         self.lora.state.step = host  # read by every LoRA projection of this step
 
     def after_forward(self) -> None:

@@ -10,9 +10,10 @@ meets the same collectives.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -25,6 +26,26 @@ _STEP, _STOP = 1, 0
 # Slots of the first broadcast (8 KiB): a decode step of ~60 requests with 2k-token contexts,
 # or a ~1,000-token prefill, fits in it.
 _INLINE = 1024
+
+
+class WireSection(Protocol):
+    """A step feature's part of a step that the other ranks need (``StepBatch.sections``),
+    as int64 words; its decoder is registered by name (``register_section``)."""
+
+    def to_wire(self) -> np.ndarray: ...
+
+
+# code -> (name, decoder). The code is the name's CRC-32, so every rank, having imported the
+# same features' modules, maps it back alike whatever its import order.
+_SECTIONS: dict[int, tuple[str, Callable[[np.ndarray], Any]]] = {}
+
+
+def register_section(name: str, from_wire: Callable[[np.ndarray], Any]) -> None:
+    """Makes ``StepBatch.sections[name]`` cross to the other ranks, decoded by ``from_wire``
+    there (called once, where the feature's module defines its section)."""
+    code = zlib.crc32(name.encode())
+    assert _SECTIONS.get(code, (name,))[0] == name, f"section code of {name!r} is taken"
+    _SECTIONS[code] = (name, from_wire)
 
 
 @dataclass(slots=True)
@@ -44,11 +65,9 @@ class StepBatch:
     query_lens: np.ndarray  # [S] int64
     rows: np.ndarray  # [R] int64
     scored: list[int] = field(default_factory=list)
-    # LoRA: each request's adapter slot (-1: base model), None when no request has one; and
-    # the copies into slots to do before this step: (slot, manifest, weights), the weights on
-    # rank 0 only (it broadcasts their bytes to the other ranks: lora.transfer).
-    lora_slots: np.ndarray | None = None
-    lora_installs: list[tuple[int, np.ndarray, Any]] = field(default_factory=list)
+    # The step features' own parts (``WireSection``s, by feature name), absent when a feature
+    # has nothing for the step.
+    sections: dict[str, WireSection] = field(default_factory=dict)
     extra_logits: np.ndarray | None = None  # [R] int64
     # Sampling on the shards (``shard_sampling.ShardPlan``, encoded): the ranks sample their
     # vocabulary columns and rank 0 merges; None: rank 0 gathers the logits.
@@ -103,7 +122,7 @@ def encode(batch: StepBatch) -> np.ndarray:
             plan.astype(np.int64, copy=False),
             batch.num_blocks.astype(np.int64, copy=False),
             batch.block_tables.reshape(-1).astype(np.int64),
-            *_encode_lora(batch),
+            *_encode_sections(batch),
         ]
     )
 
@@ -135,39 +154,30 @@ def decode(data: np.ndarray) -> StepBatch:
         shard_sampling=plan.copy() if num_plan else None,
     )
     if at < len(data):
-        _decode_lora(batch, data[at:])
+        _decode_sections(batch, data[at:])
     return batch
 
 
-def _encode_lora(batch: StepBatch) -> list[np.ndarray]:
-    """The LoRA section, after everything else (absent when the step has no adapter):
-    [num slots, slots..., num installs, then per install: slot, manifest length, manifest]."""
-    if batch.lora_slots is None and not batch.lora_installs:
+def _encode_sections(batch: StepBatch) -> list[np.ndarray]:
+    """The features' sections, after everything else (absent when there is none):
+    [count, then per section: code, length, its words]."""
+    if not batch.sections:
         return []
-    slots = batch.lora_slots if batch.lora_slots is not None else np.zeros(0, np.int64)
-    parts = [np.asarray([len(slots)], np.int64), slots.astype(np.int64, copy=False),
-             np.asarray([len(batch.lora_installs)], np.int64)]
-    for slot, plan, _ in batch.lora_installs:
-        parts += [np.asarray([slot, len(plan)], np.int64), plan.astype(np.int64, copy=False)]
+    parts = [np.asarray([len(batch.sections)], np.int64)]
+    for name, section in batch.sections.items():
+        words = section.to_wire()
+        parts += [np.asarray([zlib.crc32(name.encode()), len(words)], np.int64),
+                  words.astype(np.int64, copy=False)]
     return parts
 
 
-def _decode_lora(batch: StepBatch, data: np.ndarray) -> None:
-    at = 0
-
-    def word() -> int:
-        nonlocal at
-        at += 1
-        return int(data[at - 1])
-
-    n = word()
-    slots = data[at : at + n].copy()
-    at += n
-    batch.lora_slots = slots if n else None
-    for _ in range(word()):
-        slot, n = word(), word()
-        at += n
-        batch.lora_installs.append((slot, data[at - n : at].copy(), None))
+def _decode_sections(batch: StepBatch, data: np.ndarray) -> None:
+    at = 1
+    for _ in range(int(data[0])):
+        code, n = int(data[at]), int(data[at + 1])
+        name, from_wire = _SECTIONS[code]
+        batch.sections[name] = from_wire(data[at + 2 : at + 2 + n].copy())
+        at += 2 + n
 
 
 def send_step(tp: TPGroup, batch: StepBatch) -> None:
