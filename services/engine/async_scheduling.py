@@ -40,12 +40,13 @@ def _use_device(device: torch.device) -> None:
 def must_wait(step: PreparedStep, runner: ModelRunner) -> bool:
     """Whether the step after ``step`` must wait for ``step``'s tokens on the host (called as
     ``step`` starts, with the input batch as ``step`` left it): when its preparation or
-    sampling reads what those tokens change (``InputBatch.needs_host_tokens``), or when the
-    verifier says so (``Verifier.waits``: ``step`` verified, or the next one may propose)."""
+    sampling reads what those tokens change (``InputBatch.needs_host_tokens``), or when a
+    step feature says so from its state for ``step`` (``StepFeature.waits_after``: a verifier
+    when ``step`` verified, or the next step may propose)."""
     ib = runner.input_batch
     if ib.needs_host_tokens():
         return True
-    return runner.verifier is not None and runner.verifier.waits(step.verify, ib.num_rows)
+    return runner.features.waits_after(step, ib.num_rows)
 
 
 @dataclass(slots=True)

@@ -30,9 +30,6 @@ from services.engine.pipeline_batches import BatchQueue
 from services.engine.request import Request, RequestStatus
 from services.engine.sampler import make_generator
 from services.engine.scheduler import Scheduler, SchedulerOutput, SchedulingPolicy
-from services.engine.spec_decode.config import check_draft_matches
-from services.engine.spec_decode.metrics import SpecDecodeStats
-from services.engine.spec_proposers import Speculator
 from services.engine.structured.compiler import GrammarCompiler
 from services.engine.structured.masks import GrammarState
 from services.protocol import kv_transfer_params as kv_params
@@ -80,7 +77,8 @@ class EngineStats:
     prefix_cache_hits: int
     num_preemptions: int
     lora: LoRAStats | None = None  # an engine with LoRA enabled: its adapters
-    spec_decode: SpecDecodeStats | None = None  # speculative decoding's counters, if on
+    # The step features' counters (``StepFeature.stats``), each under its field:
+    spec_decode: Any = None  # ``spec_decode.metrics.SpecDecodeStats``, if on
     kv_tiers: KVTierStats | None = None  # host memory / shared store, if on
     kv_transfer: TransferStats | None = None  # KV pulled from / served to other engines
 
@@ -99,8 +97,7 @@ class LLMEngine:
 
             model_path = str(default_model_path())
         self.model_path = model_path
-        if config.speculative_config is not None:  # before anything loads
-            check_draft_matches(config.speculative_config, model_path)
+        config.check_target(model_path)  # before anything loads
         self.model_name = config.served_model_name or Path(model_path).name
         self.pipeline = StepPipeline(config.torch_device()) if self._async_scheduling() else None
         if self.pipeline is None:
@@ -147,8 +144,6 @@ class LLMEngine:
         self.transfer_stats: TransferStats | None = next(
             (c.stats for c in parts if isinstance(getattr(c, "stats", None), TransferStats)),
             None) if self.kv_connector is not None else None
-        self.speculator = None if self.runner.verifier is None else Speculator(
-            config.speculative_config, self.max_model_len, self.runner.verifier)
         self.requests: dict[str, Request] = {}
         self.last_step_tokens = 0
         self.grammars = GrammarCompiler(str(model_path), mc.vocab_size, self.eos_token_ids)
@@ -338,9 +333,9 @@ class LLMEngine:
     def step_requests(self) -> list[tuple[Request, list[TokenLogprobs | None]]]:
         """``step`` without building its updates (the offline ``LLM`` reads the requests):
         each request that got tokens this step, with one logprobs entry per token (None when
-        not asked). The tokens are the request's last output tokens (one, or with speculative
-        decoding up to ``num_speculative_tokens + 1``); a finished request has left the
-        engine.
+        not asked). The tokens are the request's last output tokens (one, or a run of several
+        where a step feature sampled the step: ``StepResult.spec``); a finished request has
+        left the engine.
 
         With async scheduling the step applied is the one in flight, and the next one is
         already running when this returns."""
@@ -382,8 +377,8 @@ class LLMEngine:
         return self._apply(done, result)  # while step n+1 runs
 
     def _schedule(self) -> SchedulerOutput:
-        if self.speculator is not None:  # the drafts the scheduler then makes room for
-            self.speculator.propose(self.scheduler.running)
+        # The features' lookahead tokens, which the scheduler then makes room for.
+        self.runner.features.before_schedule(self.scheduler.running)
         sched = self.scheduler.schedule()
         self._release_rows()  # the preempted ones': before the runner gives rows to joiners
         if self.kv_connector is not None:
@@ -405,7 +400,7 @@ class LLMEngine:
         batch = self.runner.input_batch
         for req in self.scheduler.take_left():
             batch.remove(req)
-        for req, num_blocks in self.scheduler.take_trimmed():  # rejected drafts' blocks
+        for req, num_blocks in self.scheduler.take_trimmed():  # lookahead slots not kept
             if req.batch_row >= 0:
                 batch.trim_blocks(req, num_blocks)
 
@@ -425,7 +420,7 @@ class LLMEngine:
             lps = [[lp] for lp in out.logprobs]
         else:  # each run's tokens, as the scheduler cut it
             lps = [lp[: len(run)] for lp, run in zip(spec.logprobs, spec.runs, strict=True)]
-            self.speculator.record(sched, spec)
+        self.runner.features.applied(sched, result)
         if len(sampled) < len(lps):  # some had finished (or were aborted) since: no token
             kept = {id(req) for req in sampled}
             rows = (s.request for s in sched.scheduled if s.completes_sequence)
@@ -501,9 +496,9 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             lora=None if self.lora is None else self.lora.stats(self.scheduler.running,
                                                                 self.scheduler.waiting),
-            spec_decode=None if self.speculator is None else self.speculator.stats.snapshot(),
             kv_tiers=None if self.tiers is None else self.tiers.snapshot_stats(),
             kv_transfer=None if self.transfer_stats is None else self.transfer_stats.snapshot(),
+            **self.runner.features.stats(),
         )
 
 

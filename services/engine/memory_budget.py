@@ -5,24 +5,26 @@ sampler at the most rows, every feature on; what that run needed is held back an
 gets the rest. Here the same items are counted from their shapes, once, before the pool is
 allocated (``FeatureMemory``):
 
-    activations          the largest step (max_num_batched_tokens): hidden states, this rank's
-                         q/k/v, MLP rows and the attention output, in the model's dtype
-    sampler              the largest batch's logits rows (max_num_seqs, times 1 + the drafts
-                         verified per request) of the whole vocabulary, float32, times the
-                         copies one step can hold at once (``SAMPLER_COPIES``)
-    draft weights        the draft model's parameters, loaded after the pool (rank 0)
-    draft probabilities  the draft's distributions [rows, k, vocab] and their race noise
-    LoRA slots           every slot of every adapted projection (allocated before the pool)
+    activations   the largest step (max_num_batched_tokens): hidden states, this rank's
+                  q/k/v, MLP rows and the attention output, in the model's dtype
+    sampler       the largest batch's logits rows (max_num_seqs, times the rows a sequence
+                  may take: 1 and the features' lookahead rows) of the whole vocabulary,
+                  float32, times the copies one step can hold at once (``SAMPLER_COPIES``)
+    held          the step features built before the pool, by feature (``held_bytes``:
+                  LoRA's slots, every slot of every adapted projection)
+    reserved      the step features built after it, by item (``FeatureFactory.held_bytes``:
+                  a feature's own model and buffers, loaded once the pool exists)
 
 With no explicit ``kv_cache_memory`` the pool's budget is the engine's memory (2 GiB on the
 CPU, 85% of free memory on a GPU) less these; an explicit ``kv_cache_memory`` is the pool's
-own size, as vLLM's ``kv_cache_memory_bytes``. On a GPU the LoRA slots already left the free
-memory the budget is read from, so they are not counted twice.
+own size, as vLLM's ``kv_cache_memory_bytes``. On a GPU what the features built before the
+pool hold already left the free memory the budget is read from, so it is not counted twice.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -37,27 +39,35 @@ SAMPLER_COPIES = 4
 # The largest step's rows, in hidden-size units besides q/k/v and the MLP: the residual, the
 # normed input, the attention output and the projection's output.
 _HIDDEN_COPIES = 4
-_F32 = 4
+F32 = 4
 
 
 @dataclass(frozen=True, slots=True)
 class FeatureMemory:
-    """Bytes held back from the KV pool's budget, by item (0: the feature is off)."""
+    """Bytes held back from the KV pool's budget, by item (an item absent, or 0: its
+    feature is off)."""
 
     activations: int = 0
     sampler: int = 0
-    draft_weights: int = 0
-    draft_probs: int = 0
-    lora_slots: int = 0
+    held: Mapping[str, int] = field(default_factory=dict)  # features built before the pool
+    reserved: Mapping[str, int] = field(default_factory=dict)  # features built after it
 
     def __post_init__(self) -> None:
-        assert all(getattr(self, f.name) >= 0 for f in fields(self)), self
+        items = [self.activations, self.sampler, *self.held.values(), *self.reserved.values()]
+        assert all(n >= 0 for n in items), self
+
+    def item(self, name: str) -> int:
+        """One item's bytes: ``activations``, ``sampler``, a feature's name (``held``) or a
+        factory's item (``reserved``); 0 when absent."""
+        if name in ("activations", "sampler"):
+            return getattr(self, name)
+        return self.held.get(name, 0) + self.reserved.get(name, 0)
 
     def total(self, device: torch.device) -> int:
-        """What comes off the budget on ``device`` (a GPU's free memory already lacks the
-        LoRA slots)."""
-        lora = 0 if device.type == "cuda" else self.lora_slots
-        return self.activations + self.sampler + self.draft_weights + self.draft_probs + lora
+        """What comes off the budget on ``device`` (a GPU's free memory already lacks what
+        the features built before the pool hold)."""
+        held = 0 if device.type == "cuda" else sum(self.held.values())
+        return self.activations + self.sampler + sum(self.reserved.values()) + held
 
 
 def activation_bytes(mc: ModelConfig, tokens: int, tp_size: int, dtype: torch.dtype) -> int:
@@ -69,12 +79,7 @@ def activation_bytes(mc: ModelConfig, tokens: int, tp_size: int, dtype: torch.dt
 
 
 def sampler_bytes(rows: int, vocab: int) -> int:
-    return rows * vocab * _F32 * SAMPLER_COPIES
-
-
-def draft_probs_bytes(rows: int, num_drafts: int, vocab: int) -> int:
-    """The draft's distributions [rows, k, vocab] float32 and one row of race noise per pass."""
-    return rows * num_drafts * vocab * _F32 + rows * vocab * _F32
+    return rows * vocab * F32 * SAMPLER_COPIES
 
 
 def weight_bytes(path: str | Path, dtype: torch.dtype) -> int:

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,6 +41,8 @@ from services.engine.attention.selector import get_attention_backend
 from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from services.engine.feature_warm_up import warm_up_features, warm_up_forward
+from services.engine.features import registry
+from services.engine.features.protocol import FeatureFactory
 from services.engine.input_batch import InputBatch
 from services.engine.lora.feature import LoRAFeature
 from services.engine.models.config import ModelConfig
@@ -61,10 +64,6 @@ from services.engine.request import Request
 from services.engine.sampler import Sampler, SamplerOutput
 from services.engine.sampling_batch import SamplingBatch, SamplingRequest
 from services.engine.scheduler import SchedulerOutput
-from services.engine.spec_decode import draft_model
-from services.engine.spec_decode.config import SpecMethod
-from services.engine.spec_decode.draft_model import DraftModel
-from services.engine.spec_verifier import SpecInputs, SpecOutput, Verifier, VerifyStep
 from services.engine.step_buffers import StagedStep, StepBuffers
 from services.engine.step_features import StepFeatures, StepRows
 from services.engine.structured.manager import GrammarManager
@@ -77,8 +76,6 @@ _DEFAULT_CPU_KV_BYTES = 2 * 1024**3
 _GPU_MEMORY_FRACTION = 0.85
 # The other ranks' entry, run as ``python -m``: builds their shard with this runner.
 TP_WORKER_MODULE = "services.engine.tp_worker"
-# The draft model's pinned staging on a GPU (see _draft_staging): on only when set to 1.
-DRAFT_STAGING_ENV = "PAGODA_DRAFT_STAGING"
 # Set to 1, a CPU engine starts without its warm-up passes (as vLLM's VLLM_SKIP_WARMUP on
 # Gaudi): its first requests pay what the warm-up would have (oneDNN building its primitives).
 # For tests and development, where engines start far more often than they serve.
@@ -135,17 +132,6 @@ class PreparedStep:
     fill: tuple[torch.Tensor, torch.Tensor] | None
     cpu_inputs: CpuInputs | None
 
-    @property
-    def verify(self) -> VerifyStep | None:
-        """What the step verifies (``spec_verifier``; None: nothing)."""
-        return self.state.get(Verifier.name)
-
-    @property
-    def spec(self) -> SpecInputs | None:
-        """The proposed tokens the step verifies (None: none)."""
-        verify = self.state.get(Verifier.name)
-        return None if verify is None else verify.spec
-
 
 @dataclass(slots=True)
 class StepResult:
@@ -156,7 +142,10 @@ class StepResult:
     # (the request's place in the schedule, its prompt positions scored this step): only for
     # prompt_logprobs requests
     prompt_logprobs: list = field(default_factory=list)
-    spec: SpecOutput | None = None  # a step that verified: every token it emits
+    # A step whose feature sampled it (``StepFeature.sample``) and emits runs: per sampled
+    # request its tokens (``runs``) and their logprobs (``logprobs``), which the scheduler
+    # and the engine apply; None: one token each, as ``sampler_output``.
+    spec: Any = None
 
 
 class ModelRunner:
@@ -226,36 +215,32 @@ class ModelRunner:
         self.model_config = self.model.config
         self.num_kv_heads = local_kv_heads(self.model_config, self.tp.size)  # this rank's
         self.block_size = config.block_size
-        self.spec = config.speculative_config
-        # Logits rows a sequence may take in one step: its token, and the drafts verified.
-        self.rows_per_seq = 1 + (0 if self.spec is None else self.spec.num_speculative_tokens)
+        # The features built after the KV pool (``features.registry``), as factories until
+        # then: what they need of the pool's budget and of every step's logits rows.
+        self.factories: list[FeatureFactory] = registry.factories(self)
+        # Logits rows a sequence may take in one step: its token, and the features' lookahead.
+        self.rows_per_seq = 1 + sum(f.lookahead_rows() for f in self.factories)
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         mc = self.model_config
         # Rank 0 prepares the steps (the other ranks receive them whole).
         max_len = config.max_model_len or mc.max_position_embeddings
         self.input_batch: InputBatch | None = None
-        self.verifier: Verifier | None = None  # rank 0's, with the draft model if any
         self.grammar_masks: GrammarManager | None = None  # rank 0's grammars and bitmask
         if self.tp.rank == 0 and (self.pipeline is None or self.pipeline.where.rank == 0):
             if lora is not None:
                 lora.serve_adapters(config, self.dtype)
             self.grammar_masks = GrammarManager(config.max_num_seqs, mc.vocab_size,
                                                 config.max_num_seqs * self.rows_per_seq)
-            if self.spec is not None:
-                draft = None if self._draft_path() is None else DraftModel(
-                    self._draft_path(), self.dtype, self.device, self.attn_backend,
-                    self.num_blocks, self.block_size, max_len, self._draft_staging(max_len))
-                self.verifier = Verifier(self.spec, config.max_num_seqs, self.device, draft,
-                                         self.grammar_masks)
-                self.features.add(self.verifier)
+            for factory in self.factories:  # before the masks: they may apply them
+                feature = factory.build(self)
+                if feature is not None:
+                    self.features.add(feature)
             self.features.add(self.grammar_masks)
             self.features.add(prompt_logprobs.PromptLogprobs())
             self.input_batch = InputBatch(
                 config.max_num_seqs, min(-(-max_len // self.block_size), self.num_blocks),
                 mc.vocab_size, self.device, features=self.features)
-            if self.verifier is not None:
-                self.verifier.rows = self.input_batch
         self.sampler = Sampler()
         self.warmed_up: list[str] = []  # the features' paths the warm-up ran
         self.buffers: StepBuffers | None = None
@@ -292,23 +277,6 @@ class ModelRunner:
 
     # -- KV cache ---------------------------------------------------------------------------
 
-    def _draft_path(self) -> str | None:
-        """Rank 0's draft model (method draft_model), if any."""
-        spec = self.spec
-        if spec is None or spec.method is not SpecMethod.DRAFT_MODEL or self.tp.rank != 0:
-            return None
-        return spec.model
-
-    def _draft_staging(self, max_len: int) -> StepBuffers | None:
-        """The draft's passes cross in pinned buffers of their own on a GPU (one copy each).
-        Not yet run on a GPU, so only with ``PAGODA_DRAFT_STAGING=1`` until it has; without
-        it the passes take the pageable copies they took before."""
-        if self.device.type != "cuda" or os.environ.get(DRAFT_STAGING_ENV) != "1":
-            return None
-        c = self.config
-        width = min(-(-max_len // self.block_size), self.num_blocks)
-        return StepBuffers(c.max_num_batched_tokens, c.max_num_seqs, width, self.block_size,
-                           self.device)
     @property
     def num_local_layers(self) -> int:
         """The layers whose KV this rank holds: its pipeline stage's (all without one)."""
@@ -317,12 +285,12 @@ class ModelRunner:
     def _decide_num_blocks(self) -> int:
         if self.config.num_blocks is not None:
             return self.config.num_blocks
-        # Per rank: each holds its own KV heads of every block (rank 0 the draft's too).
+        # Per rank: each holds its own KV heads of every block (and the features' KV beside
+        # the model's, on the ranks that keep one).
         mc = self.model_config
         per_token = mc.kv_bytes_per_token(self.dtype) // mc.num_kv_heads * self.num_kv_heads
         per_token = per_token * self.num_local_layers // mc.num_layers  # a stage's layers
-        if self._draft_path() is not None:
-            per_token += draft_model.kv_bytes_per_token(self._draft_path(), self.dtype)
+        per_token += sum(f.kv_bytes_per_token() for f in self.factories)
         bytes_per_block = per_token * self.block_size
         budget = self.config.kv_cache_memory
         if budget is None:  # the engine's memory less what its features hold back
@@ -343,16 +311,16 @@ class ModelRunner:
         """What the largest step with every enabled feature holds besides the KV pool
         (``memory_budget``): counted before the pool is allocated."""
         c, mc = self.config, self.model_config
-        draft = self._draft_path()
-        verify_rows = c.max_num_seqs * self.rows_per_seq
+        reserved: dict[str, int] = {}
+        for factory in self.factories:
+            reserved.update(factory.held_bytes())
         return memory_budget.FeatureMemory(
             activations=memory_budget.activation_bytes(mc, c.max_num_batched_tokens,
                                                        self.tp.size, self.dtype),
-            sampler=memory_budget.sampler_bytes(verify_rows, mc.vocab_size),
-            draft_weights=0 if draft is None else memory_budget.weight_bytes(draft, self.dtype),
-            draft_probs=0 if draft is None else memory_budget.draft_probs_bytes(
-                c.max_num_seqs, self.rows_per_seq - 1, mc.vocab_size),
-            lora_slots=sum(self.features.held_bytes(self.device).values()),
+            sampler=memory_budget.sampler_bytes(c.max_num_seqs * self.rows_per_seq,
+                                                mc.vocab_size),
+            held=self.features.held_bytes(self.device),  # those built so far: before the pool
+            reserved=reserved,
         )
 
     def _default_kv_budget(self) -> int:
@@ -521,6 +489,7 @@ class ModelRunner:
         fill_at: list[int] = []
         fill_from: list[int] = []
         add, refresh, written = ib.add, ib.refresh, ib.blocks_written
+        lookahead = self.features.lookahead_ids
         every_row = ib.features.penalties > 0  # their counts catch up with the new tokens
         for s in sched.scheduled:
             req, start, num = s.request, s.start, s.num_new_tokens
@@ -530,9 +499,9 @@ class ModelRunner:
             elif every_row or len(s.block_ids) > written[row]:
                 refresh(req, s.block_ids)
             toks = req.token_ids
-            if s.num_lookahead_tokens:  # the last token, then those the verifier holds
+            if s.num_lookahead_tokens:  # the last token, then those its feature holds
                 ids.append(toks[start])
-                ids.extend(self.verifier.drafts_of(req.batch_row, s.num_lookahead_tokens))
+                ids.extend(lookahead(req.batch_row, s.num_lookahead_tokens))
             elif num == 1 and start < len(toks):  # a decode: its last known token
                 ids.append(toks[start])
             else:
@@ -566,7 +535,8 @@ class ModelRunner:
             rows=sampled,
         )
         sampled_rows = row_idx[sampled]
-        state = self.features.prepare_rows(StepRows(sched, batch, row_idx, q_lens, sampled_rows))
+        state = self.features.prepare_rows(
+            StepRows(sched, batch, row_idx, q_lens, sampled_rows, ib))
         fill = None
         if fill_at:
             assert self.workers is None, "placeholders never cross to tensor-parallel ranks"
@@ -607,9 +577,7 @@ class ModelRunner:
             assert in_flight_tokens is not None
             at, rows = (t.to(self.device, non_blocking=True) for t in step.fill)
             fill = (at, in_flight_tokens.index_select(0, rows))
-        verify = step.verify
-        if verify is not None:  # before the target: a draft model's drafts are its inputs
-            self.verifier.propose_in_step(verify, step.batch.input_ids)
+        self.features.before_step(step)  # before the batch crosses: it may write input ids
         shards = self._shard_plan(step)
         logits = self.forward_logits(step.batch, self.features.slice_scorer(step.state),
                                      step.cpu_inputs, fill)
@@ -624,16 +592,14 @@ class ModelRunner:
         if shards is not None:  # the ranks sampled: these are the tokens
             return StepResult(SamplerOutput(logits.tolist(), [None] * len(logits), logits))
         self.features.after_logits(logits, step)  # structured outputs' masks: before sampling
-        spec = step.spec
-        if spec is not None:  # the verifier samples: every verified position
-            out, emitted = self.verifier.verify(logits, spec, step.sampling)
-            return StepResult(out, spec=emitted)
-        return StepResult(self.sampler(logits, step.sampling))
+        result = self.features.sample(logits, step)  # a feature that samples the step itself
+        return StepResult(self.sampler(logits, step.sampling)) if result is None else result
 
     def _shard_plan(self, step: PreparedStep) -> shard_sampling.ShardPlan | None:
         """Rank 0: the step's plan for sampling on the shards, set on its batch (None: the
-        logits are gathered). Grammar masks and drafts need whole rows; a pipeline's stages
-        pass the batch on without the plan, so a pipeline gathers too."""
+        logits are gathered). A feature may need whole rows (``whole_logits``: grammar masks,
+        verified positions); a pipeline's stages pass the batch on without the plan, so a
+        pipeline gathers too."""
         if (self.workers is None or self.pipeline is not None or not self.sample_on_shards
                 or self.features.whole_logits(step)
                 or not len(step.batch.rows)):
@@ -722,7 +688,7 @@ class ModelRunner:
                          self.block_size)
         meta, positions = to_metadata(step, self.block_size, self.device)
         check_step(meta, len(batch.input_ids), self.kv_caches[0][0])  # the plan: in the forward
-        ids = torch.from_numpy(batch.input_ids)  # shares memory: drafts written later show
+        ids = torch.from_numpy(batch.input_ids)  # shares memory: ``before_step``'s writes show
         last = torch.from_numpy(batch.logits_rows()) if len(batch.rows) else None
         return CpuInputs(ids, positions, meta, last, self.features.host_inputs(batch))
 

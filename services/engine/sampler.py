@@ -73,7 +73,7 @@ class Sampler:
 class StagedLogits:
     """A batch's logits through the sampler's stages, each taken when asked for: what the
     sampler itself draws from and what another consumer of the same distributions (the
-    verifier, ``spec_verifier``) reads, so that both apply one set of rules. Built
+    verifier, ``spec_decode.verifier``) reads, so that both apply one set of rules. Built
     from ``logits`` as they came from the model (the raw logprobs are taken first)."""
 
     __slots__ = ("batch", "want", "raw", "adjusted")

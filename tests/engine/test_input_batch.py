@@ -20,7 +20,7 @@ from services.engine.request import Request
 from services.engine.sampler import make_generator
 from services.engine.sampling_batch import SamplingBatch, SamplingRequest
 from services.engine.spec_decode.config import SpeculativeConfig
-from services.engine.spec_verifier import Verifier
+from services.engine.spec_decode.verifier import Verifier
 from services.engine.step_features import StepFeatures
 from services.protocol.block_hash import BlockHasher
 from services.protocol.sampling_params import SamplingParams
@@ -108,7 +108,6 @@ def test_drafts_and_the_draft_models_progress_move_with_their_rows() -> None:
     held = Verifier(SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3}),
                     6, torch.device("cpu"))
     batch = InputBatch(6, 4, VOCAB, torch.device("cpu"), features=StepFeatures([held]))
-    held.rows = batch
     reqs = [_request(f"d{i}", i, temperature=0.0) for i in range(5)]
     for i, req in enumerate(reqs):
         batch.add(req, [i])
@@ -210,8 +209,8 @@ def test_the_step_thread_gets_nothing_the_engine_thread_appends_to(spec, tiny_mo
     assert handed
     if speculative is not None:
         assert engine.stats().spec_decode.num_drafts > 0
-        assert any(step.verify is not None and step.verify.spec is not None
-                   for step in handed)
+        assert any((verify := step.state.get(Verifier.name)) is not None
+                   and verify.spec is not None for step in handed)
     for step in handed:
         for obj in _reachable(step):
             assert not isinstance(obj, Request), "a request reached the step thread"

@@ -401,4 +401,4 @@ def test_speculative_decoding_under_adapters_gives_the_same_tokens(llama: Path, 
     plain = _run(_engine(llama, max_loras=2, **scheduling), jobs, logprobs=False)
     drafted = _engine(llama, max_loras=2, speculative_config=ngram(), **scheduling)
     assert _run(drafted, jobs, logprobs=False) == plain
-    assert drafted.speculator.stats.snapshot().num_accepted_tokens > 0  # drafts accepted
+    assert drafted.stats().spec_decode.num_accepted_tokens > 0  # drafts accepted

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from services.engine import feature_warm_up, memory_budget, model_runner
-from services.engine import spec_verifier as verifier
 from services.engine.memory_budget import FeatureMemory
 from services.engine.models.loader import load_model
+from services.engine.spec_decode import verifier
 from services.protocol.sampling_params import SamplingParams
 from tests.support import spec_decode as sd
 
@@ -32,8 +32,9 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 def _pool(runner) -> tuple[int, int, FeatureMemory]:
     """(blocks, bytes per block of both models' KV, what was held back)."""
     per_block = runner.kv_caches[0][0].nbytes * 2 * len(runner.kv_caches) // runner.num_blocks
-    if runner.verifier is not None and runner.verifier.draft is not None:
-        draft = runner.verifier.draft.kv_caches
+    spec = runner.features.get(verifier.Verifier.name)
+    if spec is not None and spec.draft is not None:
+        draft = spec.draft.kv_caches
         per_block += draft[0][0].nbytes * 2 * len(draft) // runner.num_blocks
     return runner.num_blocks, per_block, runner.feature_memory
 
@@ -82,9 +83,10 @@ def test_features_that_take_memory_shrink_the_pool_and_requests_still_fit(engine
         assert blocks == (BUDGET - held.total(torch.device("cpu"))) // per_block, name
         assert [len(t) for t in e["tokens"]] == [6, 6, 6]
     base, lora, draft = (engines[n]["pool"] for n in ("base", "lora", "draft"))
-    assert lora[2].lora_slots > 0 and lora[0] < base[0]
-    assert draft[2].draft_weights > 0 and draft[2].draft_probs > 0 and draft[0] < base[0]
-    assert base[2].lora_slots == base[2].draft_weights == 0
+    assert lora[2].item("lora") > 0 and lora[0] < base[0]
+    assert draft[2].item("draft_weights") > 0 and draft[2].item("draft_probs") > 0
+    assert draft[0] < base[0]
+    assert base[2].item("lora") == base[2].item("draft_weights") == 0
 
 
 def test_the_warm_up_runs_every_enabled_features_path_and_no_other(engines) -> None:
@@ -126,7 +128,8 @@ def test_the_accounting_counts_the_tensors_it_stands_for(tiny_model_dir) -> None
     assert memory_budget.weight_bytes(path, torch.float32) == params
     assert memory_budget.weight_bytes(path, torch.bfloat16) == params // 2
     assert memory_budget.sampler_bytes(8, 1000) == 8 * 1000 * 4 * memory_budget.SAMPLER_COPIES
-    held = FeatureMemory(activations=1, sampler=2, draft_weights=4, draft_probs=8,
-                         lora_slots=16)
+    held = FeatureMemory(activations=1, sampler=2, reserved={"draft_weights": 4,
+                                                             "draft_probs": 8},
+                         held={"lora": 16})
     assert held.total(torch.device("cpu")) == 31
     assert held.total(torch.device("cuda")) == 15  # the slots are out of free memory already

@@ -149,7 +149,7 @@ def test_draft_passes_staged_in_one_copy_give_the_same_tokens(target, bad_draft,
         staged = []
         real = staging.stage
         staging.stage = lambda *a, **k: staged.append(1) or real(*a, **k)
-        runner.verifier.draft.staging = staging
+        runner.features.get("speculation").draft.staging = staging
         assert sd.run(eng, prompts[:4], sd.greedy()) == reference[:4]
     finally:
         eng.close()

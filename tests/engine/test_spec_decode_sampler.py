@@ -13,8 +13,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from services.engine import spec_verifier as verifier
 from services.engine.sampling_batch import SamplingBatch, make_truncation
+from services.engine.spec_decode import verifier
 
 VOCAB = 16
 DRAWS = 200_000

@@ -1,14 +1,24 @@
 """The step-feature protocol: a feature's per-row state follows its rows through joins, leaves
 and compaction; the runner calls its hooks at their points of a step, in order; one feature
-can keep a step off the CUDA graphs."""
+can keep a step off the CUDA graphs; the engine thread's hooks (before each schedule, the
+lookahead ids, whether the next step waits, after a step is applied, the counters) and the
+step thread's (before the batch crosses, a feature that samples the step) reach the feature
+that acts and no other; and a feature registered with ``features.registry`` is built by the
+runner, its KV per token and memory counted before the pool, its hooks called in a step."""
 
 from __future__ import annotations
 
 import random
 
 import numpy as np
+import pytest
 import torch
 
+from services.engine import model_runner
+from services.engine.config import EngineConfig
+from services.engine.engine import LLMEngine
+from services.engine.features import registry
+from services.engine.features.protocol import FeatureFactory
 from services.engine.input_batch import InputBatch
 from services.engine.request import Request
 from services.engine.step_features import EAGER, StepFeature, StepFeatures, StepRows
@@ -110,3 +120,131 @@ def test_hooks_run_in_registration_order_and_one_eager_part_keeps_the_step_off_g
     b.key = EAGER
     assert features.graph_key(None) is None
     assert StepFeatures().graph_key(None) == ()
+
+
+class Holder(StepFeature):
+    """Holds lookahead ids for rows, samples the steps it has state for, counts its calls."""
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name = name
+        self.log = log
+        self.held: dict[int, list[int]] = {}
+
+    def before_schedule(self, running) -> None:
+        self.log.append(f"{self.name}.before_schedule({len(running)})")
+
+    def lookahead_ids(self, row: int, n: int) -> list[int] | None:
+        return None if row not in self.held else self.held[row][:n]
+
+    def waits_after(self, state, num_rows: int) -> bool:
+        return state == "verified"
+
+    def before_step(self, state, batch) -> None:
+        self.log.append(f"{self.name}.before_step({state})")
+        if state is not None:
+            batch.input_ids[-1] = 99
+
+    def sample(self, logits, state, step):
+        return None if state is None else f"{self.name} sampled"
+
+    def applied(self, sched, result) -> None:
+        self.log.append(f"{self.name}.applied({result})")
+
+    def stats(self) -> dict[str, object]:
+        return {f"{self.name}_counters": len(self.log)}
+
+
+def test_the_engine_and_step_thread_hooks_reach_the_feature_that_acts() -> None:
+    log: list[str] = []
+    a, b = Holder("a", log), Holder("b", log)
+    b.held[3] = [7, 8, 9]
+    features = StepFeatures([a, b])
+    features.before_schedule([_request("x"), _request("y")])
+    assert features.lookahead_ids(3, 2) == [7, 8]
+    with pytest.raises(AssertionError):
+        features.lookahead_ids(4, 1)  # lookahead tokens no feature holds
+
+    class Batch:
+        input_ids = np.zeros(3, np.int64)
+
+    class Step:
+        state = {"b": "verified"}
+        batch = Batch()
+
+    step = Step()
+    assert features.waits_after(step, 5)
+    assert not features.waits_after(type("Other", (), {"state": {}})(), 5)
+    features.before_step(step)
+    assert step.batch.input_ids.tolist() == [0, 0, 99]  # before the batch crosses
+    assert features.sample(torch.zeros(1, 1), step) == "b sampled"
+    assert StepFeatures([a]).sample(torch.zeros(1, 1), step) is None  # the sampler's step
+    features.applied(None, "result")
+    assert log == ["a.before_schedule(2)", "b.before_schedule(2)", "a.before_step(None)",
+                   "b.before_step(verified)", "a.applied(result)", "b.applied(result)"]
+    assert features.stats() == {"a_counters": 6, "b_counters": 6}
+
+
+class Probe(StepFeature):
+    name = "probe"
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+
+    def _count(self, hook: str) -> None:
+        self.calls[hook] = self.calls.get(hook, 0) + 1
+
+    def before_schedule(self, running) -> None:
+        self._count("before_schedule")
+
+    def before_step(self, state, batch) -> None:
+        self._count("before_step")
+
+    def applied(self, sched, result) -> None:
+        self._count("applied")
+
+
+class ProbeFactory(FeatureFactory):
+    name = Probe.name
+    KV_PER_TOKEN = 4096
+    ITEM = 3 * 1024**2
+
+    def __init__(self, runner) -> None:
+        self.rank = runner.tp.rank
+
+    def kv_bytes_per_token(self) -> int:
+        return self.KV_PER_TOKEN
+
+    def held_bytes(self) -> dict[str, int]:
+        return {"probe buffers": self.ITEM}
+
+    def build(self, runner) -> Probe:
+        return Probe()
+
+
+def test_a_registered_feature_is_built_counted_and_called_without_the_runner_naming_it(
+        tiny_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    budget = 16 * 1024**2
+    monkeypatch.setattr(model_runner, "_DEFAULT_CPU_KV_BYTES", budget)
+    monkeypatch.setenv(model_runner.SKIP_WARM_UP_ENV, "1")
+    assert "speculation" in registry.makers()  # the providers' modules registered theirs
+    monkeypatch.setattr(registry, "_makers", {Probe.name: ProbeFactory})
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir("LlamaForCausalLM")),
+                                    max_num_seqs=4, max_num_batched_tokens=32))
+    try:
+        runner = engine.runner
+        probe = runner.features.get(Probe.name)
+        assert isinstance(probe, Probe)
+        held = runner.feature_memory
+        assert held.item("probe buffers") == ProbeFactory.ITEM
+        caches = runner.kv_caches
+        per_block = caches[0][0].nbytes * 2 * len(caches) // runner.num_blocks
+        per_block += ProbeFactory.KV_PER_TOKEN * runner.block_size
+        assert runner.num_blocks == (budget - held.total(torch.device("cpu"))) // per_block
+        req = engine.add_request("p", [1, 2, 3, 4], SamplingParams(max_tokens=3, ignore_eos=True,
+                                                                   temperature=0.0))
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert len(req.output_token_ids) == 3
+        assert probe.calls == {"before_schedule": 3, "before_step": 3, "applied": 3}
+    finally:
+        engine.close()

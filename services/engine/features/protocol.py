@@ -1,18 +1,29 @@
 """The step's optional features behind one protocol: what the runner calls, in order.
 
-A feature (LoRA, structured-output masks, prompt logprobs, speculation) is one object the
-runner holds while it is enabled; the runner loops over them at fixed points of a step instead
-of branching per feature. Every hook has a no-op default, so a feature overrides only the
-points it acts at. Lifecycle and threads::
+A feature (the parts ``lora``, ``structured``, ``spec_decode``, and the core's prompt
+logprobs) is one object the runner holds while it is enabled; the runner loops over them at
+fixed points of a step instead of branching per feature. Every hook has a no-op default, so a
+feature overrides only the points it acts at. A part that imports the core builds its feature
+through ``registry`` (a ``FeatureFactory``: what it needs before the KV pool is sized, then the
+feature), so that the core names none of it. Lifecycle and threads::
 
     join / leave / move     engine thread, rank 0: a request takes a row of the input batch,
                             gives it back, or is moved by compaction (``InputBatch``)
+    before_schedule         engine thread, rank 0: before each schedule, over the running
+                            requests (it may set their ``num_lookahead_tokens``)
+    lookahead_ids           engine thread, rank 0: the input ids a request's lookahead
+                            tokens take in the step (the feature that set them holds them)
     needs_host_tokens       engine thread: the next step must wait for this one's tokens
+    waits_after             engine thread, as a step starts: given that step's own state, the
+                            next step must wait for its tokens
     prepare_rows            engine thread, rank 0: the step's rows gathered; writes what must
                             cross to the other ranks into the ``StepBatch``, returns the
                             feature's own state for this step (kept in ``PreparedStep.state``)
     host_inputs             the thread that builds a CPU step's tensors (engine thread under
                             async scheduling): per-step tensors built from the ``StepBatch``
+    before_step             step thread, rank 0: with the step's state, before its batch
+                            crosses to the other ranks and the model runs (it may write the
+                            step's input ids: tokens a model of its own proposes)
     graph_key               step thread: this feature's part of the CUDA-graph key (None: no
                             part; ``EAGER``: the step cannot replay a graph)
     before_forward          step thread, every rank: just before the model runs eagerly
@@ -24,7 +35,12 @@ points it acts at. Lifecycle and threads::
     whole_logits            rank 0: the step needs every sampled row's whole logits (no
                             sampling on tensor-parallel vocabulary shards)
     after_logits            rank 0: the sampled rows' logits, before sampling (masks)
+    sample                  rank 0: the feature samples the step itself (a ``StepResult``;
+                            None: the sampler does); at most one feature per step
     finish                  rank 0: after sampling, the feature's results into ``StepResult``
+    applied                 engine thread, rank 0: the step's tokens were applied (the rows
+                            of requests that finished already given back)
+    stats                   engine thread: the feature's counters, as ``EngineStats`` fields
     graph_variants          before the engine serves: the graph-key parts this feature has
                             graphs of its own for (captured beside the base model's)
     capture_forward         inside a captured forward of such a graph, before the model: the
@@ -34,7 +50,9 @@ points it acts at. Lifecycle and threads::
     warm_up_logits          before the engine serves, rank 0: the feature's logits path runs
                             once over ``logits`` (after the sampler's); ``compiling``: the
                             device compiles kernels on first use (a GPU)
-    held_bytes              before the KV pool is sized: memory the feature holds
+    held_bytes              before the KV pool is sized: memory the feature holds (a feature
+                            built before the pool; a ``FeatureFactory`` counts what its
+                            feature will hold once built after it)
 
 A feature's step state is built on the engine thread and read on the step thread: it must be
 the step's own copy (gathered arrays), never a view of rows the next ``prepare`` rewrites.
@@ -59,6 +77,7 @@ SchedulerOutput = Any  # ``scheduler.SchedulerOutput``
 PreparedStep = Any  # ``model_runner.PreparedStep`` (its ``state``: each feature's step state)
 StepResult = Any  # ``model_runner.StepResult``
 ModelRunner = Any  # ``model_runner.ModelRunner``
+InputBatch = Any  # ``input_batch.InputBatch``
 
 # A graph-key part that keeps the step off the CUDA graphs (it runs eager).
 EAGER = "eager"
@@ -74,6 +93,7 @@ class StepRows:
     rows: np.ndarray  # every scheduled request's row, in schedule order
     query_lens: list[int]  # new tokens per scheduled request, in schedule order
     sampled_rows: np.ndarray  # the rows that sample, in logits order
+    input_batch: InputBatch = None  # the rows' batch, for what a feature gathers itself
 
 
 class StepFeature:
@@ -90,11 +110,23 @@ class StepFeature:
     def move(self, src: int, dst: int) -> None:
         pass
 
+    def before_schedule(self, running: Sequence[Request]) -> None:
+        pass
+
+    def lookahead_ids(self, row: int, n: int) -> list[int] | None:
+        return None
+
     def needs_host_tokens(self) -> bool:
+        return False
+
+    def waits_after(self, state: Any, num_rows: int) -> bool:
         return False
 
     def prepare_rows(self, rows: StepRows) -> Any:
         return None
+
+    def before_step(self, state: Any, batch: StepBatch) -> None:
+        pass
 
     def host_inputs(self, batch: StepBatch) -> Any:
         return None
@@ -126,8 +158,17 @@ class StepFeature:
     def after_logits(self, logits: torch.Tensor, state: Any, step: PreparedStep) -> None:
         pass
 
+    def sample(self, logits: torch.Tensor, state: Any, step: PreparedStep) -> StepResult | None:
+        return None
+
     def finish(self, state: Any, result: StepResult) -> None:
         pass
+
+    def applied(self, sched: SchedulerOutput, result: StepResult) -> None:
+        pass
+
+    def stats(self) -> dict[str, Any]:
+        return {}
 
     def warm_up(self, runner: ModelRunner) -> list[str]:
         return []
@@ -176,8 +217,26 @@ class StepFeatures:
         for f in self.all:
             f.move(src, dst)
 
+    def before_schedule(self, running: Sequence[Request]) -> None:
+        for f in self.all:
+            f.before_schedule(running)
+
+    def lookahead_ids(self, row: int, n: int) -> list[int]:
+        """The input ids of ``row``'s ``n`` lookahead tokens: the feature that set them
+        holds them."""
+        for f in self.all:
+            ids = f.lookahead_ids(row, n)
+            if ids is not None:
+                return ids
+        raise AssertionError(f"row {row}: {n} lookahead tokens no feature holds")
+
     def needs_host_tokens(self) -> bool:
         return any(f.needs_host_tokens() for f in self.all)
+
+    def waits_after(self, step: PreparedStep, num_rows: int) -> bool:
+        """Whether the step after ``step`` must wait for its tokens, by the features' state
+        for ``step`` (``num_rows``: the input batch's rows as ``step`` left them)."""
+        return any(f.waits_after(step.state.get(f.name), num_rows) for f in self.all)
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -189,6 +248,10 @@ class StepFeatures:
             if state is not None:
                 out[f.name] = state
         return out
+
+    def before_step(self, step: PreparedStep) -> None:
+        for f in self.all:
+            f.before_step(step.state.get(f.name), step.batch)
 
     def host_inputs(self, batch: StepBatch) -> dict[str, Any]:
         out = {}
@@ -250,9 +313,28 @@ class StepFeatures:
         for f in self.all:
             f.after_logits(logits, step.state.get(f.name), step)
 
+    def sample(self, logits: torch.Tensor, step: PreparedStep) -> StepResult | None:
+        """The step's result from the one feature that samples it itself (None: none does)."""
+        for f in self.all:
+            result = f.sample(logits, step.state.get(f.name), step)
+            if result is not None:
+                return result
+        return None
+
     def finish(self, step: PreparedStep, result: StepResult) -> None:
         for f in self.all:
             f.finish(step.state.get(f.name), result)
+
+    def applied(self, sched: SchedulerOutput, result: StepResult) -> None:
+        for f in self.all:
+            f.applied(sched, result)
+
+    def stats(self) -> dict[str, Any]:
+        """Every feature's counters, by ``EngineStats`` field."""
+        out: dict[str, Any] = {}
+        for f in self.all:
+            out.update(f.stats())
+        return out
 
     # -- before serving ---------------------------------------------------------------------
 
@@ -266,3 +348,30 @@ class StepFeatures:
 
     def held_bytes(self, device: torch.device) -> dict[str, int]:
         return {f.name: f.held_bytes(device) for f in self.all}
+
+
+class FeatureFactory:
+    """A step feature that is built after the KV pool (it needs the pool's blocks: a model
+    of its own keeps KV under the target's block ids), and what it needs before the pool is
+    sized. ``registry`` makes one per enabled feature, on every rank; ``build`` runs on the
+    rank that prepares the steps (rank 0), after the pool, before the input batch (None:
+    nothing)."""
+
+    name: str = ""
+
+    def lookahead_rows(self) -> int:
+        """Logits rows a sequence may take in one step besides its own token."""
+        return 0
+
+    def kv_bytes_per_token(self) -> int:
+        """This rank's bytes of KV the feature keeps per token of the pool's blocks, beside the
+        model's (the pool is sized for both)."""
+        return 0
+
+    def held_bytes(self) -> dict[str, int]:
+        """Memory the built feature will hold, by item, held back from the KV pool's budget
+        (it is allocated after the pool)."""
+        return {}
+
+    def build(self, runner: ModelRunner) -> StepFeature | None:
+        return None

@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 class PassStaging(Protocol):
     """Where a pass's inputs cross to the device in one copy: the core's ``StepBuffers``
-    (named by this shape only: the core imports this package, not the other way round)."""
+    (``feature`` builds them; named here by the shape the passes use)."""
 
     def fits(self, num_tokens: int, num_seqs: int, width: int) -> bool: ...
 

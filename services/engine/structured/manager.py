@@ -3,9 +3,10 @@ of the step's bitmask.
 
 Rows join with their request's ``GrammarState`` and leave with it (``step_features``); a step
 gathers the sampled rows' states when any is constrained, and ``apply`` is the one entry point
-that fills the bitmask (per sampled row, or per verified position under speculation) and masks
-the logits: the runner and the speculative path only call it. The scheduler advances each
-state by the tokens a step emits (``GrammarState.accept``), so the next step's masks follow.
+that fills the bitmask (per sampled row, or per verified position through a verifier's
+``fill``) and masks the logits: the runner and the verifier only call it. The scheduler
+advances each state by the tokens a step emits (``GrammarState.accept``), so the next step's
+masks follow.
 """
 
 from __future__ import annotations
@@ -72,9 +73,10 @@ class GrammarManager(StepFeature):
         return state is not None
 
     def after_logits(self, logits: torch.Tensor, state: Any, step: PreparedStep) -> None:
-        """One logits row per sampled row (a step that verifies drafts masks its positions
-        through the verifier, which calls ``apply`` with its own fill)."""
-        if state is not None and step.spec is None:
+        """One logits row per sampled row. A step that scores more rows per sequence
+        (``StepBatch.extra_logits``: verified positions) is masked by the feature that asked
+        for them, which calls ``apply`` with its own fill."""
+        if state is not None and step.batch.extra_logits is None:
             self.apply(logits, state)
 
     def apply(
@@ -84,8 +86,8 @@ class GrammarManager(StepFeature):
         fill: Callable[[torch.Tensor], list[int]] | None = None,
     ) -> None:
         """The one way a step's logits are masked: sets the logits of tokens a grammar forbids
-        to -inf, in place. Without ``fill`` one logits row per grammar; ``fill`` (speculative
-        decoding: every verified position) fills bitmask rows ``0, 1, ...`` itself and returns
+        to -inf, in place. Without ``fill`` one logits row per grammar; ``fill`` (a verifier:
+        every verified position) fills bitmask rows ``0, 1, ...`` itself and returns
         the logits rows they belong to."""
         masker = self.token_masker()
         if fill is None:

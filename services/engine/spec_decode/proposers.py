@@ -1,4 +1,5 @@
-"""Proposing drafts, engine thread, before each schedule (``Speculator.propose``).
+"""Proposing drafts, engine thread, before each schedule (``Speculator.propose``, called by
+the verifier's ``before_schedule``).
 
 Each running request that decodes with all its tokens known gets ``num_speculative_tokens``
 drafts (fewer near max_tokens or the context; none while more than ``disable_by_batch_size``
@@ -10,12 +11,17 @@ The scheduler then schedules ``1 + k`` tokens. After the step, ``record`` counts
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from services.engine.config import SpecMethod, SpeculativeConfig
 from services.engine.request import Request
 from services.engine.scheduler import SchedulerOutput
-from services.engine.spec_decode.config import SpecMethod, SpeculativeConfig
 from services.engine.spec_decode.metrics import SpecDecodeStats
 from services.engine.spec_decode.ngram import NgramProposer
-from services.engine.spec_verifier import SpecOutput, Verifier
+
+if TYPE_CHECKING:
+    from services.engine.spec_decode.verifier import SpecOutput, Verifier
 
 
 class Speculator:
@@ -29,7 +35,7 @@ class Speculator:
                       if spec.method is SpecMethod.NGRAM else None)
         self.stats = SpecDecodeStats(spec.num_speculative_tokens)
 
-    def propose(self, running: list[Request]) -> None:
+    def propose(self, running: Sequence[Request]) -> None:
         """Sets each running request's ``num_lookahead_tokens`` for the next schedule."""
         k = self.spec.num_speculative_tokens
         on = self.spec.drafts_at(len(running))

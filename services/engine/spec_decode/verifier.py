@@ -1,9 +1,11 @@
 """The verifier: speculative decoding's one owner of the drafts in a step.
 
 It holds each input-batch row's drafts for the next step and how far the draft model's KV
-reaches in it (rows join and move through ``join``/``move``), the draft model (rank 0), and the
-rejection sampler. The proposers (``proposers``) hand it their drafts per row; the rest of the
-engine sees a ``VerifyStep`` (what a step verifies) and a ``SpecOutput`` (the runs it emits).
+reaches in it (rows join and move through ``join``/``move``), the draft model (rank 0), the
+proposers (``proposers``, run before each schedule: ``before_schedule``) and the rejection
+sampler. It is a step feature (``features.protocol``), built by ``feature``; the rest of the
+engine sees its hooks, the scheduler's lookahead tokens, and a ``SpecOutput`` (the runs a
+verified step emits, in ``StepResult.spec``).
 
 Engine thread, when the step is prepared (``prepare_rows``): the verification's inputs, as copies
 the step owns: one sampling row per verified position (the request's parameters repeated,
@@ -11,42 +13,47 @@ min_tokens counting the drafts before the position as output), the drafts padded
 where they sit in the step's input ids, and for a draft model its passes
 (``draft_model``, built from the step's gathered block tables).
 
-Step thread: the draft model proposes (``propose_in_step``), the target scores every position
+Step thread: the draft model proposes (``before_step``), the target scores every position
 in its one forward pass, grammars mask every position (``after_logits``, ``grammar``), then
 ``verify``: penalties count the drafts before each position, the sampler's stages
 (``StagedLogits``) adjust, scale and truncate the logits at every position, ``rejection``
 accepts or rejects, and one Gumbel-max per request (the sampler's ``draw``) draws the
 replacement or bonus token, so a request without drafts draws exactly as in a step without
-speculation. Logprobs are the target's, at each emitted position.
+speculation (``sample``: the verifier samples a verifying step). Logprobs are the target's,
+at each emitted position.
 
-Engine thread, after the step (``record``): how far the draft model's KV reaches in each row
-(its accepted drafts' KV is valid, the others' is overwritten by the next step's first pass).
+Engine thread, after the step (``applied``): the proposers count the verdicts, and how far the
+draft model's KV reaches in each row (its accepted drafts' KV is valid, the others' is
+overwritten by the next step's first pass).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from services.engine.config import SpeculativeConfig
+from services.engine.features.protocol import StepFeature, StepRows
 from services.engine.input_batch import InputBatch
+from services.engine.model_runner import StepResult
 from services.engine.parallel.step_broadcast import StepBatch
 from services.engine.sampler import SamplerOutput, StagedLogits, draw
 from services.engine.sampling_batch import Penalties, SamplingBatch, SamplingRequest
 from services.engine.scheduler import SchedulerOutput
 from services.engine.spec_decode import rejection
-from services.engine.spec_decode.config import SpeculativeConfig
 from services.engine.spec_decode.draft_model import DraftInputs, DraftModel, DraftPass
 from services.engine.spec_decode.grammar import fill_position_masks
-from services.engine.step_features import StepFeature, StepRows
 from services.protocol.engine_api import TokenLogprobs
 from services.protocol.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from services.engine.model_runner import ModelRunner, PreparedStep
     from services.engine.request import Request
+    from services.engine.spec_decode.proposers import Speculator
     from services.engine.structured.manager import GrammarManager
 
 
@@ -102,14 +109,14 @@ class Verifier(StepFeature):
 
     def __init__(self, spec: SpeculativeConfig, max_rows: int, device: torch.device,
                  draft: DraftModel | None = None, masks: GrammarManager | None = None) -> None:
-        """``masks``: the grammar masks, applied at every verified position. ``rows`` is set
-        to the input batch whose rows it follows (it reads their sampling parameters) once
-        that is built (it takes the features, this one among them)."""
+        """``masks``: the grammar masks, applied at every verified position. The input
+        batch whose rows it follows (it reads their sampling parameters) comes with each
+        step's rows (``StepRows.input_batch``)."""
         self.spec = spec
-        self.rows: InputBatch | None = None
         self.device = device
         self.draft = draft
         self.masks = masks
+        self.proposers: Speculator | None = None  # set by ``feature`` (engine-thread drafts)
         # Each row's drafts for the next step, and how many of its tokens the draft model has
         # in its KV cache (-1: just joined).
         k = spec.num_speculative_tokens
@@ -127,6 +134,10 @@ class Verifier(StepFeature):
 
     # -- proposals (engine thread, before the schedule) -------------------------------------
 
+    def before_schedule(self, running: Sequence[Request]) -> None:
+        if self.proposers is not None:
+            self.proposers.propose(running)
+
     def hold(self, row: int, drafts: list[int]) -> None:
         """A proposer's drafts for ``row``'s next step."""
         self.draft_tokens[row, : len(drafts)] = drafts
@@ -136,13 +147,15 @@ class Verifier(StepFeature):
         (zeros with a draft model, which fills them in the step)."""
         return self.draft_tokens[row, :n].tolist()
 
+    def lookahead_ids(self, row: int, n: int) -> list[int]:
+        return self.drafts_of(row, n)
+
     # -- a step -----------------------------------------------------------------------------
 
     def prepare_rows(self, step: StepRows) -> VerifyStep | None:
         """The step's verification inputs and draft passes (None: neither); sets
         ``batch.extra_logits`` (before the runner builds the step's CPU inputs)."""
-        ib, sched, batch, row_idx = self.rows, step.sched, step.batch, step.rows
-        assert ib is not None, "the runner sets rows once the input batch is built"
+        ib, sched, batch, row_idx = step.input_batch, step.sched, step.batch, step.rows
         scheduled = sched.scheduled
         per_req = np.fromiter((s.num_lookahead_tokens for s in scheduled), np.int64,
                               len(scheduled))
@@ -157,15 +170,15 @@ class Verifier(StepFeature):
             self.draft_computed, ib, sched, batch, row_idx, per_req)
         return None if spec is None and passes is None else VerifyStep(spec, passes)
 
-    def propose_in_step(self, step: VerifyStep, input_ids: np.ndarray) -> None:
-        """Step thread: the draft model's passes; its drafts go into the verification and
-        the input ids."""
-        if step.draft is not None:
+    def before_step(self, step: VerifyStep | None, batch: StepBatch) -> None:
+        """Step thread, before the target (and before the batch crosses to the other ranks):
+        the draft model's passes; its drafts go into the verification and the input ids."""
+        if step is not None and step.draft is not None:
             drafts, q = self.draft.propose(step.draft)
             if step.spec is not None:
-                step.spec.fill(drafts, q, input_ids)
+                step.spec.fill(drafts, q, batch.input_ids)
 
-    def waits(self, step: VerifyStep | None, num_rows: int) -> bool:
+    def waits_after(self, step: VerifyStep | None, num_rows: int) -> bool:
         """Whether the step after ``step`` needs its tokens on the host before it is
         prepared (async scheduling): a step that verified emits a varying number of tokens
         per request, which the next step's placeholders (one each) cannot stand for; and the
@@ -189,10 +202,13 @@ class Verifier(StepFeature):
             self.masks.apply(logits, grammars, fill=lambda bitmask: fill_position_masks(
                 bitmask, grammars, spec.num_drafts.tolist(), spec.drafts.tolist()))
 
-    @staticmethod
-    def verify(logits: torch.Tensor, spec: SpecInputs,
-               rows: SamplingBatch) -> tuple[SamplerOutput, SpecOutput]:
-        return verify(logits, spec, rows)
+    def sample(self, logits: torch.Tensor, state: VerifyStep | None,
+               step: PreparedStep) -> StepResult | None:
+        """A verifying step's sampler: every verified position (None: no drafts this step)."""
+        if state is None or state.spec is None:
+            return None
+        out, emitted = verify(logits, state.spec, step.sampling)
+        return StepResult(out, spec=emitted)
 
     def warm_up_logits(self, runner: ModelRunner, logits: torch.Tensor,
                        compiling: bool) -> list[str]:
@@ -228,6 +244,14 @@ class Verifier(StepFeature):
         self.draft.warm_up(c.max_num_batched_tokens, c.max_num_seqs,
                            runner.num_blocks * runner.block_size)
         return ["verification", "draft model"]
+
+    def applied(self, sched: SchedulerOutput, result: StepResult) -> None:
+        """After the step was applied: the proposers' counters and the draft's progress."""
+        if result.spec is not None and self.proposers is not None:
+            self.proposers.record(sched, result.spec)
+
+    def stats(self) -> dict[str, object]:
+        return {} if self.proposers is None else {"spec_decode": self.proposers.stats.snapshot()}
 
     def record(self, sched: SchedulerOutput, out: SpecOutput) -> None:
         """After the step was applied (rows of finished requests already given back): how
