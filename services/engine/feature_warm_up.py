@@ -18,7 +18,7 @@ returns the names of the paths it ran (what the tests check).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,8 +30,9 @@ if TYPE_CHECKING:
     from services.engine.model_runner import ModelRunner
 
 # Every sampling feature at once: what the heaviest step's sampler runs.
-_EVERYTHING = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, logprobs=2,
-                             repetition_penalty=1.1, frequency_penalty=0.1, max_tokens=1)
+EVERY_SAMPLING_FEATURE = SamplingParams(
+    temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, logprobs=2, repetition_penalty=1.1,
+    frequency_penalty=0.1, max_tokens=1)
 
 
 @torch.inference_mode()
@@ -45,28 +46,28 @@ def warm_up_features(runner: ModelRunner, grammar_masks: bool) -> list[str]:
     rows = min(runner.config.max_num_seqs, 4)
     logits = torch.zeros(rows * runner.rows_per_seq, runner.model_config.vocab_size,
                          device=runner.device)
-    ran += _sampler(runner, logits[:rows])
+    ran += run_sampler(runner, logits[:rows])
     return ran + runner.features.warm_up_logits(runner, logits, grammar_masks)
 
 
-def warm_up_forward(runner: ModelRunner, n: int) -> None:
+def warm_up_forward(runner: ModelRunner, n: int) -> Any:
     """One forward of ``n`` prompt tokens in the first KV blocks (a feature's warm-up sets
-    its own per-step state around it)."""
+    its own per-step state around it); returns the model's output (its hidden states)."""
     table = list(range(-(-n // runner.block_size)))
     meta, positions = build_attention_metadata([table], [n], [n], runner.block_size,
                                                runner.device)
     runner._plan(meta, n)
     ids = torch.zeros(n, dtype=torch.long, device=runner.device)
-    runner.model(ids, positions, runner.kv_caches, meta)
+    return runner.model(ids, positions, runner.kv_caches, meta)
 
 
-def _batch(runner: ModelRunner, params: SamplingParams, rows: int) -> SamplingBatch:
+def sampling_batch(runner: ModelRunner, params: SamplingParams, rows: int) -> SamplingBatch:
     requests = [SamplingRequest(params, [0, 1], [1]) for _ in range(rows)]
     return SamplingBatch.from_requests(requests, runner.model_config.vocab_size, runner.device)
 
 
-def _sampler(runner: ModelRunner, logits: torch.Tensor) -> list[str]:
+def run_sampler(runner: ModelRunner, logits: torch.Tensor) -> list[str]:
     rows = len(logits)
-    runner.sampler(logits, _batch(runner, SamplingParams(temperature=0.0), rows))
-    runner.sampler(logits, _batch(runner, _EVERYTHING, rows))
+    runner.sampler(logits, sampling_batch(runner, SamplingParams(temperature=0.0), rows))
+    runner.sampler(logits, sampling_batch(runner, EVERY_SAMPLING_FEATURE, rows))
     return ["sampler: greedy", "sampler: every feature"]

@@ -14,6 +14,8 @@ allocated (``FeatureMemory``):
                   LoRA's slots, every slot of every adapted projection)
     reserved      the step features built after it, by item (``FeatureFactory.held_bytes``:
                   a feature's own model and buffers, loaded once the pool exists)
+    step peak     with ``PAGODA_PROFILE_RUN=1``: the largest step's peak, measured by the
+                  profiling run (``profile_run``), in place of activations and sampler
 
 With no explicit ``kv_cache_memory`` the pool's budget is the engine's memory (2 GiB on the
 CPU, 85% of free memory on a GPU) less these; an explicit ``kv_cache_memory`` is the pool's
@@ -51,15 +53,17 @@ class FeatureMemory:
     sampler: int = 0
     held: Mapping[str, int] = field(default_factory=dict)  # features built before the pool
     reserved: Mapping[str, int] = field(default_factory=dict)  # features built after it
+    step_peak: int = 0  # measured (``profile_run``): in place of activations and sampler
 
     def __post_init__(self) -> None:
-        items = [self.activations, self.sampler, *self.held.values(), *self.reserved.values()]
+        items = [self.activations, self.sampler, self.step_peak, *self.held.values(),
+                 *self.reserved.values()]
         assert all(n >= 0 for n in items), self
 
     def item(self, name: str) -> int:
         """One item's bytes: ``activations``, ``sampler``, a feature's name (``held``) or a
         factory's item (``reserved``); 0 when absent."""
-        if name in ("activations", "sampler"):
+        if name in ("activations", "sampler", "step_peak"):
             return getattr(self, name)
         return self.held.get(name, 0) + self.reserved.get(name, 0)
 
@@ -67,7 +71,8 @@ class FeatureMemory:
         """What comes off the budget on ``device`` (a GPU's free memory already lacks what
         the features built before the pool hold)."""
         held = 0 if device.type == "cuda" else sum(self.held.values())
-        return self.activations + self.sampler + sum(self.reserved.values()) + held
+        step = self.step_peak or self.activations + self.sampler
+        return step + sum(self.reserved.values()) + held
 
 
 def activation_bytes(mc: ModelConfig, tokens: int, tp_size: int, dtype: torch.dtype) -> int:

@@ -26,6 +26,7 @@ from services.engine import (
     cpu_threads,
     memory_budget,
     pp_stage,
+    profile_run,
     prompt_logprobs,
     shard_sampling,
 )
@@ -220,6 +221,7 @@ class ModelRunner:
         self.factories: list[FeatureFactory] = registry.factories(self)
         # Logits rows a sequence may take in one step: its token, and the features' lookahead.
         self.rows_per_seq = 1 + sum(f.lookahead_rows() for f in self.factories)
+        self.sampler = Sampler()  # before the pool: the profiling run samples
         self.num_blocks = self._decide_num_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         mc = self.model_config
@@ -241,7 +243,6 @@ class ModelRunner:
             self.input_batch = InputBatch(
                 config.max_num_seqs, min(-(-max_len // self.block_size), self.num_blocks),
                 mc.vocab_size, self.device, features=self.features)
-        self.sampler = Sampler()
         self.warmed_up: list[str] = []  # the features' paths the warm-up ran
         self.buffers: StepBuffers | None = None
         self.graphs: DecodeGraphs | None = None  # the base model's decode graphs
@@ -314,6 +315,7 @@ class ModelRunner:
         reserved: dict[str, int] = {}
         for factory in self.factories:
             reserved.update(factory.held_bytes())
+        measured = profile_run.enabled() and self.pipeline is None
         return memory_budget.FeatureMemory(
             activations=memory_budget.activation_bytes(mc, c.max_num_batched_tokens,
                                                        self.tp.size, self.dtype),
@@ -321,6 +323,7 @@ class ModelRunner:
                                                 mc.vocab_size),
             held=self.features.held_bytes(self.device),  # those built so far: before the pool
             reserved=reserved,
+            step_peak=profile_run.largest_step_peak(self) if measured else 0,
         )
 
     def _default_kv_budget(self) -> int:
