@@ -49,8 +49,12 @@ def test_cuda_peak_counts_the_allocators_peak() -> None:
 
 def _engine(path, monkeypatch, profiled: bool, **config) -> LLMEngine:
     monkeypatch.setenv(profile_run.PROFILE_RUN_ENV, "1" if profiled else "0")
-    monkeypatch.setattr(model_runner, "_DEFAULT_CPU_KV_BYTES", 64 * 2**20)
+    monkeypatch.setattr(model_runner, "_DEFAULT_CPU_KV_BYTES", BUDGET)
     return LLMEngine(EngineConfig(model=str(path), dtype="float32", **config))
+
+
+BUDGET = 64 * 2**20
+STEP = {"max_num_seqs": 8, "max_num_batched_tokens": 512}
 
 
 def _greedy(engine: LLMEngine) -> list[int]:
@@ -63,50 +67,55 @@ def _greedy(engine: LLMEngine) -> list[int]:
     return tokens
 
 
-def test_the_pool_is_sized_after_the_measured_step(tiny_model_dir, monkeypatch) -> None:
-    path = tiny_model_dir("LlamaForCausalLM", max_position_embeddings=4096)
-    shapes = _engine(path, monkeypatch, False, max_num_seqs=8, max_num_batched_tokens=512)
-    measured = _engine(path, monkeypatch, True, max_num_seqs=8, max_num_batched_tokens=512)
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return tiny_model_dir("LlamaForCausalLM", max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def by_shapes(model) -> dict:
+    """The pool and greedy tokens of an engine that counts from shapes (the default)."""
+    with pytest.MonkeyPatch.context() as mp:
+        engine = _engine(model, mp, False, **STEP)
     try:
-        estimate, fm = shapes.runner.feature_memory, measured.runner.feature_memory
-        assert estimate.step_peak == 0 and fm.step_peak > 0
-        vocab = measured.runner.model_config.vocab_size
+        runner = engine.runner
+        per_block = runner.kv_caches[0][0].nbytes * 2 * len(runner.kv_caches) // runner.num_blocks
+        return {"memory": runner.feature_memory, "per_block": per_block,
+                "tokens": _greedy(engine)}
+    finally:
+        engine.close()
+
+
+def test_the_pool_is_sized_after_the_measured_step(model, by_shapes, monkeypatch) -> None:
+    engine = _engine(model, monkeypatch, True, **STEP)
+    try:
+        fm = engine.runner.feature_memory
+        assert by_shapes["memory"].step_peak == 0 and fm.step_peak > 0
+        vocab = engine.runner.model_config.vocab_size
         assert fm.step_peak >= 8 * vocab * 4  # at least the logits rows, float32
         # The pool got what the measured step left of the same budget.
-        per_block = shapes.runner.kv_caches[0][0].nbytes * 2 * len(shapes.runner.kv_caches)
-        per_block //= shapes.runner.num_blocks
-        assert measured.runner.num_blocks == (64 * 2**20 - fm.total(torch.device("cpu"))) // (
-            per_block)
-        assert measured.runner.kv_caches and len(measured.runner.kv_caches[0][0]) == (
-            measured.runner.num_blocks)  # the scratch pool is gone
-        assert _greedy(measured) == _greedy(shapes)
+        assert engine.runner.num_blocks == (BUDGET - fm.total(torch.device("cpu"))) // (
+            by_shapes["per_block"])
+        assert len(engine.runner.kv_caches[0][0]) == engine.runner.num_blocks  # scratch gone
+        assert _greedy(engine) == by_shapes["tokens"]
     finally:
-        shapes.close()
-        measured.close()
+        engine.close()
 
 
-def test_the_measured_step_grows_with_the_largest_step(tiny_model_dir, monkeypatch) -> None:
-    path = tiny_model_dir("LlamaForCausalLM", max_position_embeddings=4096)
+def test_the_measured_step_grows_with_the_largest_step(model, monkeypatch) -> None:
     peaks = {}
     for tokens in (256, 2048):  # one sequence's logits: the forward is the peak
-        engine = _engine(path, monkeypatch, True, max_num_seqs=1, max_num_batched_tokens=tokens)
+        engine = _engine(model, monkeypatch, True, max_num_seqs=1, max_num_batched_tokens=tokens)
         peaks[tokens] = engine.runner.feature_memory.step_peak
         engine.close()
     assert peaks[2048] > 4 * peaks[256]
 
 
-def test_every_tensor_parallel_rank_runs_it(tiny_model_dir, monkeypatch) -> None:
+def test_every_tensor_parallel_rank_runs_it(model, by_shapes, monkeypatch) -> None:
     """Each rank profiles its shard (the logits' gather is a collective all of them meet)."""
-    path = tiny_model_dir("LlamaForCausalLM", max_position_embeddings=4096)
-    shapes = _engine(path, monkeypatch, False, max_num_seqs=4, max_num_batched_tokens=256)
-    try:
-        want = _greedy(shapes)
-    finally:
-        shapes.close()
-    engine = _engine(path, monkeypatch, True, max_num_seqs=4, max_num_batched_tokens=256,
-                     tensor_parallel_size=2)
+    engine = _engine(model, monkeypatch, True, tensor_parallel_size=2, **STEP)
     try:
         assert engine.runner.feature_memory.step_peak > 0
-        assert _greedy(engine) == want
+        assert _greedy(engine) == by_shapes["tokens"]
     finally:
         engine.close()
