@@ -329,3 +329,66 @@ def test_int4_over_several_ranks_is_refused_at_start(tiny_model_dir, tmp_path) -
     config = EngineConfig(model=str(quantized), num_blocks=8, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="gptq checkpoints run on one rank only"):
         ModelRunner(config, str(quantized))
+
+
+# ----------------------------------------------------------- GPTQ made by GPTQModel itself
+
+GPTQMODEL = Path(__file__).resolve().parents[1] / "data" / "gptqmodel"  # make_checkpoints.py
+_NIBBLES = torch.arange(0, 32, 4, dtype=torch.int32)
+
+
+def _unpack(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """GPTQ v1's int32 words as their eight 4-bit values, lowest bits first, along ``dim``."""
+    if dim == 0:  # qweight [in / 8, out] -> [in, out]
+        values = (packed[:, None, :] >> _NIBBLES[None, :, None]) & 0xF
+        return values.reshape(-1, packed.shape[1])
+    values = (packed[:, :, None] >> _NIBBLES[None, None, :]) & 0xF  # qzeros [g, out / 8]
+    return values.reshape(packed.shape[0], -1)
+
+
+def _gptq_dense(path: Path) -> dict[str, torch.Tensor]:
+    """Each quantized linear's weight ``[out, in]``, dequantized in plain torch from GPTQModel's
+    tensors: ``scale[g_idx[i]] * (q[i] - (qzeros[g_idx[i]] + 1))`` (v1 stores zero - 1)."""
+    from safetensors.torch import load_file
+
+    state = load_file(path / "model.safetensors")
+    dense = {}
+    for key in [k for k in state if k.endswith(".qweight")]:
+        name = key[: -len(".qweight")]
+        q = _unpack(state[key], 0)
+        zeros = _unpack(state[f"{name}.qzeros"], 1) + 1
+        assert (zeros == 8).all(), "symmetric 4-bit: every zero point is 8"
+        g_idx = state[f"{name}.g_idx"].long()
+        scales = state[f"{name}.scales"].float()
+        dense[name] = ((q - zeros[g_idx]).float() * scales[g_idx]).T.contiguous()
+    return dense
+
+
+@pytest.mark.parametrize("case", ["g64", "g32-act-order"])
+def test_gptqmodels_own_checkpoints_match_the_reference(tiny_model_dir, case) -> None:
+    """Checkpoints GPTQModel 7.7.0 wrote (act-order: a scattered ``g_idx``) load as they are:
+    logits equal transformers' model with the same weights dequantized in plain torch, and
+    that model is the quantized one of the base GPTQModel was given."""
+    from safetensors.torch import load_file
+
+    path = GPTQMODEL / case
+    dense = _gptq_dense(path)
+    g_idx = load_file(path / "model.safetensors")["model.layers.0.mlp.down_proj.g_idx"]
+    assert (g_idx.diff() < 0).any() == case.endswith("act-order")  # scattered groups
+    # The base GPTQModel was given (the same seed), which each 4-bit weight stays near: 0.14
+    # of its norm off here; another model's, or a zero point read one step off, ~0.5 or more.
+    base = tiny_model_dir("LlamaForCausalLM", seed=11, hidden_size=128, intermediate_size=256)
+    reference = int4_reference(base, dense)
+    plain = load_file(base / "model.safetensors")
+    for name, weight in dense.items():
+        original = plain[f"{name}.weight"]
+        assert (weight - original).norm() < 0.2 * original.norm(), name
+    model = load_model(path)
+    ids = _random_ids(256, 29, seed=3)
+    (logits,) = _step(model, _kv_caches(model), [ids], [0], [len(ids)], [[5, 1, 11, 2]])
+    with torch.inference_mode():
+        expected = reference(torch.tensor([ids])).logits[0]
+    assert (logits - expected).abs().max().item() < 1e-4
+    prompts = [_random_ids(256, n, seed=30 + n) for n in (13, 21)]
+    wanted = [_reference_greedy(reference, p, NEW_TOKENS) for p in prompts]
+    assert _generate(_engine(path), prompts, NEW_TOKENS) == wanted
