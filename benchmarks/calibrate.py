@@ -16,6 +16,15 @@ project's, so it lives in its own virtualenv, not in the project's). Writes, int
   ``--actorder`` is llm-compressor's only act-order left (``weight``: the columns quantized in
   activation order, the groups kept contiguous); GPTQ's ``desc_act`` groups (a scattered
   ``g_idx``) were removed from llm-compressor in 2026-08 and are not tried here.
+  ``--rotate`` (gptq4 only) first rotates the model offline (``benchmarks/rotation.py``:
+  QuaRot/SpinQuant's R1 on the residual stream, R2 per head on values, random Hadamard
+  matrices, the norms folded in), written once as ``rotated-{kind}[-seed{N}]-fp32`` in
+  ``--dir``, then quantizes that, into
+  ``gptq-4bit-g{group}-rot[-gaussian][-seed{N}]-calibrated[-s{samples}]`` (``--rotate
+  gaussian``: random orthogonal matrices instead; ``--seed``): an untied checkpoint (``lm_head``
+  of its own, unquantized) that loads with no change at run time. ``--asym``: asymmetric int4
+  (``-asym`` in the name), written in AWQ's ``gemm`` format, whose zero points 0..15 GPTQ's v1
+  format cannot hold.
 * ``awq-4bit-g{group}[-gptq]-calibrated`` (``--only awq4``): llm-compressor's AWQ (its
   activation-aware scales, ``duo_scaling="both"``) then asymmetric int4 rounded to nearest, or
   GPTQ with ``--awq-gptq``; written in AutoAWQ's ``gemm`` format.
@@ -90,6 +99,7 @@ def gptq4(
     group: int = GROUP,
     actorder: str | None = None,
     pipeline: str = PIPELINE,
+    asym: bool = False,
 ) -> None:
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from llmcompressor import oneshot
@@ -100,7 +110,7 @@ def gptq4(
     weights = QuantizationArgs(
         num_bits=4,
         type="int",
-        symmetric=True,
+        symmetric=not asym,
         strategy="group",
         group_size=group,
         actorder=actorder,
@@ -125,8 +135,14 @@ def gptq4(
         if not hasattr(module, "weight_scale"):
             continue
         state.pop(f"{name}.weight")
-        state.update(int4_tensors(name, "gptq", *_as_gptq(module, group)))
-    save_int4(base, out, state, "gptq", group, act_order=False, sym=True)
+        if asym:
+            state.update(int4_tensors(name, "awq", *_as_awq(module, group)))
+        else:
+            state.update(int4_tensors(name, "gptq", *_as_gptq(module, group)))
+    # Asymmetric: zero points 0..15, which GPTQ's v1 format (the zero point minus one) cannot
+    # hold; AWQ's gemm format holds the same values exactly.
+    fmt = "awq" if asym else "gptq"
+    save_int4(base, out, state, fmt, group, act_order=False, sym=not asym)
 
 
 def awq4(
@@ -224,20 +240,50 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=GROUP, help="gptq4's group size")
     parser.add_argument("--actorder", choices=("weight",), default=None)
     parser.add_argument("--pipeline", choices=("basic", "sequential"), default=PIPELINE)
+    parser.add_argument(
+        "--rotate",
+        nargs="?",
+        const="hadamard",
+        choices=("hadamard", "gaussian"),
+        help="gptq4: rotate the model first (benchmarks/rotation.py), by random Hadamard "
+        "matrices or, with 'gaussian', random orthogonal ones",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="--rotate's random seed")
+    parser.add_argument(
+        "--asym", action="store_true", help="gptq4: asymmetric int4 (written in AWQ's format)"
+    )
+    parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     base = default_model_path()
     data = calibration_set(base, args.samples, args.length)
     variant = (f"-act{args.actorder}" if args.actorder else "") + (
         "" if args.pipeline == PIPELINE else f"-{args.pipeline}"
     )
+    if args.rotate:
+        from benchmarks.rotation import save_rotated
+
+        assert args.only == "gptq4", "--rotate is for --only gptq4"
+        seed = "" if args.seed == 0 else f"-seed{args.seed}"
+        base = save_rotated(
+            base, args.dir / f"rotated-{args.rotate}{seed}-fp32", args.seed, args.rotate
+        )
+        kind = "" if args.rotate == "hadamard" else f"-{args.rotate}"
+        variant = f"-rot{kind}{seed}{variant}"
+    variant += "-asym" if args.asym else ""
     samples = "" if args.samples == 32 else f"-s{args.samples}"
     gptq_name = f"gptq-4bit-g{args.group}{variant}-calibrated{samples}"
     for name, make in (
         ("w8a8-sq-gptq", w8a8),
         (
             gptq_name,
-            lambda *a: gptq4(*a, group=args.group, actorder=args.actorder, pipeline=args.pipeline),
+            lambda *a: gptq4(
+                *a,
+                group=args.group,
+                actorder=args.actorder,
+                pipeline=args.pipeline,
+                asym=args.asym,
+            ),
         ),
         (
             f"awq-4bit-g{args.group}{'-gptq' if args.awq_gptq else ''}"

@@ -51,7 +51,13 @@ def checkpoints(base: Path, d: Path) -> dict[str, Path]:
         if not (d / name / "config.json").exists():
             write(d / name)
         made[name] = d / name
-    for name in ("w8a8-sq-gptq", "gptq-4bit-g64-calibrated"):
+    for name in (
+        "w8a8-sq-gptq",
+        "gptq-4bit-g64-calibrated",
+        # Rotated before GPTQ (calibrate.py --rotate): untied, lm_head of its own.
+        "gptq-4bit-g64-rot-calibrated-s128",
+        "gptq-4bit-g64-rot-asym-calibrated-s128",
+    ):
         if (d / name / "config.json").exists():
             made[name] = d / name
     return made
