@@ -10,7 +10,8 @@ project's, so it lives in its own virtualenv, not in the project's). Writes, int
   compressed-tensors ``int-quantized`` format;
 * ``gptq-4bit-g64-calibrated``: GPTQ (llm-compressor's, symmetric int4, group 64: 128 does not
   divide the model's 576-wide hidden size), its values repacked in AutoGPTQ/GPTQModel's v1
-  format (``tests.support.quantized.int4_tensors``); gptqmodel itself was not tried. Variants
+  format (``tests.support.quantized.int4_tensors``); GPTQModel itself runs here too (see
+  ``tests/data/gptqmodel/make_checkpoints.py``; README: 15.062 on the screen). Variants
   (``--only gptq4`` with ``--group``, ``--actorder``, ``--pipeline``, ``--samples``) are
   written as ``gptq-4bit-g{group}[-actweight][-{pipeline}]-calibrated[-s{samples}]``.
   ``--actorder`` is llm-compressor's only act-order left (``weight``: the columns quantized in

@@ -249,6 +249,9 @@ def perplexities(args, base: Path) -> None:
     for name, sub in (
         ("w8a8 smoothquant+gptq", "w8a8-sq-gptq"),
         ("gptq-4bit-g64 calibrated", "gptq-4bit-g64-calibrated"),
+        # calibrate.py --only gptq4 --samples 128 --rotate [--asym]
+        ("gptq-4bit-g64 rotated, calibrated", "gptq-4bit-g64-rot-calibrated-s128"),
+        ("4-bit g64 asymmetric, rotated, calibrated", "gptq-4bit-g64-rot-asym-calibrated-s128"),
     ):
         if (d / sub / "config.json").exists():
             runs.append((name, d / sub, "float32"))
