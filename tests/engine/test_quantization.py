@@ -240,15 +240,22 @@ def test_w8a8_over_two_ranks_matches_the_reference(tiny_model_dir, tmp_path) -> 
     assert (scored[0] - expected).abs().max().item() < ATOL
 
 
-def test_lora_on_a_w8a8_base(tiny_model_dir, tmp_path) -> None:
-    """The adapter runs in float32 on the unquantized activations, beside the int8 product: the
-    reference is PEFT's adapter (unmerged) over transformers' W8A8 model."""
+@pytest.mark.parametrize("base", ["w8a8", "gptq-g32"])
+def test_lora_on_a_quantized_base(tiny_model_dir, tmp_path, base) -> None:
+    """The adapter runs in float32 on the unquantized activations, beside the int8 or 4-bit
+    product: the reference is PEFT's adapter (unmerged) over transformers' model with the same
+    quantization math."""
     from peft import PeftModel
 
     original = tiny_model_dir("LlamaForCausalLM")
-    quantized = write_w8a8(original, tmp_path / "w8a8")
+    if base == "w8a8":
+        quantized = write_w8a8(original, tmp_path / "w8a8")
+        plain = w8a8_reference(original, quantized)
+    else:
+        quantized, dense = write_int4(original, tmp_path / "gptq", "gptq", 32)
+        plain = int4_reference(original, dense)
     adapter = write_adapter(original, tmp_path / "adapter", seed=3)
-    reference = PeftModel.from_pretrained(w8a8_reference(original, quantized), adapter).eval()
+    reference = PeftModel.from_pretrained(plain, adapter).eval()
     prompts = [_random_ids(256, n, seed=50 + n) for n in (11, 19)]
     expected = [_reference_greedy(reference, p, NEW_TOKENS) for p in prompts]
     engine = _engine(quantized, enable_lora=True)
@@ -324,10 +331,44 @@ def test_a_fused_projections_parts_must_share_their_g_idx(tiny_model_dir, tmp_pa
         load_model(quantized)
 
 
-def test_int4_over_several_ranks_is_refused_at_start(tiny_model_dir, tmp_path) -> None:
-    quantized, _ = write_int4(tiny_model_dir("LlamaForCausalLM"), tmp_path / "g", "gptq", 32)
+INT4_TP = [  # (id, format, group, act-order, config overrides)
+    ("gptq-g32", "gptq", 32, False, {}),
+    ("gptq-g32-act-order", "gptq", 32, True, {}),
+    ("gptq-per-channel", "gptq", -1, False, {}),
+    ("gptq-g128-whole-groups-per-rank", "gptq", 128, False, WIDE),
+    ("awq-g32", "awq", 32, False, {}),
+]
+
+
+@pytest.mark.parametrize("case", INT4_TP, ids=[c[0] for c in INT4_TP])
+def test_int4_over_two_ranks_matches_the_reference(tiny_model_dir, tmp_path, case) -> None:
+    """Column-parallel ranks read their outputs' words, row-parallel ones their inputs' (GPTQ:
+    and every group's scales and zeros, which their ``g_idx`` picks from, act-order's scattered
+    groups too); the all-reduced logits equal the dense reference's."""
+    _, fmt, group, act_order, overrides = case
+    original = tiny_model_dir("LlamaForCausalLM", **overrides)
+    quantized, dense = write_int4(original, tmp_path / fmt, fmt, group, act_order)
+    reference = int4_reference(original, dense)
+    ids = _random_ids(256, 29, seed=3)
+    with torch.inference_mode():
+        expected = reference(torch.tensor([ids])).logits[0]
     config = EngineConfig(model=str(quantized), num_blocks=8, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="gptq checkpoints run on one rank only"):
+    runner = ModelRunner(config, str(quantized))
+    try:
+        step = StepBatch.of(ids, [[3, 1]], [len(ids)], [len(ids)], [0], [0, len(ids)])
+        scored: list[torch.Tensor] = []
+        runner.forward_logits(step, scored.append)
+    finally:
+        runner.close()
+    assert (scored[0] - expected).abs().max().item() < 2e-4
+
+
+def test_awq_groups_split_by_a_rank_are_refused_at_start(tiny_model_dir, tmp_path) -> None:
+    """o_proj's 128 inputs over two ranks leave 64 per rank: not a whole AWQ group of 128."""
+    quantized, _ = write_int4(tiny_model_dir("LlamaForCausalLM", **WIDE), tmp_path / "a", "awq",
+                              128)
+    config = EngineConfig(model=str(quantized), num_blocks=8, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="whole packed words and groups of 128"):
         ModelRunner(config, str(quantized))
 
 

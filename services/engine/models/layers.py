@@ -182,11 +182,15 @@ class Linear(nn.Module):
         bias: bool,
         dtype: torch.dtype,
         quantizable: bool = True,
+        full_in_features: int | None = None,
     ) -> None:
         super().__init__()
         self.quantizable = quantizable  # False: unquantized whatever the scheme (MoE routers)
         self.shard_sizes = shard_sizes  # rows of each stacked HF weight, in order
         self.in_features = in_features  # this rank's
+        # every rank's together (a row-parallel layer's differ): a scheme whose groups run
+        # along the inputs sizes them from it
+        self.full_in_features = full_in_features or in_features
         self.out_features = sum(shard_sizes)  # this rank's
         self.has_bias = bias
         self.dtype = dtype  # of the activations (and of an unquantized weight)

@@ -104,17 +104,18 @@ class RowParallelLinear(Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         tp = current()
         assert in_features % tp.size == 0, (in_features, tp.size)
-        super().__init__(in_features // tp.size, (out_features,), bias, dtype)
+        super().__init__(in_features // tp.size, (out_features,), bias, dtype,
+                         full_in_features=in_features)
         self.tp = tp
-        self._full_in = in_features
 
     def checkpoint_range(self, leaf: str, index: int) -> ShardRange | None:
         layout = self.method.layout(leaf)  # a bias or per-channel scale: all of it
         dim, p = layout.input_dim, layout.input_pack
         if self.tp.size == 1 or dim is None:
             return None
-        local = self._full_in // self.tp.size // p
-        return ShardRange(dim, self.tp.rank * local, local, self._full_in // p)
+        full = self.full_in_features
+        local = full // self.tp.size // p
+        return ShardRange(dim, self.tp.rank * local, local, full // p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.apply(self, x, self.bias if self.tp.is_first else None)

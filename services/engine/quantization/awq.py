@@ -20,7 +20,6 @@ from services.engine.quantization.base import (
 )
 from services.engine.quantization.int4 import (
     hold,
-    refuse_tensor_parallel,
     unpack,
 )
 
@@ -35,9 +34,11 @@ class AWQMethod(LinearMethod):
         self.group_size = group_size
 
     def create_weights(self, layer: torch.nn.Module) -> None:
-        refuse_tensor_parallel(layer, "awq")
         out, inp, g = layer.out_features, layer.in_features, self.group_size
-        assert out % 8 == 0 and inp % g == 0, (inp, out, g)
+        if out % 8 or inp % g:  # a rank's shard must hold whole packed words and groups
+            raise ValueError(f"awq: a layer of {inp} inputs and {out} outputs on this rank "
+                             f"does not hold whole packed words and groups of {g}; try another "
+                             "tensor_parallel_size")
         layer.qweight = frozen_param(inp, out // 8, dtype=torch.int32)
         layer.qzeros = frozen_param(inp // g, out // 8, dtype=torch.int32)
         layer.scales = frozen_param(inp // g, out, dtype=torch.float32)

@@ -5,6 +5,11 @@ Per linear layer: ``qweight`` int32 ``[in / 8, out]`` (eight inputs per int32, i
 ``scales`` ``[groups, out]`` and ``g_idx`` int32 ``[in]``, each input column's group: ``i //
 group_size``, or with act-order (``desc_act``) the group its column was quantized in.
 ``group_size: -1`` is one group over all inputs (per channel).
+
+Over tensor-parallel ranks a row-parallel rank reads its inputs' rows of ``qweight`` and
+``g_idx`` and every group's ``qzeros`` and ``scales`` (as vLLM does for act-order, whose groups
+are scattered over the inputs; here always, one rule for every layout); column-parallel ranks
+read their outputs' columns of all four.
 """
 
 from __future__ import annotations
@@ -20,11 +25,7 @@ from services.engine.quantization.base import (
     QuantConfig,
     frozen_param,
 )
-from services.engine.quantization.int4 import (
-    hold,
-    refuse_tensor_parallel,
-    unpack,
-)
+from services.engine.quantization.int4 import hold, unpack
 
 _PACKED = ("qweight", "qzeros", "scales", "g_idx")
 
@@ -35,25 +36,24 @@ class GPTQMethod(LinearMethod):
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size  # -1: per channel
 
-    def _group(self, layer: torch.nn.Module) -> int:
-        return layer.in_features if self.group_size == -1 else self.group_size
-
     def create_weights(self, layer: torch.nn.Module) -> None:
-        refuse_tensor_parallel(layer, "gptq")
-        out, inp, g = layer.out_features, layer.in_features, self._group(layer)
-        assert inp % 8 == 0 and out % 8 == 0 and inp % g == 0, (inp, out, g)
+        out, inp, full = layer.out_features, layer.in_features, layer.full_in_features
+        g = full if self.group_size == -1 else self.group_size
+        if inp % 8 or out % 8 or full % g:
+            raise ValueError(f"gptq: a layer of {inp} inputs and {out} outputs on this rank "
+                             f"({full} inputs in all, group size {g}) does not hold whole "
+                             "packed words and groups; try another tensor_parallel_size")
         layer.qweight = frozen_param(inp // 8, out, dtype=torch.int32)
-        layer.qzeros = frozen_param(inp // g, out // 8, dtype=torch.int32)
-        layer.scales = frozen_param(inp // g, out, dtype=torch.float32)
+        layer.qzeros = frozen_param(full // g, out // 8, dtype=torch.int32)  # every group
+        layer.scales = frozen_param(full // g, out, dtype=torch.float32)
         layer.g_idx = frozen_param(inp, dtype=torch.int32)
         layer.bias = frozen_param(out, dtype=layer.dtype) if layer.has_bias else None
 
     def layout(self, leaf: str) -> ParamLayout:
-        g = self.group_size
         return {
             "qweight": ParamLayout(1, 0, input_pack=8),
-            "qzeros": ParamLayout(1, 0, output_pack=8, input_pack=g),
-            "scales": ParamLayout(1, 0, input_pack=g),
+            "qzeros": ParamLayout(1, None, output_pack=8),  # every group on every rank
+            "scales": ParamLayout(1, None),
             "g_idx": ParamLayout(None, 0),
         }.get(leaf, PER_OUTPUT)
 

@@ -40,18 +40,13 @@ def dequantize(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
     return ((q.float() - z) * s).t().contiguous()
 
 
-def refuse_tensor_parallel(layer: torch.nn.Module, scheme: str) -> None:
-    """4-bit shards (packed rows, group scales, act-order's scattered groups) have not been
-    tested over several ranks: refused at start rather than served wrong."""
-    tp = getattr(layer, "tp", None)
-    if tp is not None and tp.size > 1:
-        raise ValueError(f"{scheme} checkpoints run on one rank only for now "
-                         f"(tensor_parallel_size={tp.size})")
-
-
 def hold(layer: torch.nn.Module, q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
          groups: torch.Tensor, packed: tuple[str, ...]) -> None:
-    """The layer's weight from its unpacked values (see ``dequantize`` for the shapes)."""
+    """The layer's weight from its unpacked values (see ``dequantize`` for the shapes). A
+    row-parallel rank's inputs use some of the groups only: the others are dropped first."""
+    used, groups = torch.unique(groups, return_inverse=True)
+    if len(used) != len(scales):
+        zeros, scales = zeros.index_select(0, used), scales.index_select(0, used)
     if not use_kernel(layer, q, zeros, scales, groups, packed):
         replace_with_dense(layer, dequantize(q, zeros, scales, groups), packed)
 
