@@ -5,8 +5,9 @@ output: ``W[o, i] = (q[i, o] - zero[g(i), o]) * scale[g(i), o]``. They differ in
 packed (``unpack``'s ``order``) and where (GPTQ packs ``qweight`` along the input, AWQ along the
 output). ``hold`` then gives the layer its weight: on the CPU, in the layout of the kernel that
 reads the nibbles in its loop (``w4a16_cpu``: a quarter of bfloat16's bytes per decode step);
-elsewhere (or where that kernel cannot take the layer) dequantized once into the model's dtype,
-run by the unquantized method.
+on a GPU with ``PAGODA_W4A16_TRITON=1``, in the Triton kernel's (``w4a16_triton``); elsewhere
+(or where neither kernel takes the layer) dequantized once into the model's dtype, run by the
+unquantized method.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from services.engine.quantization.w4a16_cpu import use_kernel
+from services.engine.quantization.w4a16_triton import use_triton
 
 SEQUENTIAL = (0, 1, 2, 3, 4, 5, 6, 7)  # nibble k holds element k (GPTQ)
 
@@ -47,7 +49,8 @@ def hold(layer: torch.nn.Module, q: torch.Tensor, zeros: torch.Tensor, scales: t
     used, groups = torch.unique(groups, return_inverse=True)
     if len(used) != len(scales):
         zeros, scales = zeros.index_select(0, used), scales.index_select(0, used)
-    if not use_kernel(layer, q, zeros, scales, groups, packed):
+    if not use_triton(layer, q, zeros, scales, groups, packed) and not use_kernel(
+            layer, q, zeros, scales, groups, packed):
         replace_with_dense(layer, dequantize(q, zeros, scales, groups), packed)
 
 
