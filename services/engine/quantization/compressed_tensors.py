@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from services.engine.quantization import w8a8_triton
 from services.engine.quantization.base import LinearMethod, QuantConfig
 from services.engine.quantization.fp8_w8a16 import FP8W8A16Method
 from services.engine.quantization.w8a8_int8 import W8A8Int8Method
@@ -109,9 +110,12 @@ def _group(name: str, raw: dict[str, Any], device: torch.device) -> _Group:
                          "supported")
     for label, test, method in _SCHEMES:
         if test(weights, acts):
-            if device.type not in SUPPORTED[label]:
+            if device.type not in SUPPORTED[label] and not (
+                    label == _W8A8 and device.type == "cuda" and w8a8_triton.allowed_on_gpu()):
+                gpu = (f" (on a GPU with {w8a8_triton.TRITON_ENV}=1: its Triton kernel, "
+                       "never compiled yet)" if label == _W8A8 else "")
                 raise ValueError(f"compressed-tensors {label} runs on "
-                                 f"{', '.join(SUPPORTED[label])} only, not {device.type}")
+                                 f"{', '.join(SUPPORTED[label])} only, not {device.type}{gpu}")
             return _Group(tuple(raw.get("targets") or ()), method)
     raise ValueError(
         f"compressed-tensors group {name!r} (weights {_describe(weights)}, input activations "

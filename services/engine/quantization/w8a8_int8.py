@@ -17,6 +17,9 @@ quantized by ``csrc/w8a8.cpp``'s fused op where the kernels are built:
   path 10-35x slower than float32. The kernel's sums are exact int32 (int16 pair products); it
   serves every row count (it matches float32 ``F.linear`` at 1,024
   rows, and beats it 2.5x at one; docs/benchmarks.md, "Quantized checkpoints").
+
+On a GPU (only with ``PAGODA_W8A8_TRITON=1``: never compiled yet) the rows are quantized in
+torch and multiplied by ``w8a8_triton``'s kernel, the same results bit for bit.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from services.engine.quantization.base import (
     ParamLayout,
     frozen_param,
 )
+from services.engine.quantization.w8a8_triton import int8_linear_triton
 
 # Any positive scale quantizes a row of zeros to zeros; this one keeps 0 / 0 out.
 _MIN_SCALE = 1e-30
@@ -105,7 +109,9 @@ class W8A8Int8Method(LinearMethod):
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         kernels = kernels_for(x)
-        if kernels is None:
+        if x.is_cuda:
+            y = int8_linear_triton(*quantize_rows(x), layer.weight, layer.scale_row)
+        elif kernels is None:
             y = int8_linear_torch(x, layer.weight, layer.scale_row)
         elif has_int8_dot():
             y = int8_linear_int_mm(kernels, x, layer.weight, layer.scale_row)
