@@ -220,6 +220,19 @@ def test_default_model_w8a8_perplexity_is_the_references(default_model_path,
 
 # --------------------------------------------------------------------------- TP and LoRA
 
+def _two_rank_logits(quantized: Path, ids: list[int]) -> torch.Tensor:
+    """The prompt's logits at every position from an engine over two tensor-parallel ranks."""
+    config = EngineConfig(model=str(quantized), num_blocks=8, tensor_parallel_size=2)
+    runner = ModelRunner(config, str(quantized))
+    try:
+        step = StepBatch.of(ids, [[3, 1]], [len(ids)], [len(ids)], [0], [0, len(ids)])
+        scored: list[torch.Tensor] = []
+        runner.forward_logits(step, scored.append)
+    finally:
+        runner.close()
+    return scored[0]
+
+
 def test_w8a8_over_two_ranks_matches_the_reference(tiny_model_dir, tmp_path) -> None:
     """Two ranks quantize each row-parallel input per token over their own half of its columns
     (as vLLM): the reference does the same (``w8a8_reference(ranks=2)``)."""
@@ -229,15 +242,7 @@ def test_w8a8_over_two_ranks_matches_the_reference(tiny_model_dir, tmp_path) -> 
     reference = w8a8_reference(original, quantized, ranks=2)
     with torch.inference_mode():
         expected = reference(torch.tensor([ids])).logits[0]
-    config = EngineConfig(model=str(quantized), num_blocks=8, tensor_parallel_size=2)
-    runner = ModelRunner(config, str(quantized))
-    try:
-        step = StepBatch.of(ids, [[3, 1]], [len(ids)], [len(ids)], [0], [0, len(ids)])
-        scored: list[torch.Tensor] = []
-        runner.forward_logits(step, scored.append)
-    finally:
-        runner.close()
-    assert (scored[0] - expected).abs().max().item() < ATOL
+    assert (_two_rank_logits(quantized, ids) - expected).abs().max().item() < ATOL
 
 
 @pytest.mark.parametrize("base", ["w8a8", "gptq-g32"])
@@ -352,15 +357,7 @@ def test_int4_over_two_ranks_matches_the_reference(tiny_model_dir, tmp_path, cas
     ids = _random_ids(256, 29, seed=3)
     with torch.inference_mode():
         expected = reference(torch.tensor([ids])).logits[0]
-    config = EngineConfig(model=str(quantized), num_blocks=8, tensor_parallel_size=2)
-    runner = ModelRunner(config, str(quantized))
-    try:
-        step = StepBatch.of(ids, [[3, 1]], [len(ids)], [len(ids)], [0], [0, len(ids)])
-        scored: list[torch.Tensor] = []
-        runner.forward_logits(step, scored.append)
-    finally:
-        runner.close()
-    assert (scored[0] - expected).abs().max().item() < 2e-4
+    assert (_two_rank_logits(quantized, ids) - expected).abs().max().item() < 2e-4
 
 
 def test_awq_groups_split_by_a_rank_are_refused_at_start(tiny_model_dir, tmp_path) -> None:

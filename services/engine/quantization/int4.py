@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from services.engine.quantization.w4a16_cpu import use_kernel
-from services.engine.quantization.w4a16_triton import use_triton
+from services.engine.quantization.w4a16_cpu import W4A16_CPU, cpu_weight
+from services.engine.quantization.w4a16_triton import W4A16_TRITON, gpu_weight
 
 SEQUENTIAL = (0, 1, 2, 3, 4, 5, 6, 7)  # nibble k holds element k (GPTQ)
 
@@ -49,9 +49,15 @@ def hold(layer: torch.nn.Module, q: torch.Tensor, zeros: torch.Tensor, scales: t
     used, groups = torch.unique(groups, return_inverse=True)
     if len(used) != len(scales):
         zeros, scales = zeros.index_select(0, used), scales.index_select(0, used)
-    if not use_triton(layer, q, zeros, scales, groups, packed) and not use_kernel(
-            layer, q, zeros, scales, groups, packed):
-        replace_with_dense(layer, dequantize(q, zeros, scales, groups), packed)
+    for layout, method in ((gpu_weight, W4A16_TRITON), (cpu_weight, W4A16_CPU)):
+        weight = layout(q, zeros, scales, groups)
+        if weight is not None:  # the kernel's method reads ``layer.w4``
+            for name in packed:
+                delattr(layer, name)
+            layer.w4 = weight
+            layer.method = method
+            return
+    replace_with_dense(layer, dequantize(q, zeros, scales, groups), packed)
 
 
 def replace_with_dense(

@@ -100,17 +100,10 @@ class W4A16CpuMethod(LinearMethod):
 W4A16_CPU = W4A16CpuMethod()
 
 
-def use_kernel(layer: torch.nn.Module, q: torch.Tensor, zeros: torch.Tensor,
-               scales: torch.Tensor, groups: torch.Tensor, packed: tuple[str, ...]) -> bool:
-    """Holds the layer for the kernel when it runs here (a CPU layer, the kernels built, a
-    layout it takes); False leaves the layer as it was."""
+def cpu_weight(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+               groups: torch.Tensor) -> KernelWeight | None:
+    """The kernel's layout when it runs here (a CPU layer, the kernels built, a layout it
+    takes), else None."""
     if q.device.type != "cpu" or w4a16_ops() is None:
-        return False
-    weight = kernel_weight(q, zeros, scales, groups)
-    if weight is None:
-        return False
-    for name in packed:
-        delattr(layer, name)
-    layer.w4 = weight
-    layer.method = W4A16_CPU
-    return True
+        return None
+    return kernel_weight(q, zeros, scales, groups)

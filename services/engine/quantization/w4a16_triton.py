@@ -152,17 +152,8 @@ class W4A16TritonMethod(LinearMethod):
 W4A16_TRITON = W4A16TritonMethod()
 
 
-def use_triton(layer: torch.nn.Module, q: torch.Tensor, zeros: torch.Tensor,
-               scales: torch.Tensor, groups: torch.Tensor, packed: tuple[str, ...]) -> bool:
-    """Holds the layer for the kernel when it is wanted here (``wanted``) and takes the
-    layout; False leaves the layer as it was."""
-    if not wanted(q.device):
-        return False
-    weight = triton_weight(q, zeros, scales, groups)
-    if weight is None:
-        return False
-    for name in packed:
-        delattr(layer, name)
-    layer.w4 = weight
-    layer.method = W4A16_TRITON
-    return True
+def gpu_weight(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+               groups: torch.Tensor) -> TritonWeight | None:
+    """The kernel's layout when it is wanted here (``wanted``) and takes the layer, else
+    None."""
+    return triton_weight(q, zeros, scales, groups) if wanted(q.device) else None
