@@ -507,7 +507,10 @@ class KVIndexReader:
         self._cap = max_blocks_per_engine
         self._lookup = redis.register_script(_LOOKUP_LUA)
         self._mark = redis.register_script(_MARK_LUA)
-        self._decoded: dict[bytes, EngineHeartbeat] = {}
+        # Each engine's latest heartbeat blob and its decoding: lookups between two heartbeats
+        # (most of them) decode nothing. One entry per engine id, not per blob: a heartbeat
+        # changes every interval, so a cache of blobs would fill with stale ones.
+        self._decoded: dict[bytes, tuple[bytes, EngineHeartbeat]] = {}
 
     async def lookup(self, model: str, block_hashes: Sequence[bytes]) -> LookupResult:
         """For every live engine of ``model``: its heartbeat, pending count and how many
@@ -526,7 +529,7 @@ class KVIndexReader:
         engines: list[EngineMatch] = []
         dead = [_text(d) for d in raw[1]]
         for i in range(3, len(raw) - 4, 5):
-            hb = self._heartbeat(raw[i + 1])
+            hb = self._heartbeat(raw[i], raw[i + 1])
             if hb is None or hb.model != model:
                 dead.append(_text(raw[i]))
                 continue
@@ -571,16 +574,17 @@ class KVIndexReader:
     async def ping(self) -> bool:
         return bool(await self._redis.ping())
 
-    def _heartbeat(self, blob: bytes) -> EngineHeartbeat | None:
-        hb = self._decoded.get(blob)
-        if hb is None:
-            try:
-                hb = EngineHeartbeat.from_msgpack(blob)
-            except ValueError:
-                return None
-            if len(self._decoded) >= 4096:
-                self._decoded.clear()
-            self._decoded[blob] = hb
+    def _heartbeat(self, engine_id: bytes, blob: bytes) -> EngineHeartbeat | None:
+        cached = self._decoded.get(engine_id)
+        if cached is not None and cached[0] == blob:
+            return cached[1]
+        try:
+            hb = EngineHeartbeat.from_msgpack(blob)
+        except ValueError:
+            return None
+        if len(self._decoded) >= 4096:  # engine ids come and go: bounded all the same
+            self._decoded.clear()
+        self._decoded[engine_id] = (blob, hb)
         return hb
 
 

@@ -208,8 +208,9 @@ def test_a_group_serves_one_engines_tokens_and_a_killed_worker_ends_it(fast_mode
                                                                        layout) -> None:
     """From the LWS environment alone: the tokens of a single-process engine through the
     router and gateway; SIGKILL on the worker takes the leader out of routing; the group,
-    started again (as LWS recreates it), serves the same tokens. ``pp``: the worker pod is
-    pipeline stage 0 (the leader the last stage)."""
+    started again (as LWS recreates it), serves the same tokens; ``tp``: then SIGSTOP on the
+    new worker (a pod that hangs, closing nothing) takes the group out of routing too. ``pp``:
+    the worker pod is pipeline stage 0 (the leader the last stage)."""
     expected = _reference(fast_model_dir)
     port = free_port()
     stack = _slow_stack(fast_model_dir, port, layout)
@@ -225,13 +226,8 @@ def test_a_group_serves_one_engines_tokens_and_a_killed_worker_ends_it(fast_mode
             wait_for(lambda: stack.engine_id(0) in router_engines(stack.routers[0].url), 10,
                      "the group is back in routing")
             assert _complete(stack.base_url, stack.model) == expected
-
-
-def test_a_stopped_worker_takes_the_group_out_of_routing(fast_model_dir) -> None:
-    port = free_port()
-    stack = _slow_stack(fast_model_dir, port)
-    with _launched(_worker(fast_model_dir, port)) as worker, stack:
-        _lose_worker(stack, worker, signal.SIGSTOP)
+            if layout == "tp":  # here, not in a test of its own: one group start less
+                _lose_worker(stack, again, signal.SIGSTOP)
 
 
 def _local_ranks(pid: int) -> list[int]:
@@ -247,12 +243,15 @@ def _local_ranks(pid: int) -> list[int]:
     return found
 
 
-def test_a_stage_of_two_ranks_per_pod_serves_and_a_killed_local_rank_ends_the_group(
+def test_a_stage_of_two_ranks_per_pod_serves_and_a_lost_local_rank_ends_the_group(
         fast_model_dir) -> None:
     """Two pods of two tensor-parallel ranks each, one pipeline stage per pod (ranks 0-1 the
     leader's, the last stage; ranks 2-3 the worker pod's, stage 0), each pod's process
     starting its one local worker: the tokens of a single-process engine through the router
-    and gateway; the worker pod's local rank SIGKILLed ends the worker pod and so the group."""
+    and gateway; the worker pod's local rank SIGKILLed ends the worker pod and so the group.
+    Started again, the worker pod's local rank SIGSTOPped (its pod's process still heartbeats
+    to the leader): its silent link to its pod's process ends that process, and so the group,
+    within seconds, not after the leader's step watchdog."""
     expected = _reference(fast_model_dir)
     port = free_port()
     stack = _slow_stack(fast_model_dir, port, "pp_tp")
@@ -262,17 +261,9 @@ def test_a_stage_of_two_ranks_per_pod_serves_and_a_killed_local_rank_ends_the_gr
         (local,) = _local_ranks(worker.proc.pid)
         assert len(_local_ranks(stack.engines[0].proc.pid)) == 1  # the leader's rank 1
         _lose_worker(stack, worker, signal.SIGKILL, pid=local)
-
-
-def test_a_stopped_local_rank_of_a_worker_pod_takes_the_group_out_of_routing(
-        fast_model_dir) -> None:
-    """The worker pod's local rank SIGSTOPped (its pod's process still heartbeats to the
-    leader): its silent link to its pod's process ends that process, and so the group, within
-    seconds, not after the leader's step watchdog."""
-    port = free_port()
-    stack = _slow_stack(fast_model_dir, port, "pp_tp")
-    with _launched(_worker(fast_model_dir, port, layout="pp_tp")) as worker, stack:
-        worker.wait_healthy()
-        (local,) = _local_ranks(worker.proc.pid)
-        _lose_worker(stack, worker, signal.SIGSTOP, pid=local)
-        assert "went silent" in worker.log_text(), worker.log_tail()
+        with _launched(_worker(fast_model_dir, port, layout="pp_tp")) as again:
+            stack.restart_engine(0)
+            again.wait_healthy()
+            (local,) = _local_ranks(again.proc.pid)
+            _lose_worker(stack, again, signal.SIGSTOP, pid=local)
+            assert "went silent" in again.log_text(), again.log_tail()
