@@ -233,12 +233,18 @@ def test_a_group_serves_one_engines_tokens_and_a_killed_worker_ends_it(fast_mode
 def _local_ranks(pid: int) -> list[int]:
     """The tensor-parallel worker processes under ``pid`` (a pod's local ranks; the leader's
     are its engine core's children)."""
+    def read(path: Path) -> bytes:  # a thread or process may end while it is walked
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            return path.read_bytes()
+        return b""
+
     found, todo = [], [pid]
     while todo:
-        for task in Path(f"/proc/{todo.pop()}/task").iterdir():
-            for child in map(int, (task / "children").read_text().split()):
+        tasks = Path(f"/proc/{todo.pop()}/task")
+        for task in (list(tasks.iterdir()) if tasks.exists() else []):
+            for child in map(int, read(task / "children").split()):
                 todo.append(child)
-                if b"services.engine.tp_worker" in Path(f"/proc/{child}/cmdline").read_bytes():
+                if b"services.engine.tp_worker" in read(Path(f"/proc/{child}/cmdline")):
                     found.append(child)
     return found
 
