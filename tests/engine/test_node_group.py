@@ -23,6 +23,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
 from services.engine import LLM, SamplingParams
@@ -233,19 +234,11 @@ def test_a_group_serves_one_engines_tokens_and_a_killed_worker_ends_it(fast_mode
 def _local_ranks(pid: int) -> list[int]:
     """The tensor-parallel worker processes under ``pid`` (a pod's local ranks; the leader's
     are its engine core's children)."""
-    def read(path: Path) -> bytes:  # a thread or process may end while it is walked
-        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-            return path.read_bytes()
-        return b""
-
-    found, todo = [], [pid]
-    while todo:
-        tasks = Path(f"/proc/{todo.pop()}/task")
-        for task in (list(tasks.iterdir()) if tasks.exists() else []):
-            for child in map(int, read(task / "children").split()):
-                todo.append(child)
-                if b"services.engine.tp_worker" in read(Path(f"/proc/{child}/cmdline")):
-                    found.append(child)
+    found = []
+    for child in psutil.Process(pid).children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):  # one that ended meanwhile
+            if "services.engine.tp_worker" in child.cmdline():
+                found.append(child.pid)
     return found
 
 
