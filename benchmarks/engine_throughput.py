@@ -64,7 +64,10 @@ def machine_line() -> str:
         (ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []
     )
     isa = [
-        f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags
+        f
+        for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8",
+                  "amx_tile")
+        if f in flags
     ]
     return (
         f"machine: {model}; cores usable: {len(os.sched_getaffinity(0))}; "

@@ -20,9 +20,9 @@ measured. The first line names the machine (its CPU flags): figures depend on it
    checkpoint (``--vllm-python``). Targets: int8 >= 1.3x Pagoda bfloat16 and >= 1x vLLM-CPU.
 3. Batch-1 decode, 4-bit against bfloat16, on a model of the default's family (Llama, SmolLM2's
    tokenizer) at 1B shape with random weights (hidden 2048, MLP 8192, 32 query / 8 KV heads, 16
-   layers; 4 with ``--quick``), GPTQ group 128 rounded to nearest: 135M is too small for the
-   weights' bytes to dominate a step. Target: 4-bit >= 1.5x bfloat16. vLLM-CPU decodes the same
-   4-bit checkpoint beside them.
+   layers; 4 with ``--quick``), GPTQ group 128 symmetric rounded to nearest: 135M is too small
+   for the weights' bytes to dominate a step. Target: 4-bit >= 1.5x bfloat16. vLLM-CPU decodes
+   the same 4-bit checkpoint beside them.
 
 4. The int8 product itself (``--sections kernel``): one 576 -> 1536 product (the default model's
    MLP shape) at 1, 8, 64 and 1,024 rows, one thread, best of N with the sides alternated:
@@ -123,6 +123,7 @@ def product_times(rows: int, repeats: int) -> dict:
     """Microseconds (best of ``repeats``, the sides alternated) of one 576 -> 1536 product."""
     import torch.nn.functional as F
 
+    from services.engine.cpu_ops.isa import has_int8_dot
     from services.engine.models import onednn
     from services.engine.quantization import w8a8_int8
 
@@ -135,10 +136,14 @@ def product_times(rows: int, repeats: int) -> dict:
     kernels = w8a8_int8.kernels_for(x)
     packed = {dt: onednn.pack(w.to(dt)) for dt in (torch.float32, torch.bfloat16)}
 
+    int_mm = has_int8_dot()  # the path the model's layers take here (``W8A8Int8Method``)
+
     def int8() -> torch.Tensor:
-        if kernels is not None:
-            return w8a8_int8.int8_linear_kernel(kernels, x, w_int8, scale_row)
-        return w8a8_int8.int8_linear_torch(x, w_int8, scale_row)
+        if kernels is None:
+            return w8a8_int8.int8_linear_torch(x, w_int8, scale_row)
+        if int_mm:
+            return w8a8_int8.int8_linear_int_mm(kernels, x, w_int8, scale_row)
+        return w8a8_int8.int8_linear_kernel(kernels, x, w_int8, scale_row)
 
     sides = {
         "w8a8": int8,
@@ -153,7 +158,7 @@ def product_times(rows: int, repeats: int) -> dict:
             fn()
             best[name] = min(best[name], time.perf_counter() - start)
     return {
-        "w8a8_path": "csrc/w8a8.cpp" if kernels is not None else "torch._int_mm",
+        "w8a8_path": ("torch._int_mm" if kernels is None or int_mm else "csrc/w8a8.cpp"),
         **{name: round(t * 1e6, 1) for name, t in best.items()},
     }
 
@@ -298,7 +303,9 @@ def throughput(args, base: Path) -> None:
 def decode(args, base: Path) -> None:
     layers = 4 if args.quick else 16
     big = write_big(base, args.dir / f"big-{layers}l-bf16", layers)
-    four = made(args.dir / f"big-{layers}l-gptq-g128", lambda o: write_int4(big, o, "gptq", 128)[0])
+    # Symmetric (GPTQ's default grid): vLLM-CPU's GPTQ refuses sym=False.
+    four = made(args.dir / f"big-{layers}l-gptq-g128-sym",
+                lambda o: write_int4(big, o, "gptq", 128, sym=True)[0])
     new = 16 if args.quick else 64
     res = {
         name: clean({"run": "decode", "path": str(path), "dtype": "bfloat16", "new_tokens": new})

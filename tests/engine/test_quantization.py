@@ -297,20 +297,21 @@ def test_fp8_w8a16_matches_the_reference(tiny_model_dir, tmp_path, architecture)
 # --------------------------------------------------------------------------- GPTQ and AWQ W4A16
 
 WIDE = {"hidden_size": 128, "intermediate_size": 256}  # group 128 divides every input
+# (name, format, group, act-order, architecture, overrides, symmetric: GPTQ's default grid)
 INT4 = [
-    ("gptq-g128", "gptq", 128, False, "LlamaForCausalLM", WIDE),
-    ("gptq-per-channel", "gptq", -1, False, "Qwen2ForCausalLM", {}),
-    ("gptq-g32-act-order", "gptq", 32, True, "LlamaForCausalLM", {}),
-    ("awq-g128", "awq", 128, False, "LlamaForCausalLM", WIDE),
-    ("awq-g32-phi3-fused", "awq", 32, False, "Phi3ForCausalLM", PHI3),
+    ("gptq-g128-sym", "gptq", 128, False, "LlamaForCausalLM", WIDE, True),
+    ("gptq-per-channel", "gptq", -1, False, "Qwen2ForCausalLM", {}, False),
+    ("gptq-g32-act-order", "gptq", 32, True, "LlamaForCausalLM", {}, False),
+    ("awq-g128", "awq", 128, False, "LlamaForCausalLM", WIDE, False),
+    ("awq-g32-phi3-fused", "awq", 32, False, "Phi3ForCausalLM", PHI3, False),
 ]
 
 
 @pytest.mark.parametrize("case", INT4, ids=[c[0] for c in INT4])
 def test_int4_matches_the_reference(tiny_model_dir, tmp_path, case) -> None:
-    _, fmt, group, act_order, architecture, overrides = case
+    _, fmt, group, act_order, architecture, overrides, sym = case
     original = tiny_model_dir(architecture, **overrides)
-    quantized, dense = write_int4(original, tmp_path / fmt, fmt, group, act_order)
+    quantized, dense = write_int4(original, tmp_path / fmt, fmt, group, act_order, sym)
     model = load_model(quantized)
     reference = int4_reference(original, dense)
     ids = _random_ids(256, 29, seed=3)

@@ -1,7 +1,8 @@
 """The 4-bit (W4A16) CPU kernel (``csrc/w4a16.cpp``, ``quantization.w4a16_cpu``) against the
 torch reference: the weight dequantized by ``quantization.int4.dequantize``, then multiplied in
 float32. Both the AVX2 path and the portable loop, for 1 to 19 rows, group sizes 16/128 and per
-channel, act-order's scattered groups;
+channel, act-order's scattered groups; the AVX-512-BF16 path for bfloat16 rows where the CPU has
+it;
 and the layer method's dense path past ``DENSE_ROWS`` rows.
 """
 
@@ -90,6 +91,47 @@ def test_bf16_activations_come_back_in_bf16() -> None:
     assert y.dtype == torch.bfloat16
     expected = _reference(x.float(), q, zeros, scales, groups)
     assert (y.double() - expected).abs().max().item() <= 2**-7 * expected.abs().max().item()
+
+
+bf16_dot = pytest.mark.skipif(kernels is None or not kernels.bf16_available(),
+                              reason="this CPU has no AVX-512-BF16 (the AVX2 path serves it)")
+
+
+@bf16_dot
+@pytest.mark.parametrize("rows", [1, 3, 19])
+@pytest.mark.parametrize("group", [32, 128, -1], ids=["g32", "g128", "per-channel"])
+def test_bf16_path_matches_the_dequantized_product(rows: int, group: int) -> None:
+    """The bfloat16 inputs as they are, float32 sums: the float32 path's tolerance."""
+    q, zeros, scales, groups = _layer(256, 48, group, act_order=False, seed=rows)
+    w = kernel_weight(q, zeros, scales, groups)
+    assert w is not None and w.bf16
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    y = kernels.w4a16_linear_bf16(x, w.q, w.scale, w.zs)
+    assert y.dtype == torch.float32
+    _close(y, _reference(x.float(), q, zeros, scales, groups))
+
+
+@bf16_dot
+def test_the_layer_takes_the_bf16_path_for_bf16_rows_only(monkeypatch) -> None:
+    q, zeros, scales, groups = _layer(128, 16, 32, act_order=True, seed=4)
+    layer = _Layer()
+    layer.w4 = kernel_weight(q, zeros, scales, groups)
+    calls = []
+    real = kernels.w4a16_linear_bf16
+    monkeypatch.setattr(kernels, "w4a16_linear_bf16",
+                        lambda *a: calls.append(a[0].dtype) or real(*a), raising=True)
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(5)).bfloat16()
+    y = W4A16_CPU.apply(layer, x, None)
+    assert calls == [torch.bfloat16] and y.dtype == torch.bfloat16
+    W4A16_CPU.apply(layer, x.float(), None)  # float32 rows: the AVX2 path
+    assert len(calls) == 1
+    expected = _reference(x.float(), q, zeros, scales, groups)
+    assert (y.double() - expected).abs().max().item() <= 2**-7 * expected.abs().max().item()
+
+
+def test_groups_of_16_stay_on_the_avx2_path() -> None:
+    q, zeros, scales, groups = _layer(64, 8, 16, act_order=False)
+    assert not kernel_weight(q, zeros, scales, groups).bf16
 
 
 def test_shapes_the_kernel_cannot_take_are_left_to_the_dense_path() -> None:

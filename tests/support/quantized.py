@@ -136,8 +136,10 @@ def w8a8_reference(original: Path, quantized: Path, ranks: int = 1) -> torch.nn.
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
-def _rtn(w: torch.Tensor, group_size: int, perm: torch.Tensor | None):
-    """(q [in, out], zeros [G, out], scales fp16 [G, out], g_idx [in]) of ``w`` [out, in]."""
+def _rtn(w: torch.Tensor, group_size: int, perm: torch.Tensor | None, sym: bool = False):
+    """(q [in, out], zeros [G, out], scales fp16 [G, out], g_idx [in]) of ``w`` [out, in];
+    ``sym``: GPTQ's symmetric grid (zero point 8, scale 2 max|w| / 15), which vLLM's GPTQ
+    kernels take."""
     out, inp = w.shape
     g = inp if group_size == -1 else group_size
     order = torch.arange(inp) if perm is None else perm
@@ -149,8 +151,12 @@ def _rtn(w: torch.Tensor, group_size: int, perm: torch.Tensor | None):
     for group in range(inp // g):
         block = wt[g_idx == group]
         lo, hi = block.amin(0).clamp(max=0), block.amax(0).clamp(min=0)
+        if sym:
+            hi = torch.maximum(hi, -lo)
+            lo = -hi
         scales[group] = ((hi - lo) / 15).clamp(min=1e-6).half()
-        zeros[group] = torch.round(-lo / scales[group].float()).clamp(1, 15).long()
+        zeros[group] = (torch.full_like(zeros[group], 8) if sym else
+                        torch.round(-lo / scales[group].float()).clamp(1, 15).long())
     s, z = scales.float()[g_idx.long()], zeros[g_idx.long()]
     q = (torch.round(wt / s) + z).clamp(0, 15).long()
     return q, zeros, scales, g_idx
@@ -165,8 +171,10 @@ def _pack(values: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8
     return packed.movedim(-1, dim).contiguous()
 
 
-def write_int4(src: Path, out: Path, fmt: str, group_size: int, act_order: bool = False):
-    """Writes ``src`` as a 4-bit ``fmt`` ("gptq" or "awq") checkpoint in ``out``; returns
+def write_int4(src: Path, out: Path, fmt: str, group_size: int, act_order: bool = False,
+               sym: bool = False):
+    """Writes ``src`` as a 4-bit ``fmt`` ("gptq" or "awq"; ``sym``: GPTQ's symmetric grid)
+    checkpoint in ``out``; returns
     (out, {linear name: its dequantized float32 weight}) for ``int4_reference``."""
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
@@ -185,11 +193,11 @@ def write_int4(src: Path, out: Path, fmt: str, group_size: int, act_order: bool 
         if act_order and key not in perms:
             perms[key] = torch.randperm(module.in_features, generator=generator)
         perm = perms.get(key)
-        q, zeros, scales, g_idx = _rtn(module.weight.detach(), group_size, perm)
+        q, zeros, scales, g_idx = _rtn(module.weight.detach(), group_size, perm, sym)
         del state[f"{name}.weight"]
         dense[name] = ((q - zeros[g_idx.long()]) * scales.float()[g_idx.long()]).t()
         state.update(int4_tensors(name, fmt, q, zeros, scales, g_idx))
-    save_int4(src, out, state, fmt, group_size, act_order, sym=False)
+    save_int4(src, out, state, fmt, group_size, act_order, sym)
     return out, dense
 
 

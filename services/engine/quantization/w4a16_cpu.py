@@ -7,7 +7,10 @@ group makes each group one run of columns, and every step then gathers the activ
 in that order (a copy of ``[T, in]``, small beside the weight). The product accumulates in
 float32; the result is rounded to the activations' dtype once.
 
-Decode steps read a quarter of bfloat16's weight bytes. The kernel takes rows one at a time; past
+Decode steps read a quarter of bfloat16's weight bytes. bfloat16 activations on a CPU with
+AVX-512-BF16 take the kernel's ``vdpbf16ps`` path (``KernelWeight.bf16``: groups of a multiple of
+32 inputs), the same float32 sums from the bfloat16 values as they are; float32 ones, or other
+CPUs, the AVX2 path. The kernel takes rows one at a time; past
 ``DENSE_ROWS`` rows (a prefill) the weight is dequantized into a float32 matrix for that call and
 multiplied by torch (oneDNN), whose blocked GEMM reuses each weight over many rows.
 
@@ -27,6 +30,7 @@ from services.engine.cpu_ops import w4a16_ops
 from services.engine.quantization.base import LinearMethod
 
 CHUNK = 16  # inputs per 8-byte run of the kernel's layout
+BF16_STEP = 32  # inputs per vdpbf16ps step of the AVX-512-BF16 path (two runs)
 DENSE_ROWS = 64
 
 
@@ -36,6 +40,7 @@ class KernelWeight:
     scale: torch.Tensor  # float32 [out, groups]
     zs: torch.Tensor  # float32 [out, groups]: zero point times scale
     perm: torch.Tensor | None  # int64 [in]: the input column each kernel column reads
+    bf16: bool = False  # bfloat16 activations may take the AVX-512-BF16 path (see the module)
 
     def dense(self) -> torch.Tensor:
         """The float32 weight ``[out, in]`` in the kernel's column order."""
@@ -73,7 +78,14 @@ def kernel_weight(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
     return KernelWeight(q=pack_nibbles(q_sorted.t()),
                         scale=scale,
                         zs=(zeros.float().t() * scale).contiguous(),
-                        perm=None if identity else order)
+                        perm=None if identity else order,
+                        bf16=(inp // n_groups) % BF16_STEP == 0 and _bf16_dot())
+
+
+def _bf16_dot() -> bool:
+    """The kernels are built and this CPU has AVX-512-BF16."""
+    ops = w4a16_ops()
+    return ops is not None and ops.bf16_available()
 
 
 class W4A16CpuMethod(LinearMethod):
@@ -85,13 +97,14 @@ class W4A16CpuMethod(LinearMethod):
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         w: KernelWeight = layer.w4
-        xf = x.float()
         if w.perm is not None:
-            xf = xf.index_select(-1, w.perm)
-        if xf.shape[0] > DENSE_ROWS:
-            y = xf @ w.dense().t()
+            x = x.index_select(-1, w.perm)
+        if x.shape[0] > DENSE_ROWS:
+            y = x.float() @ w.dense().t()
+        elif w.bf16 and x.dtype is torch.bfloat16:
+            y = w4a16_ops().w4a16_linear_bf16(x.contiguous(), w.q, w.scale, w.zs)
         else:
-            y = w4a16_ops().w4a16_linear(xf.contiguous(), w.q, w.scale, w.zs)
+            y = w4a16_ops().w4a16_linear(x.float().contiguous(), w.q, w.scale, w.zs)
         if bias is not None:
             y.add_(bias)
         return y.to(x.dtype)
