@@ -8,13 +8,16 @@ import asyncio
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from services.engine.config import EngineConfig
 from services.engine.engine import EngineStats, LLMEngine, RequestUpdate
+from services.engine.serving import core_process
 from services.engine.serving.core_ipc import LoadFailed, decode, encode
 from services.engine.serving.core_loop import (
     BAD_REQUEST,
@@ -135,10 +138,32 @@ def _offline(model: Path, max_tokens: int) -> list[list[int]]:
     return [r.output_token_ids for r in reqs]
 
 
-def _server(model: Path) -> ServiceProcess:
+def _server(model: Path, env: dict[str, str] | None = None) -> ServiceProcess:
     return ServiceProcess("services.engine.serving.server", [
         "--model", str(model), "--engine-core", "process", "--num-blocks", "64",
-        "--max-model-len", "128"])
+        "--max-model-len", "128"], env=env)
+
+
+def test_the_core_is_forked_only_from_a_single_threaded_server(monkeypatch) -> None:
+    monkeypatch.delenv(core_process.START_METHOD_ENV, raising=False)
+    monkeypatch.setattr(core_process, "_IMPORT_THREADS", 2)  # OpenBLAS's pool beside main
+    monkeypatch.setattr(threading, "active_count", lambda: 1)
+    assert core_process.start_method(threads=2) == "fork"
+    assert core_process.start_method(threads=3) == "spawn"  # a native thread since
+    monkeypatch.undo()
+    stop = threading.Event()
+    extra = threading.Thread(target=stop.wait)
+    extra.start()
+    try:  # a Python thread beside this one
+        assert core_process.start_method() == "spawn"
+    finally:
+        stop.set()
+        extra.join()
+    monkeypatch.setenv(core_process.START_METHOD_ENV, "spawn")
+    assert core_process.start_method(threads=1) == "spawn"
+    monkeypatch.setenv(core_process.START_METHOD_ENV, "forkserver")
+    with pytest.raises(ValueError, match="PAGODA_CORE_START_METHOD must be fork or spawn"):
+        core_process.start_method()
 
 
 def test_greedy_through_the_core_process_then_its_death_ends_the_server(tiny_model_dir) -> None:
@@ -146,6 +171,7 @@ def test_greedy_through_the_core_process_then_its_death_ends_the_server(tiny_mod
     expected = _offline(model, 12)
     proc = _server(model).start()
     try:
+        assert "(fork)" in proc.log_text()  # the server had one thread when it started it
         assert asyncio.run(_greedy(proc.url, PROMPTS, 12)) == expected
         assert asyncio.run(_described(proc.url)) == ({
             "status": "ok", "model": model.name, "block_size": 16, "max_model_len": 128}, {
@@ -161,9 +187,12 @@ def test_greedy_through_the_core_process_then_its_death_ends_the_server(tiny_mod
         proc.kill()
 
 
-def test_the_core_dies_with_its_server(tiny_model_dir) -> None:
-    proc = _server(tiny_model_dir("LlamaForCausalLM")).start()
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_the_core_dies_with_its_server(tiny_model_dir, method: str) -> None:
+    proc = _server(tiny_model_dir("LlamaForCausalLM"),
+                   {core_process.START_METHOD_ENV: method}).start()
     try:
+        assert f"({method})" in proc.log_text()
         core = _core_pid(proc.proc.pid)
         proc.proc.kill()  # SIGKILL: no cleanup code runs in the server
         proc.proc.wait(10)

@@ -24,6 +24,7 @@ import asyncio
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import signal
 import threading
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from services.engine.serving.kv_event_queue import MAX_QUEUED_KV_EVENTS
 logger = logging.getLogger(__name__)
 
 _STOP_GRACE_S = 10.0
+START_METHOD_ENV = "PAGODA_CORE_START_METHOD"
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +50,9 @@ class _CoreArgs:
     kv_events: bool
     log_level: int
     crash_after_steps: int = 0
+    # A forked core's copies of the server's pipe ends, closed first thing: then the server's
+    # ends are the only ones, as when spawned (which inherits only its own).
+    server_fds: tuple[int, ...] = ()
 
 
 class EngineCoreProcess(CoreClient):
@@ -71,11 +76,14 @@ class EngineCoreProcess(CoreClient):
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        ctx = multiprocessing.get_context("spawn")  # never a fork of a threaded process
+        method = start_method()
+        ctx = multiprocessing.get_context(method)
         cmd_read, self._commands = ctx.Pipe(duplex=False)
         self._outputs, out_write = ctx.Pipe(duplex=False)
+        server_fds = ((self._commands.fileno(), self._outputs.fileno())
+                      if method == "fork" else ())
         args = _CoreArgs(self.config, self.step_delay_s, self.publish_kv_events,
-                         logging.getLogger().level, self.crash_after_steps)
+                         logging.getLogger().level, self.crash_after_steps, server_fds)
         self.process = ctx.Process(target=core_main, args=(args, cmd_read, out_write),
                                    name="engine-core", daemon=False)
         self.process.start()
@@ -83,7 +91,7 @@ class EngineCoreProcess(CoreClient):
         cmd_read.close()
         out_write.close()
         loop.add_reader(self._outputs.fileno(), self._on_readable)
-        logger.info("engine core process started pid=%d", self.process.pid)
+        logger.info("engine core process started pid=%d (%s)", self.process.pid, method)
 
     def stop(self, timeout: float = _STOP_GRACE_S) -> None:
         """Asks the core to close, waits for it, kills it past ``timeout`` (any thread)."""
@@ -147,12 +155,48 @@ class EngineCoreProcess(CoreClient):
         self.fail(f"engine core process died (exit code {code})")
 
 
+def _os_threads() -> int | None:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:  # no /proc (not Linux)
+        return None
+
+
+# The threads the imports left (numpy's OpenBLAS parks a pool thread at load, and shuts it
+# down around a fork itself); any started since is somebody's work in progress.
+_IMPORT_THREADS = _os_threads()
+
+
+def start_method(threads: int | None = None) -> str:
+    """How the core process starts: ``PAGODA_CORE_START_METHOD`` (``fork`` or ``spawn``), else
+    ``fork`` while this process runs no thread beyond those its imports left, as at the
+    server's startup, and ``spawn`` otherwise. A fork inherits the modules the server imported
+    (torch among them), where a spawned core imports them again, about 3 s of every start
+    (vLLM's engine core forks by default too); a fork while another thread works could inherit
+    a lock it holds, so a thread started since (tracing's exporter, ZMQ's I/O, an OpenMP team)
+    means spawn. ``threads``: this process's OS threads (None: read from ``/proc``)."""
+    chosen = os.environ.get(START_METHOD_ENV, "")
+    if chosen:
+        if chosen not in ("fork", "spawn"):
+            raise ValueError(f"{START_METHOD_ENV} must be fork or spawn, got {chosen!r}")
+        return chosen
+    threads = _os_threads() if threads is None else threads
+    if threads is None or _IMPORT_THREADS is None:
+        return "spawn"  # no way to tell: the portable way
+    return "fork" if threads <= _IMPORT_THREADS and threading.active_count() == 1 else "spawn"
+
+
 # -- the core process ---------------------------------------------------------------------------
 
 
 def core_main(args: _CoreArgs, commands: multiprocessing.connection.Connection,
               outputs: multiprocessing.connection.Connection) -> None:
     die_with_parent()
+    for fd in args.server_fds:
+        os.close(fd)
+    # A forked core shares the server's signal wake-up socket: a signal here must not wake the
+    # server's event loop (no-op when spawned).
+    signal.set_wakeup_fd(-1)
     # The server decides when the core ends (it drains first): a Ctrl-C or a SIGTERM sent to
     # the whole process group must not cut the core from under it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
