@@ -16,10 +16,11 @@
 // The AVX2+FMA path runs where the CPU has it (checked when called); elsewhere a plain loop.
 //
 // bfloat16 activations on a CPU with AVX-512-BF16 (``w4a16_linear_bf16``): ``vdpbf16ps`` takes
-// 32 products an instruction. The nibbles widen to 16-bit lanes and one ``vpermw`` looks each up
-// in a table of the bfloat16 values 0..15 (exact); a bfloat16 input times such a value is exact
-// in float32 and the sums are float32, as above. The activations are rearranged once per row
-// into the order the widened nibbles come in (the low nibbles of 16 bytes, then the high ones).
+// 32 products an instruction, 64 inputs a step where the groups allow (else 32). The nibbles
+// widen to 16-bit lanes and ``vpermw`` looks each up in a table of the bfloat16 values 0..15
+// (exact); a bfloat16 input times such a value is exact in float32 and the sums are float32, as
+// above. The activations are rearranged once per row into the order the widened nibbles come
+// in (a step's low nibbles, then its high ones).
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -135,16 +136,20 @@ void block_avx2(const Problem& p, int64_t o0, int64_t o1) {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
 
-constexpr int64_t kStep = 32;  // inputs per vdpbf16ps: 16 packed bytes, two chunks
+// Inputs per step: 64 (32 packed bytes, four chunks, two vdpbf16ps) where the groups hold whole
+// steps of 64, else 32 (16 bytes, two chunks, one vdpbf16ps).
+constexpr int64_t kWideStep = 64;
+constexpr int64_t kNarrowStep = 32;
 
-// Row t's inputs in the widened nibbles' order, per step of 32: the low nibbles' inputs
-// (chunk c, byte j: input 16c + j), then the high ones' (16c + 8 + j).
-void arrange_row(const uint16_t* x, int64_t in, uint16_t* out) {
-  for (int64_t s = 0; s < in; s += kStep)
-    for (int64_t c = 0; c < 2; ++c)
+// Row t's inputs in the widened nibbles' order, per step: the low nibbles' inputs (chunk c,
+// byte j: input 16c + j), then the high ones' (16c + 8 + j).
+void arrange_row(const uint16_t* x, int64_t in, int64_t step, uint16_t* out) {
+  const int64_t half = step / 2;
+  for (int64_t s = 0; s < in; s += step)
+    for (int64_t c = 0; c < step / kChunk; ++c)
       for (int64_t j = 0; j < 8; ++j) {
         out[s + 8 * c + j] = x[s + 16 * c + j];
-        out[s + 16 + 8 * c + j] = x[s + 16 * c + 8 + j];
+        out[s + half + 8 * c + j] = x[s + 16 * c + 8 + j];
       }
 }
 
@@ -172,28 +177,49 @@ inline __m512i nibble_table() {
   return _mm512_load_si512(table);
 }
 
-void tile_bf16(const ProblemBf16& p, int64_t o0, int64_t t) {
-  const __m256i low = _mm256_set1_epi16(0xF);
-  const __m512i table = nibble_table();
+// One step of kTile outputs: its products added into acc (kWideStep or kNarrowStep inputs).
+template <int64_t Step>
+inline void step_bf16(const ProblemBf16& p, const uint16_t* xt, int64_t o0, int64_t i,
+                      const __m512i& table, __m512* acc) {
   const int64_t half = p.in / 2;
+  if constexpr (Step == kWideStep) {
+    const __m512bh xl = (__m512bh)_mm512_loadu_si512(xt + i);
+    const __m512bh xh = (__m512bh)_mm512_loadu_si512(xt + i + 32);
+    const __m512i low = _mm512_set1_epi16(0xF);
+    for (int o = 0; o < kTile; ++o) {
+      const __m256i bytes =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.q + (o0 + o) * half + i / 2));
+      const __m512i v = _mm512_cvtepu8_epi16(bytes);
+      const __m512i wl = _mm512_permutexvar_epi16(_mm512_and_si512(v, low), table);
+      const __m512i wh = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
+      acc[o] = _mm512_dpbf16_ps(acc[o], (__m512bh)wl, xl);
+      acc[o] = _mm512_dpbf16_ps(acc[o], (__m512bh)wh, xh);
+    }
+  } else {
+    const __m512bh xv = (__m512bh)_mm512_loadu_si512(xt + i);
+    const __m256i low = _mm256_set1_epi16(0xF);
+    for (int o = 0; o < kTile; ++o) {
+      const __m128i bytes =
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.q + (o0 + o) * half + i / 2));
+      const __m256i v = _mm256_cvtepu8_epi16(bytes);
+      const __m512i n = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_and_si256(v, low)), _mm256_srli_epi16(v, 4), 1);
+      acc[o] = _mm512_dpbf16_ps(acc[o], (__m512bh)_mm512_permutexvar_epi16(n, table), xv);
+    }
+  }
+}
+
+template <int64_t Step>
+void tile_bf16(const ProblemBf16& p, int64_t o0, int64_t t) {
+  const __m512i table = nibble_table();
   const uint16_t* xt = p.xr + t * p.in;
   __m512 total[kTile];
   for (int o = 0; o < kTile; ++o) total[o] = _mm512_setzero_ps();
   for (int64_t g = 0; g < p.groups; ++g) {
     __m512 acc[kTile];
     for (int o = 0; o < kTile; ++o) acc[o] = _mm512_setzero_ps();
-    for (int64_t i = g * p.group; i < (g + 1) * p.group; i += kStep) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(xt + i);
-      for (int o = 0; o < kTile; ++o) {
-        const __m128i bytes =
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.q + (o0 + o) * half + i / 2));
-        const __m256i v = _mm256_cvtepu8_epi16(bytes);
-        const __m512i n = _mm512_inserti64x4(
-            _mm512_castsi256_si512(_mm256_and_si256(v, low)), _mm256_srli_epi16(v, 4), 1);
-        const __m512i w = _mm512_permutexvar_epi16(n, table);
-        acc[o] = _mm512_dpbf16_ps(acc[o], (__m512bh)w, xv);
-      }
-    }
+    for (int64_t i = g * p.group; i < (g + 1) * p.group; i += Step)
+      step_bf16<Step>(p, xt, o0, i, table, acc);
     for (int o = 0; o < kTile; ++o) {
       const __m512 s = _mm512_set1_ps(p.scale[(o0 + o) * p.groups + g]);
       total[o] = _mm512_fmadd_ps(acc[o], s, total[o]);
@@ -210,8 +236,10 @@ void tile_bf16(const ProblemBf16& p, int64_t o0, int64_t t) {
 }
 
 void block_bf16(const ProblemBf16& p, int64_t o0, int64_t o1) {
+  const bool wide = p.group % kWideStep == 0;
   for (int64_t t = 0; t < p.rows; ++t)
-    for (int64_t o = o0; o < o1; o += kTile) tile_bf16(p, o, t);
+    for (int64_t o = o0; o < o1; o += kTile)
+      wide ? tile_bf16<kWideStep>(p, o, t) : tile_bf16<kNarrowStep>(p, o, t);
 }
 
 #pragma GCC pop_options
@@ -313,7 +341,8 @@ torch::Tensor w4a16_linear_bf16(const torch::Tensor& x, const torch::Tensor& q,
   const int64_t group = in / groups;
   for (int64_t t = 0; t < rows; ++t) {
 #ifdef PAGODA_W4_BF16
-    arrange_row(xb + t * in, in, xr.data() + t * in);
+    arrange_row(xb + t * in, in, group % kWideStep == 0 ? kWideStep : kNarrowStep,
+                xr.data() + t * in);
 #endif
     for (int64_t g = 0; g < groups; ++g) {
       float s = 0.f;
