@@ -32,7 +32,8 @@ from vllm import LLM, SamplingParams
 if __name__ == "__main__":
     cfg = json.load(open(sys.argv[1]))
     llm = LLM(model=cfg["model"], dtype="bfloat16", block_size=32, max_model_len=512,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False,
+              gpu_memory_utilization=0.3)  # on the CPU: the share of RAM for weights + KV
     params = SamplingParams(max_tokens=cfg["new"], temperature=0, ignore_eos=True)
     out = llm.generate([cfg["prompt"]], params, use_tqdm=False)[0].outputs[0]
     print("RESULT " + json.dumps({"tokens": list(out.token_ids), "text": out.text}))
