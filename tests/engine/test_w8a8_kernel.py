@@ -115,6 +115,25 @@ def test_kernel_layer_product_is_the_int_mm_products(dtype) -> None:
     expected = w8a8_int8.int8_linear_torch(x, w, scale_row)
     assert torch.equal(int8_linear_kernel(kernels, x, w, scale_row), expected)
     assert torch.equal(int8_linear_int_mm(kernels, x, w, scale_row), expected)
+    # Rounded to bfloat16 in the scaling pass: the torch path's result rounded once.
+    assert torch.equal(int8_linear_int_mm(kernels, x, w, scale_row, torch.bfloat16),
+                       expected.bfloat16())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_pass_scaling_is_the_torch_epilogue_bit_for_bit(dtype) -> None:
+    gen = torch.Generator().manual_seed(6)
+    acc = torch.randint(-2**31, 2**31 - 1, (7, 37), generator=gen, dtype=torch.int64)
+    acc = acc.to(torch.int32)
+    acc[0, :3] = torch.tensor([-2**31, 2**31 - 1, 0], dtype=torch.int32)
+    scale = torch.rand(7, 1, generator=gen) * 1e-3
+    w_scale = torch.rand(37, generator=gen) * 1e-2
+    expected = acc.float().mul_(scale).mul_(w_scale).to(dtype)
+    assert torch.equal(kernels.scale_int32(acc, scale, w_scale, dtype), expected)
+    with pytest.raises(RuntimeError, match="dtype must be float32 or bfloat16"):
+        kernels.scale_int32(acc, scale, w_scale, torch.float16)
+    with pytest.raises(RuntimeError, match="w_scale must be"):
+        kernels.scale_int32(acc, scale, w_scale[:5].contiguous(), dtype)
 
 
 class _Layer(torch.nn.Module):

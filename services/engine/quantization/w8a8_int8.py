@@ -76,12 +76,15 @@ def int8_linear_kernel(
 
 
 def int8_linear_int_mm(
-    kernels: ModuleType, x: torch.Tensor, weight: torch.Tensor, scale_row: torch.Tensor
+    kernels: ModuleType, x: torch.Tensor, weight: torch.Tensor, scale_row: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """``int8_linear_torch``'s result with the rows quantized by the fused op (CPUs with int8
-    dot products: ``_int_mm`` is oneDNN's VNNI/AMX GEMM there)."""
+    dot products: ``_int_mm`` is oneDNN's VNNI/AMX GEMM there), scaled back and rounded to
+    ``dtype`` (float32 or bfloat16) in one pass: the same values as the torch path's
+    ``.to(dtype)``."""
     q, scale = quantize_rows_fused(kernels, x)
-    return torch._int_mm(q, weight.t()).float().mul_(scale).mul_(scale_row)
+    return kernels.scale_int32(torch._int_mm(q, weight.t()), scale, scale_row, dtype)
 
 
 def kernels_for(x: torch.Tensor) -> ModuleType | None:
@@ -114,7 +117,9 @@ class W8A8Int8Method(LinearMethod):
         elif kernels is None:
             y = int8_linear_torch(x, layer.weight, layer.scale_row)
         elif has_int8_dot():
-            y = int8_linear_int_mm(kernels, x, layer.weight, layer.scale_row)
+            # Rounded to the activations' dtype in the scaling pass when no bias follows.
+            out = x.dtype if bias is None and x.dtype in _KERNEL_DTYPES else torch.float32
+            y = int8_linear_int_mm(kernels, x, layer.weight, layer.scale_row, out)
         else:
             y = int8_linear_kernel(kernels, x, layer.weight, layer.scale_row)
         if bias is not None:

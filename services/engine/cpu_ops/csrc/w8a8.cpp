@@ -272,6 +272,50 @@ torch::Tensor w8a8_linear(const torch::Tensor& q, const torch::Tensor& scale,
 }
 
 // Lets go of the GIL while it runs, as torch's own ops do (see cpu_ops.cpp).
+// ``torch._int_mm``'s int32 sums scaled back in one pass: float(acc) * scale[t] * w_scale[o],
+// in that order, rounded once to ``dtype`` (float32 or bfloat16): the same values as
+// ``acc.float().mul_(scale).mul_(w_scale).to(dtype)``, which makes four passes over [T, out].
+template <typename Out>
+void scale_rows(const int32_t* acc, const float* scale, const float* w_scale, Out* y,
+                int64_t rows, int64_t out) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float s = scale[t];
+      const int32_t* a = acc + t * out;
+      Out* yt = y + t * out;
+      for (int64_t o = 0; o < out; ++o) {
+        float v = static_cast<float>(a[o]) * s;
+        v = v * w_scale[o];
+        yt[o] = static_cast<Out>(v);
+      }
+    }
+  });
+}
+
+torch::Tensor scale_int32(const torch::Tensor& acc, const torch::Tensor& scale,
+                          const torch::Tensor& w_scale, at::ScalarType dtype) {
+  TORCH_CHECK(acc.device().is_cpu() && acc.scalar_type() == at::kInt && acc.dim() == 2 &&
+                  acc.is_contiguous(),
+              "acc must be a contiguous int32 [T, out] CPU tensor");
+  const int64_t rows = acc.size(0), out = acc.size(1);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
+                  scale.numel() == rows,
+              "scale must be float32 [T, 1]");
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() &&
+                  w_scale.numel() == out,
+              "w_scale must be float32 [out]");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype must be float32 or bfloat16");
+  auto y = torch::empty({rows, out}, acc.options().dtype(dtype));
+  const int32_t* a = acc.data_ptr<int32_t>();
+  if (dtype == at::kFloat)
+    scale_rows(a, scale.data_ptr<float>(), w_scale.data_ptr<float>(), y.data_ptr<float>(), rows,
+               out);
+  else
+    scale_rows(a, scale.data_ptr<float>(), w_scale.data_ptr<float>(),
+               y.data_ptr<at::BFloat16>(), rows, out);
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("quantize_rows", &quantize_rows, release(),
@@ -283,4 +327,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "float32, the sums exact in int32",
         py::arg("q"), py::arg("scale"), py::arg("w"), py::arg("w_scale"),
         py::arg("allow_avx2") = true);
+  m.def("scale_int32", &scale_int32, release(),
+        "int32 sums [T, out] times row scales [T, 1] and output scales [out] -> [T, out] "
+        "float32 or bfloat16, one pass",
+        py::arg("acc"), py::arg("scale"), py::arg("w_scale"), py::arg("dtype"));
 }
