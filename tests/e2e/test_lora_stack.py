@@ -122,22 +122,30 @@ def test_the_router_follows_the_adapter_and_spreads_a_burst(stack: PagodaStack) 
     # times, which the router weighs as speed, are alike: affinity is what differs. The two
     # run side by side, so a busy machine slows both alike (one after the other, engine-1's
     # steps were once seen 1.4x engine-0's, and the router rightly sent all five to engine-0).
-    with ThreadPoolExecutor(2) as pool:
-        primed = pool.map(lambda a: _direct(stack, *a, [1, 2, 3], max_tokens=40),
-                          [(1, "static2"), (0, "static")])
-        assert list(primed) == [200, 200]
-    wait_for(lambda: _engine_adapters(stack, "engine-1").get("static2") == 2, 10,
-             "engine-1 reports static2 in a slot")
-    assert _engine_adapters(stack, "engine-0")["static2"] == 1
+    # Even side by side, a neighbour's burst can still make one engine's recent steps 1.25x
+    # the other's (the router's "slower" threshold): then speed, not affinity, decides. So
+    # the pair is primed again, up to three rounds, until the paced requests show affinity.
     c = _client(stack)
-    engines = []
-    for i in range(5):  # paced traffic; prompts under a block: no prefix to follow
-        raw = c.completions.with_raw_response.create(model="static2", prompt=f"Hi {i}",
-                                                     max_tokens=2, temperature=0)
-        engines.append(raw.headers["x-pagoda-engine"])
-        # Paced past a heartbeat (0.5 s): the last request no longer counts as pending load.
-        time.sleep(0.7)
-    assert set(engines) == {"engine-1"}, engines
+    rounds = []
+    for _ in range(3):
+        with ThreadPoolExecutor(2) as pool:
+            primed = pool.map(lambda a: _direct(stack, *a, [1, 2, 3], max_tokens=40),
+                              [(1, "static2"), (0, "static")])
+            assert list(primed) == [200, 200]
+        wait_for(lambda: _engine_adapters(stack, "engine-1").get("static2") == 2, 10,
+                 "engine-1 reports static2 in a slot")
+        assert _engine_adapters(stack, "engine-0")["static2"] == 1
+        engines = []
+        for i in range(5):  # paced traffic; prompts under a block: no prefix to follow
+            raw = c.completions.with_raw_response.create(model="static2", prompt=f"Hi {i}",
+                                                         max_tokens=2, temperature=0)
+            engines.append(raw.headers["x-pagoda-engine"])
+            # Paced past a heartbeat (0.5 s): the last request no longer counts as pending.
+            time.sleep(0.7)
+        rounds.append(engines)
+        if set(engines) == {"engine-1"}:
+            break
+    assert set(rounds[-1]) == {"engine-1"}, rounds
 
     def one(i: int) -> str:
         raw = c.completions.with_raw_response.create(model="static2", prompt=f"Go {i}",
