@@ -46,8 +46,9 @@ struct Problem {
   int64_t rows, in, out, groups, group;
 };
 
-// The zero points' share of y[t, o]: sum_g zs[o, g] * xsum[t, g].
-inline float zero_term(const Problem& p, int64_t t, int64_t o) {
+// The zero points' share of y[t, o]: sum_g zs[o, g] * xsum[t, g] (either path's problem).
+template <typename P>
+inline float zero_term(const P& p, int64_t t, int64_t o) {
   const float* z = p.zs + o * p.groups;
   const float* xs = p.xsum + t * p.groups;
   float acc = 0.f;
@@ -225,14 +226,8 @@ void tile_bf16(const ProblemBf16& p, int64_t o0, int64_t t) {
       total[o] = _mm512_fmadd_ps(acc[o], s, total[o]);
     }
   }
-  for (int o = 0; o < kTile; ++o) {
-    const int64_t oo = o0 + o;
-    const float* z = p.zs + oo * p.groups;
-    const float* xs = p.xsum + t * p.groups;
-    float zero = 0.f;
-    for (int64_t g = 0; g < p.groups; ++g) zero += z[g] * xs[g];
-    p.y[t * p.out + oo] = hsum512(total[o]) - zero;
-  }
+  for (int o = 0; o < kTile; ++o)
+    p.y[t * p.out + o0 + o] = hsum512(total[o]) - zero_term(p, t, o0 + o);
 }
 
 void block_bf16(const ProblemBf16& p, int64_t o0, int64_t o1) {
@@ -265,13 +260,26 @@ bool have_avx2() {
 #endif
 }
 
-void group_sums(const Problem& p, float* xsum) {
-  for (int64_t t = 0; t < p.rows; ++t)
-    for (int64_t g = 0; g < p.groups; ++g) {
-      const float* xg = p.x + t * p.in + g * p.group;
+inline float to_float(float v) { return v; }
+
+inline float to_float(uint16_t bf16_bits) {
+  const uint32_t bits = static_cast<uint32_t>(bf16_bits) << 16;
+  float v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+// xsum[t, g]: float32 sums of each row's groups of inputs, in input order (float32 or
+// bfloat16 bits).
+template <typename T>
+void group_sums(const T* x, int64_t rows, int64_t in, int64_t groups, float* xsum) {
+  const int64_t group = in / groups;
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t g = 0; g < groups; ++g) {
+      const T* xg = x + t * in + g * group;
       float s = 0.f;
-      for (int64_t i = 0; i < p.group; ++i) s += xg[i];
-      xsum[t * p.groups + g] = s;
+      for (int64_t i = 0; i < group; ++i) s += to_float(xg[i]);
+      xsum[t * groups + g] = s;
     }
 }
 
@@ -304,7 +312,7 @@ torch::Tensor w4a16_linear(const torch::Tensor& x, const torch::Tensor& q,
             zs.data_ptr<float>(), xsum.data(), y.data_ptr<float>(),
             rows, in, out, groups, in / groups};
   if (rows == 0) return y;
-  group_sums(p, xsum.data());
+  group_sums(p.x, rows, in, groups, xsum.data());
   const bool avx2 = allow_avx2 && have_avx2();
   at::parallel_for(0, out / kOutBlock, 1, [&](int64_t begin, int64_t end) {
     const int64_t o0 = begin * kOutBlock, o1 = end * kOutBlock;
@@ -339,23 +347,11 @@ torch::Tensor w4a16_linear_bf16(const torch::Tensor& x, const torch::Tensor& q,
   std::vector<uint16_t> xr(static_cast<size_t>(rows * in));
   std::vector<float> xsum(static_cast<size_t>(rows * groups));
   const int64_t group = in / groups;
-  for (int64_t t = 0; t < rows; ++t) {
+  group_sums(xb, rows, in, groups, xsum.data());
 #ifdef PAGODA_W4_BF16
+  for (int64_t t = 0; t < rows; ++t)
     arrange_row(xb + t * in, in, group % kWideStep == 0 ? kWideStep : kNarrowStep,
                 xr.data() + t * in);
-#endif
-    for (int64_t g = 0; g < groups; ++g) {
-      float s = 0.f;
-      for (int64_t i = g * group; i < (g + 1) * group; ++i) {
-        const uint32_t bits = static_cast<uint32_t>(xb[t * in + i]) << 16;
-        float v;
-        std::memcpy(&v, &bits, sizeof v);
-        s += v;
-      }
-      xsum[t * groups + g] = s;
-    }
-  }
-#ifdef PAGODA_W4_BF16
   ProblemBf16 p{xr.data(), q.data_ptr<uint8_t>(), scale.data_ptr<float>(), zs.data_ptr<float>(),
                 xsum.data(), y.data_ptr<float>(), rows, in, out, groups, group};
   at::parallel_for(0, out / kOutBlock, 1, [&](int64_t begin, int64_t end) {

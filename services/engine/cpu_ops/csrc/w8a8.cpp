@@ -271,7 +271,6 @@ torch::Tensor w8a8_linear(const torch::Tensor& q, const torch::Tensor& scale,
   return y;
 }
 
-// Lets go of the GIL while it runs, as torch's own ops do (see cpu_ops.cpp).
 // ``torch._int_mm``'s int32 sums scaled back in one pass: float(acc) * scale[t] * w_scale[o],
 // in that order, rounded once to ``dtype`` (float32 or bfloat16): the same values as
 // ``acc.float().mul_(scale).mul_(w_scale).to(dtype)``, which makes four passes over [T, out].
@@ -316,6 +315,7 @@ torch::Tensor scale_int32(const torch::Tensor& acc, const torch::Tensor& scale,
   return y;
 }
 
+// Lets go of the GIL while it runs, as torch's own ops do (see cpu_ops.cpp).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("quantize_rows", &quantize_rows, release(),
