@@ -74,6 +74,9 @@ class BlockManager:
         # Invariant: block.block_hash is not None  <=>  self._cached[block.block_hash] is block.
         self._cached: dict[BlockHash, KVBlock] = {}
         self._requests: dict[str, _RequestBlocks] = {}
+        # Each request's block ids (its entry's own list, which grows in place), by request id:
+        # the scheduler reads it for every running request every step, a dict lookup.
+        self.block_tables: dict[str, list[int]] = {}
         # KV events only for a consumer that drains them (the engine server's Redis
         # publisher): recorded and never taken, they would grow without bound.
         self.record_events = record_events
@@ -114,7 +117,7 @@ class BlockManager:
     def block_ids(self, request_id: str) -> list[int]:
         """The request's physical block ids, in token order: the manager's own list, which
         only grows while the request holds blocks. Read it, never change it."""
-        return self._requests[request_id].block_ids
+        return self.block_tables[request_id]
 
     def take_events(self) -> list[KVEvent]:
         """Returns and forgets the KV events since the last call, oldest first (none unless
@@ -187,11 +190,30 @@ class BlockManager:
                 f"num_computed_tokens={num_computed_tokens} exceeds the request's "
                 f"{len(token_ids)} tokens or its {len(entry.blocks)} blocks"
             )
-        start = entry.num_visited
         end = min(num_computed_tokens // self.block_size, len(block_hashes))
-        if end <= start:
+        if end > entry.num_visited:
+            self._check_known_hashes(entry.blocks, block_hashes, entry.num_visited, end)
+            self._cache_new(entry, token_ids, block_hashes, end)
+
+    def cache_computed_blocks(
+        self, request_id: str, token_ids: Sequence[int], block_hashes: Sequence[BlockHash],
+        num_computed_tokens: int,
+    ) -> None:
+        """``cache_full_blocks`` for the scheduler's own step bookkeeping, whose arguments are
+        the request's live state (its tokens, their chain, a count within its blocks): asserted,
+        not validated, as it runs for every block a step fills."""
+        if not self.enable_caching:
             return
-        self._check_known_hashes(entry.blocks, block_hashes, start, end)
+        entry = self._requests[request_id]
+        end = min(num_computed_tokens // self.block_size, len(block_hashes))
+        assert end <= len(entry.blocks), (request_id, num_computed_tokens)
+        if end > entry.num_visited:
+            self._cache_new(entry, token_ids, block_hashes, end)
+
+    def _cache_new(self, entry: _RequestBlocks, token_ids: Sequence[int],
+                   block_hashes: Sequence[BlockHash], end: int) -> None:
+        """Caches the request's blocks from ``entry.num_visited`` up to ``end``."""
+        start = entry.num_visited
         bs = self.block_size
         run: list[int] = []  # consecutive block indices stored by this call: one event
         for i in range(start, end):
@@ -200,7 +222,8 @@ class BlockManager:
             else:
                 self._emit_stored(run, token_ids, block_hashes)
                 run = []
-        self._emit_stored(run, token_ids, block_hashes)
+        if run:
+            self._emit_stored(run, token_ids, block_hashes)
         entry.num_visited = end
 
     def reset_prefix_cache(self) -> bool:
@@ -236,9 +259,17 @@ class BlockManager:
         blocks yet). Returns False, changing nothing, when there are not enough free blocks.
         """
         entry = self._requests.get(request_id)
+        if entry is not None and not new_computed_blocks:  # a running request grows
+            num_new = -(-num_tokens // self.block_size) - len(entry.blocks)
+            if num_new <= 0:
+                return True  # most decode steps: the last block still has room
+            if num_new > len(self._free):
+                return False
+            fresh = self._pop_fresh(num_new)
+            entry.blocks += fresh
+            entry.block_ids += [block.block_id for block in fresh]
+            return True
         held = 0 if entry is None else len(entry.blocks)
-        if entry is not None and not new_computed_blocks and num_tokens <= held * self.block_size:
-            return True  # most decode steps: the last block still has room
         assert num_tokens >= 0, num_tokens  # the scheduler's arithmetic, never a client's
         computed = list(new_computed_blocks)
         if computed:
@@ -252,6 +283,7 @@ class BlockManager:
             return False
         if entry is None:
             entry = self._requests[request_id] = _RequestBlocks()
+            self.block_tables[request_id] = entry.block_ids
         for block in computed:
             self._take_ref(block)
         entry.extend(computed)
@@ -314,6 +346,7 @@ class BlockManager:
         entry = self._requests.pop(request_id, None)
         if entry is None:
             return
+        del self.block_tables[request_id]
         for block in reversed(entry.blocks):
             self._drop_ref(block)
 

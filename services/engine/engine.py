@@ -411,6 +411,7 @@ class LLMEngine:
         for index, scored in result.prompt_logprobs:
             sched.scheduled[index].request.prompt_logprobs.extend(scored)
         out, spec = result.sampler_output, result.spec
+        num_finished = self.scheduler.num_finished
         sampled = self.scheduler.update(sched, out.token_ids, None if spec is None else spec.runs)
         self._release_rows()
         if self.kv_connector is not None:  # the step is done: its full blocks' KV is final
@@ -425,9 +426,10 @@ class LLMEngine:
             kept = {id(req) for req in sampled}
             rows = (s.request for s in sched.scheduled if s.completes_sequence)
             lps = [lp for req, lp in zip(rows, lps, strict=True) if id(req) in kept]
-        for req in sampled:
-            if req.status.is_finished:  # the scheduler has already freed its blocks
-                del self.requests[req.request_id]
+        if self.scheduler.num_finished != num_finished:
+            for req in sampled:
+                if req.status.is_finished:  # the scheduler has already freed its blocks
+                    del self.requests[req.request_id]
         return list(zip(sampled, lps, strict=True))
 
     def _update(

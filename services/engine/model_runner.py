@@ -484,27 +484,28 @@ class ModelRunner:
         each request that step samples for to its row of the sampled ids, which ``run`` is
         given."""
         ib = self.input_batch
+        scheduled = sched.scheduled
         ids: list[int] = []
         rows: list[int] = []
-        starts: list[int] = []
-        q_lens: list[int] = []
-        samples: list[bool] = []
+        seq_lens: list[int] = []
         fill_at: list[int] = []
         fill_from: list[int] = []
         add, refresh, written = ib.add, ib.refresh, ib.blocks_written
         lookahead = self.features.lookahead_ids
         every_row = ib.features.penalties > 0  # their counts catch up with the new tokens
-        for s in sched.scheduled:
+        # Runs for every scheduled request every step: locals, and only what varies per request
+        # is appended (query lengths and who samples are rebuilt below only when not all 1).
+        for s in scheduled:
             req, start, num = s.request, s.start, s.num_new_tokens
             row = req.batch_row
             if row < 0:
-                add(req, s.block_ids)
+                row = add(req, s.block_ids)
             elif every_row or len(s.block_ids) > written[row]:
                 refresh(req, s.block_ids)
             toks = req.token_ids
             if s.num_lookahead_tokens:  # the last token, then those its feature holds
                 ids.append(toks[start])
-                ids.extend(lookahead(req.batch_row, s.num_lookahead_tokens))
+                ids.extend(lookahead(row, s.num_lookahead_tokens))
             elif num == 1 and start < len(toks):  # a decode: its last known token
                 ids.append(toks[start])
             else:
@@ -515,20 +516,22 @@ class ModelRunner:
                     fill_from.append(in_flight_rows[req])
                     chunk.append(0)
                 ids.extend(chunk)
-            rows.append(req.batch_row)
-            starts.append(start)
-            q_lens.append(num)
-            samples.append(s.completes_sequence)
-        return self._prepared(sched, ids, rows, starts, q_lens, samples, fill_at, fill_from)
+            rows.append(row)
+            seq_lens.append(start + num)
+        n = len(scheduled)
+        q_lens = ([1] * n if sched.num_batched_tokens == n  # every request one token (each >= 1)
+                  else [s.num_new_tokens for s in scheduled])
+        sampled = (np.arange(n) if sched.num_sampling == n
+                   else np.flatnonzero([s.completes_sequence for s in scheduled]))
+        return self._prepared(sched, ids, rows, seq_lens, q_lens, sampled, fill_at, fill_from)
 
-    def _prepared(self, sched, ids, rows, starts, q_lens, samples, fill_at, fill_from):
+    def _prepared(self, sched, ids, rows, seq_lens, q_lens, sampled, fill_at, fill_from):
+        """``sampled``: the indices of the scheduled requests that sample (logits rows)."""
         ib = self.input_batch
         row_idx = np.array(rows, dtype=np.int64)
         q = np.array(q_lens, dtype=np.int64)
-        seq_lens = np.array(starts, dtype=np.int64) + q
+        seq_lens = np.array(seq_lens, dtype=np.int64)
         width = -(-int(seq_lens.max()) // self.block_size)
-        # Logits only where a token is sampled: the last new token of completed sequences.
-        sampled = np.flatnonzero(np.array(samples, dtype=bool))
         batch = StepBatch(
             input_ids=np.array(ids, dtype=np.int64),
             block_tables=ib.block_table[row_idx, :width],  # a gathered copy

@@ -125,6 +125,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
+    num_sampling: int = 0  # the scheduled requests with ``completes_sequence``
     # The connector's metadata for the step (the loads it planned), for its worker side.
     kv_connector_metadata: Any = None
 
@@ -153,6 +154,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_finished = 0  # requests ``update`` finished (the engine's cue to drop them)
         self.num_steps_in_flight = 0  # scheduled, not applied yet (async scheduling: up to 2)
         # Pipeline parallelism's batch queue (``pipeline_batches``): a request in a step in
         # flight is not scheduled again before that step is applied, and a step takes at most
@@ -273,7 +275,7 @@ class Scheduler:
         # hashes each block as its last token arrives, before it is computed).
         bs = self.block_manager.block_size
         if num_computed // bs != req.num_computed_tokens // bs:
-            self.block_manager.cache_full_blocks(
+            self.block_manager.cache_computed_blocks(
                 req.request_id, req.token_ids, req.block_hashes, num_computed
             )
 
@@ -283,9 +285,10 @@ class Scheduler:
         # ``running``, which the loop then never reaches.
         scheduled, append = out.scheduled, out.scheduled.append
         bm = self.block_manager
-        allocate, block_ids, bs = bm.allocate_slots, bm.block_ids, bm.block_size
+        allocate, tables, bs = bm.allocate_slots, bm.block_tables, bm.block_size
         room = self.max_batch_seqs or self.max_num_seqs
         exclusive = self.one_batch_per_request
+        num_sampling = 0
         for req in self.running:
             if budget <= 0 or len(scheduled) >= room:
                 break
@@ -301,7 +304,7 @@ class Scheduler:
             if num_new > budget:
                 num_new = budget
             total = start + num_new
-            ids = block_ids(req.request_id)  # grows in place when blocks are allocated
+            ids = tables[req.request_id]  # grows in place when blocks are allocated
             # While its last block has room (most decodes) nothing needs allocating.
             if total > len(ids) * bs and not allocate(req.request_id, total) and not (
                     self._preempt_for(req, total, out)):
@@ -311,7 +314,9 @@ class Scheduler:
             req.num_placeholders = placeholders + samples
             append(ScheduledRequest(req, num_new, ids, samples, start,
                                     total - end if total > end else 0))
+            num_sampling += samples
             budget -= num_new
+        out.num_sampling += num_sampling
         return budget
 
     def _preempt_for(self, req: Request, total: int, out: SchedulerOutput) -> bool:
@@ -373,7 +378,9 @@ class Scheduler:
                 self.connector.update_state_after_alloc(
                     req, self.block_manager.block_ids(req.request_id), 0)
             self._start_running(req, num_cached)
-            out.scheduled.append(self._scheduled(req, num_new))
+            scheduled = self._scheduled(req, num_new)
+            out.scheduled.append(scheduled)
+            out.num_sampling += scheduled.completes_sequence
             budget -= num_new
             if gate is not None:
                 gate.admitted(req)
@@ -464,22 +471,23 @@ class Scheduler:
         ``completes_sequence``, in schedule order), or ``runs`` when the step verified lookahead
         tokens (each sampling request's accepted ones, then the model's own token;
         ``token_ids`` holds their first ones). Either way each request's tokens are a run,
-        one token without lookahead, applied by ``_apply_run``.
+        one token without lookahead, applied by the one loop below.
 
         Returns the requests that got a token, in the order of ``token_ids``; each one's new
         token is its last output token, and ``status`` says whether it finished. A request
         that had finished (or was aborted) before the step was applied gets none: with async
         scheduling a step can be scheduled before its requests' previous tokens are known.
         """
-        assert len(token_ids) == sum(s.completes_sequence for s in sched.scheduled), (
-            "one token per request that samples")
+        assert len(token_ids) == sched.num_sampling, "one token per request that samples"
         self.num_steps_in_flight -= 1
         now = time.monotonic()
         finished = False
         kept = []
         running, preempted = RequestStatus.RUNNING, RequestStatus.PREEMPTED
-        apply_run = self._apply_run
+        max_len, bs = self.max_model_len, self.block_manager.block_size
         k = 0  # the next sampling request's index in token_ids (and runs)
+        # Runs for every running request every step: the run's path inline, locals, calls only
+        # where a block filled or the request ends.
         for s in sched.scheduled:
             req = s.request
             status = req.status
@@ -492,63 +500,60 @@ class Scheduler:
                 continue
             run = (token_ids[k],) if runs is None else runs[k]
             k += 1
-            if status is running:
+            # ``computed``: it still runs, so the step's KV counts (else it was preempted by a
+            # step scheduled since, and its tokens are kept for its recompute).
+            computed = status is running
+            if computed:
                 req.num_scheduled_tokens -= s.num_new_tokens
             elif status is not preempted:
                 continue  # finished or aborted: the extra token of a step scheduled before
             kept.append(req)
-            if apply_run(s, run, status is running, now):
+            req.num_placeholders -= 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+            # The run appended, each token stop-checked, cut after the one that ends it (a list
+            # run: its logprobs are cut to match).
+            toks, outs, grammar, stops, limit = (req.token_ids, req.output_token_ids,
+                                                 req.grammar, req.stop_token_set, req.token_limit)
+            n, stopped = 0, False
+            for tok in run:
+                toks.append(tok)
+                outs.append(tok)
+                n += 1
+                if grammar is not None:
+                    grammar.accept(tok)
+                if (tok in stops or len(toks) >= limit or len(toks) >= max_len) and (
+                        self._stopped(req, tok)):
+                    stopped = True
+                    if n < len(run):
+                        del run[n:]  # type: ignore[index]  # a verified run is a list
+                    break
+            if len(toks) % bs < n:  # a block filled: hash it
+                req.hash_full_blocks()
+            if computed:
+                # Every token it scheduled counts but the rejected lookahead ones
+                # (``num_lookahead_tokens`` less the accepted ``n - 1``); the blocks past its
+                # tokens go back.
+                lookahead, done = s.num_lookahead_tokens, req.num_computed_tokens
+                after = done + s.num_new_tokens - lookahead + n - 1
+                if after // bs != done // bs:  # a block filled: cache it
+                    self._cache_blocks(req, after)
+                req.num_computed_tokens = after
+                if lookahead and not stopped:
+                    kept_blocks = self.block_manager.trim(req.request_id, after + 1)
+                    if kept_blocks is not None:
+                        self._trimmed.append((req, kept_blocks))
+            if stopped:
                 finished = True
+                self._free_finished(req, self.block_manager.block_ids(req.request_id)
+                                    if computed else [])
+                if not computed:  # preempted by a step scheduled since
+                    self.waiting.remove(req)
         if finished:  # one pass, not a list.remove per finished request
             self.running[:] = [r for r in self.running if not r.status.is_finished]
             self._left.extend(r for r in kept if r.status.is_finished)
+            self.num_finished += sum(r.status.is_finished for r in kept)
         return kept
-
-    def _apply_run(self, s: ScheduledRequest, run: Sequence[int], computed: bool,
-                   now: float) -> bool:
-        """A sampling request's run appended, each token stop-checked, cut after the one
-        that ends it (a list run: its logprobs are cut to match); ``computed``: it still runs,
-        so the step's KV counts: every token it scheduled but the rejected lookahead
-        (``num_lookahead_tokens`` less the accepted ``len(run) - 1``), and the blocks past
-        its tokens given back. True if it finished."""
-        req = s.request
-        req.num_placeholders -= 1
-        if req.first_token_time is None:
-            req.first_token_time = now
-        toks, outs, grammar = req.token_ids, req.output_token_ids, req.grammar
-        stops, limit = req.stop_token_set, req.token_limit
-        max_len, bs = self.max_model_len, self.block_manager.block_size
-        n, stopped = 0, False
-        for tok in run:
-            toks.append(tok)
-            outs.append(tok)
-            n += 1
-            if grammar is not None:
-                grammar.accept(tok)
-            if (tok in stops or len(toks) >= limit or len(toks) >= max_len) and (
-                    self._stopped(req, tok)):
-                stopped = True
-                if n < len(run):
-                    del run[n:]  # type: ignore[attr-defined]  # a verified run is a list
-                break
-        if len(toks) % bs < n:  # a block filled (the checks inline: this runs per request)
-            req.hash_full_blocks()
-        if computed:
-            lookahead, done = s.num_lookahead_tokens, req.num_computed_tokens
-            after = done + s.num_new_tokens - lookahead + n - 1
-            if after // bs != done // bs:  # the check inline: a call only when a block filled
-                self._cache_blocks(req, after)
-            req.num_computed_tokens = after
-            if lookahead and not stopped:
-                kept = self.block_manager.trim(req.request_id, after + 1)
-                if kept is not None:
-                    self._trimmed.append((req, kept))
-        if stopped:
-            self._free_finished(req, self.block_manager.block_ids(req.request_id)
-                                if computed else [])
-            if not computed:  # preempted by a step scheduled since
-                self.waiting.remove(req)
-        return stopped
 
     def _stopped(self, req: Request, tok: int) -> bool:
         """Sets the finished status if ``tok`` ends the request; True if it does."""
