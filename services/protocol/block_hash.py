@@ -50,9 +50,12 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
         arr = array("I", token_ids)
     except (OverflowError, TypeError):
         raise ValueError("token ids must be integers in [0, 2**32)") from None
-    if sys.byteorder != "little":
+    if _BIG_ENDIAN:
         arr.byteswap()
     return arr.tobytes()
+
+
+_BIG_ENDIAN = sys.byteorder != "little"
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,12 +115,15 @@ class BlockHasher:
 
     def extend(self, hashes: list[BlockHash], token_ids: Sequence[int]) -> list[BlockHash]:
         """Appends to ``hashes`` (the chain of a prefix of ``token_ids``) the hashes of the
-        full blocks that follow it, and returns the same list."""
+        full blocks that follow it, and returns the same list. (``hash_block``'s work without
+        its length check: the slices here are whole blocks. The engine calls it each time a
+        request's block fills.)"""
         bs = self.block_size
         num_full = len(token_ids) // bs
         parent = hashes[-1] if hashes else self.seed
+        algorithm = self.algorithm
         for i in range(len(hashes), num_full):
-            parent = self.hash_block(parent, token_ids[i * bs : (i + 1) * bs])
+            parent = _digest(algorithm, parent + _token_bytes(token_ids[i * bs : (i + 1) * bs]))
             hashes.append(parent)
         return hashes
 
