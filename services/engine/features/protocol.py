@@ -1,6 +1,6 @@
 """The step's optional features behind one protocol: what the runner calls, in order.
 
-A feature (the parts ``lora``, ``structured``, ``spec_decode``, and the core's prompt
+A feature (the adapters' slots, grammar masks, speculative decoding, and the core's prompt
 logprobs) is one object the runner holds while it is enabled; the runner loops over them at
 fixed points of a step instead of branching per feature. Every hook has a no-op default, so a
 feature overrides only the points it acts at. A part that imports the core builds its feature
