@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine import LLM, LoRARequest, SamplingParams
+from services.engine import LLM, SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.lora import admission
-from services.engine.lora.request import LoRAModule
+from services.engine.lora.request import LoRAModule, LoRARequest
 from services.protocol.wire import BadRequest
 from tests.support.lora import (
     DENSE_TARGETS,
