@@ -146,8 +146,8 @@ class LoRAFeature(StepFeature):
     # -- rows (rank 0) ----------------------------------------------------------------------
 
     def join(self, req: Request, row: int) -> None:
-        if req.lora is not None:
-            self.slot[row] = self.manager.slots.acquire(req.lora)
+        if req.adapter is not None:
+            self.slot[row] = self.manager.slots.acquire(req.adapter)
             self.rows += 1
         else:
             self.slot[row] = -1
