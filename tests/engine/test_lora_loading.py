@@ -190,7 +190,7 @@ class _Core:
             new = sum(len(u.new_token_ids) for u in out.updates)
             self.tokens += new
             self.token_times += [at] * new
-            self.replies.extend(out.adapter_replies)
+            self.replies.extend(out.replies)
 
     def close(self) -> None:
         self.loop.stop()
