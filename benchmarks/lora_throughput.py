@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.children import run_vllm_script
 from benchmarks.engine_throughput import machine_line, make_workload, params_for
-from services.engine import LLM, LoRARequest
+from services.engine import LLM
+from services.engine.lora.request import LoRARequest
 from services.engine.models.default import default_model_path
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

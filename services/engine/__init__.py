@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__all__ = ["LLM", "EngineConfig", "LLMEngine", "LoRARequest", "RequestOutput",
-           "SamplingParams", "StructuredOutputsParams"]
+__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams",
+           "StructuredOutputsParams"]
 
 if TYPE_CHECKING:
     from services.engine.config import EngineConfig
     from services.engine.engine import LLMEngine
     from services.engine.llm import LLM
-    from services.engine.lora.request import LoRARequest
     from services.engine.outputs import RequestOutput
     from services.protocol.sampling_params import SamplingParams
     from services.protocol.structured_outputs import StructuredOutputsParams
@@ -39,10 +38,6 @@ def __getattr__(name: str):
         from services.engine.engine import LLMEngine
 
         return LLMEngine
-    if name == "LoRARequest":
-        from services.engine.lora.request import LoRARequest
-
-        return LoRARequest
     if name == "RequestOutput":
         from services.engine.outputs import RequestOutput
 

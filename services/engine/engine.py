@@ -241,7 +241,7 @@ class LLMEngine:
                                                                       self.runner.device),
             logit_bias=LogitBias.build(params.logit_bias, self.runner.device),
             grammar=grammar,
-            lora=adapter,
+            adapter=adapter,
             kv_transfer_params=kv_transfer_params,
             priority=priority,
         )

@@ -11,7 +11,7 @@ allocated (``FeatureMemory``):
                   may take: 1 and the features' lookahead rows) of the whole vocabulary,
                   float32, times the copies one step can hold at once (``SAMPLER_COPIES``)
     held          the step features built before the pool, by feature (``held_bytes``:
-                  LoRA's slots, every slot of every adapted projection)
+                  an adapter feature's slots, every slot of every adapted projection)
     reserved      the step features built after it, by item (``FeatureFactory.held_bytes``:
                   a feature's own model and buffers, loaded once the pool exists)
     step peak     with ``PAGODA_PROFILE_RUN=1``: the largest step's peak, measured by the

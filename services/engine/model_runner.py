@@ -45,7 +45,6 @@ from services.engine.feature_warm_up import warm_up_features, warm_up_forward
 from services.engine.features import registry
 from services.engine.features.protocol import FeatureFactory
 from services.engine.input_batch import InputBatch
-from services.engine.lora.feature import LoRAFeature
 from services.engine.models.config import ModelConfig
 from services.engine.models.loader import load_model
 from services.engine.models.onednn import FULL_PASS_ROWS, ROW_BUCKETS, warm_up_products
@@ -204,21 +203,22 @@ class ModelRunner:
                                     config.quantization, self.stage)
         if config.max_model_len is not None:
             self.model.limit_context(config.max_model_len)
-        # The step's optional features, in the order the runner calls them (``step_features``);
-        # the adapters' first: their slots are made before packing (they read the weights'
-        # shapes).
+        self.model_config = self.model.config
+        # The step's optional features, in the order the runner calls them (``step_features``),
+        # made by the enabled ones' factories (``features.registry``): first those that change
+        # the model's layers, before packing (they read the weights' shapes); the others after
+        # the KV pool, their factories saying until then what they need of its budget and of
+        # every step's logits rows.
         self.features = StepFeatures()
-        lora = LoRAFeature.build(self.model, config, self.device, self.tp)  # None: LoRA off
-        if lora is not None:
-            self.features.add(lora)
+        self.factories: list[FeatureFactory] = registry.factories(self)
+        for factory in self.factories:
+            early = factory.before_packing(self)
+            if early is not None:
+                self.features.add(early)
         if self.device.type == "cpu":
             self.model.pack_weights()  # oneDNN's layout, once (see models.onednn)
-        self.model_config = self.model.config
         self.num_kv_heads = local_kv_heads(self.model_config, self.tp.size)  # this rank's
         self.block_size = config.block_size
-        # The features built after the KV pool (``features.registry``), as factories until
-        # then: what they need of the pool's budget and of every step's logits rows.
-        self.factories: list[FeatureFactory] = registry.factories(self)
         # Logits rows a sequence may take in one step: its token, and the features' lookahead.
         self.rows_per_seq = 1 + sum(f.lookahead_rows() for f in self.factories)
         self.sampler = Sampler()  # before the pool: the profiling run samples
@@ -230,8 +230,6 @@ class ModelRunner:
         self.input_batch: InputBatch | None = None
         self.grammar_masks: GrammarManager | None = None  # rank 0's grammars and bitmask
         if self.tp.rank == 0 and (self.pipeline is None or self.pipeline.where.rank == 0):
-            if lora is not None:
-                lora.serve_adapters(config, self.dtype)
             self.grammar_masks = GrammarManager(config.max_num_seqs, mc.vocab_size,
                                                 config.max_num_seqs * self.rows_per_seq)
             for factory in self.factories:  # before the masks: they may apply them
@@ -408,7 +406,7 @@ class ModelRunner:
 
             self.graphs = self._capture(
                 lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta), splits)
-            for key in self.features.graph_variants():  # a feature's own (LoRA's: opt-in)
+            for key in self.features.graph_variants():  # a feature's own (adapters': opt-in)
                 self.feature_graphs[key] = self._capture(self._feature_forward(key), splits)
         logger.info("GPU warm-up and graph capture took %.1fs", time.perf_counter() - start)
 
@@ -682,12 +680,6 @@ class ModelRunner:
     def masker(self) -> TokenMasker | None:
         """The grammar masks' bitmask buffer (None until a step or the warm-up needed it)."""
         return None if self.grammar_masks is None else self.grammar_masks.masker
-
-    @property
-    def lora(self):
-        """Every rank's adapter slots in the model (None unless ``enable_lora``)."""
-        feature = self.features.get(LoRAFeature.name)
-        return None if feature is None else feature.lora
 
     def _cpu_inputs(self, batch: StepBatch) -> CpuInputs:
         step = plan_step(batch.block_tables, batch.num_blocks, batch.seq_lens, batch.query_lens,

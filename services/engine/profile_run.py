@@ -7,7 +7,7 @@ The run, on every rank (its collectives meet), on a scratch pool of just the blo
 
     forward   ``max_num_batched_tokens`` prompt tokens in one sequence (at most the model's
               context: the same tokens in more sequences hold no more), then each step
-              feature's own path (``StepFeature.warm_up``: LoRA's layout)
+              feature's own path (``StepFeature.warm_up``: an adapter feature's layout)
     logits    the most rows a step samples (``max_num_seqs`` x the rows a sequence may take)
     sampler   over those rows, greedy and with every sampling feature at once
 

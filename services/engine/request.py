@@ -5,18 +5,23 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from services.engine.logit_bias import LogitBias
 from services.engine.structured.masks import GrammarState
-from services.protocol.block_hash import BlockHash, BlockHasher
+from services.protocol.block_hash import AdapterKey, BlockHash, BlockHasher
 from services.protocol.engine_api import TokenLogprobs
 from services.protocol.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from services.engine.lora.peft import AdapterWeights
+
+class Adapter(Protocol):
+    """What the core reads of the adapter a request runs under (an adapter feature's weights,
+    which the feature alone opens): its name, and the key that salts its block hashes."""
+
+    name: str
+    key: AdapterKey
 
 
 class RequestStatus(enum.Enum):
@@ -76,8 +81,8 @@ class Request:
     # params.prompt_logprobs: one entry per prompt token scored so far (the first is None)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     grammar: GrammarState | None = None  # structured outputs: where the output is in its grammar
-    lora: AdapterWeights | None = None  # the LoRA adapter it runs under (None: the base model)
-    lora_deferred_steps: int = 0  # steps its adapter did not fit (lora.admission)
+    adapter: Adapter | None = None  # the model's adapter it runs under (None: the base model)
+    adapter_deferred_steps: int = 0  # steps its adapter did not fit (the scheduler's admission)
     # Its row in the runner's persistent input batch while it has one (-1: none); written by
     # ``InputBatch`` only.
     batch_row: int = -1

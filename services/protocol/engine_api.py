@@ -107,6 +107,12 @@ class GenerateRequest(Message):
     # vLLM's: lower first under --scheduling-policy priority (non-zero without it: a 400)
     priority: int = 0
 
+    @property
+    def adapter_name(self) -> str | None:
+        """The model's adapter the request runs under, by the engine's own name for it
+        (``lora_name`` is vLLM's, on the wire)."""
+        return self.lora_name
+
     def _check(self) -> None:
         if abs(self.priority) > MAX_PRIORITY:
             raise ValueError(f"GenerateRequest.priority must be in [-{MAX_PRIORITY}, "

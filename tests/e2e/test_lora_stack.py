@@ -22,7 +22,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from services.engine import LLM, LoRARequest, SamplingParams
+from services.engine import LLM, SamplingParams
+from services.engine.lora.request import LoRARequest
 from services.protocol import engine_api
 from tests.faults.helpers import wait_for
 from tests.support.lora import HOSTILE, add_hostile_files, admin_post, release_fifo, write_adapter

@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine import LLM, LoRARequest, SamplingParams
+from services.engine import LLM, SamplingParams
 from services.engine.config import EngineConfig
 from services.engine.engine import LLMEngine
 from services.engine.lora import admission
-from services.engine.lora.request import LoRAModule
+from services.engine.lora.request import LoRAModule, LoRARequest
 from services.protocol.wire import BadRequest
 from tests.support.lora import (
     DENSE_TARGETS,
@@ -166,7 +166,7 @@ def test_three_adapters_over_two_slots_each_as_alone(llama: Path, adapters: Path
     while engine.has_unfinished_requests():
         engine.step()
         step += 1
-        running = {r.lora.key for r in engine.scheduler.running if r.lora is not None}
+        running = {r.adapter.key for r in engine.scheduler.running if r.adapter is not None}
         assert len(running) <= 2, running
         for r in engine.scheduler.running:
             first_step.setdefault(r.request_id, step)
@@ -198,7 +198,7 @@ def test_a_deferred_adapter_is_not_starved() -> None:
         nonlocal count
         count += 1
         req = Request(f"{name}{count}", [1, 2, 3], SamplingParams(max_tokens=3), hasher, 3)
-        req.lora = _Adapter(name)
+        req.adapter = _Adapter(name)
         sched.add(req)
         return req
 
@@ -209,7 +209,7 @@ def test_a_deferred_adapter_is_not_starved() -> None:
         assert steps < admission.MAX_DEFERRED_STEPS + 10, "the third adapter was starved"
         add("a"), add("b")  # the busy adapters never stop arriving
         out = sched.schedule()
-        assert len({r.lora.key for r in sched.running}) <= 2
+        assert len({r.adapter.key for r in sched.running}) <= 2
         sched.update(out, [7] * sum(s.completes_sequence for s in out.scheduled))
         steps += 1
     assert steps >= admission.MAX_DEFERRED_STEPS  # it was deferred first

@@ -107,7 +107,7 @@ def test_hostile_paths_are_a_400_naming_lora_path_within_a_second(
 
 def test_an_operator_path_follows_links_but_reads_regular_files_only(
         llama: Path, good: Path, tmp_path: Path) -> None:
-    from services.engine import LoRARequest
+    from services.engine.lora.request import LoRARequest
 
     linked = tmp_path / "linked"
     linked.mkdir()
@@ -190,7 +190,7 @@ class _Core:
             new = sum(len(u.new_token_ids) for u in out.updates)
             self.tokens += new
             self.token_times += [at] * new
-            self.replies.extend(out.adapter_replies)
+            self.replies.extend(out.replies)
 
     def close(self) -> None:
         self.loop.stop()

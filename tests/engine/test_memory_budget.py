@@ -60,7 +60,8 @@ def engines(tiny_model_dir) -> dict:
                 out[name] = {"pool": _pool(runner), "warmed": runner.warmed_up,
                              "verify calls": len(calls),
                              "tokens": sd.run(engine, [[1, 2, 3, 4, 5]] * 3, GREEDY),
-                             "lora reset": runner.lora is None or runner.lora.state.step is None}
+                             "lora reset": (lora := runner.features.get("lora")) is None
+                             or lora.lora.state.step is None}
                 if name == "draft":
                     out[name]["grammar"] = _grammar_warm_up(runner)
             finally:

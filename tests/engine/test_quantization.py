@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine import LoRARequest
 from services.engine.config import EngineConfig
+from services.engine.lora.request import LoRARequest
 from services.engine.model_runner import ModelRunner
 from services.engine.models.layers import Linear
 from services.engine.models.loader import load_model

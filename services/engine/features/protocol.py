@@ -1,6 +1,6 @@
 """The step's optional features behind one protocol: what the runner calls, in order.
 
-A feature (the parts ``lora``, ``structured``, ``spec_decode``, and the core's prompt
+A feature (the adapters' slots, grammar masks, speculative decoding, and the core's prompt
 logprobs) is one object the runner holds while it is enabled; the runner loops over them at
 fixed points of a step instead of branching per feature. Every hook has a no-op default, so a
 feature overrides only the points it acts at. A part that imports the core builds its feature
@@ -351,13 +351,22 @@ class StepFeatures:
 
 
 class FeatureFactory:
-    """A step feature that is built after the KV pool (it needs the pool's blocks: a model
-    of its own keeps KV under the target's block ids), and what it needs before the pool is
-    sized. ``registry`` makes one per enabled feature, on every rank; ``build`` runs on the
-    rank that prepares the steps (rank 0), after the pool, before the input batch (None:
-    nothing)."""
+    """An enabled feature's maker (``registry`` makes one per enabled feature, on every rank),
+    called at three points of the runner's start:
+
+    * ``before_packing``: every rank, once the model is loaded and before its weights are
+      packed, for a feature that changes the model's layers (an adapter feature's slots read
+      the weights' shapes); the feature it returns comes first in the step's order;
+    * before the pool is sized: what the feature built after it needs (``lookahead_rows``,
+      ``kv_bytes_per_token``, ``held_bytes``);
+    * ``build``: the rank that prepares the steps (rank 0), after the pool, before the input
+      batch: a feature that needs the pool's blocks (a model of its own keeps KV under the
+      target's block ids), or the rank-0 side of one built before packing (None: nothing)."""
 
     name: str = ""
+
+    def before_packing(self, runner: ModelRunner) -> StepFeature | None:
+        return None
 
     def lookahead_rows(self) -> int:
         """Logits rows a sequence may take in one step besides its own token."""

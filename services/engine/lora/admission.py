@@ -28,8 +28,8 @@ class _Adapter(Protocol):
 class Request(Protocol):
     """What admission reads and writes of a request (the engine's ``Request``)."""
 
-    lora: _Adapter | None
-    lora_deferred_steps: int
+    adapter: _Adapter | None
+    adapter_deferred_steps: int
 
 
 class AdapterAdmission:
@@ -39,28 +39,28 @@ class AdapterAdmission:
 
     def __init__(self, running: Iterable[Request], max_loras: int) -> None:
         self.max_loras = max_loras
-        self.active: set[AdapterKey] = {r.lora.key for r in running if r.lora is not None}
+        self.active: set[AdapterKey] = {r.adapter.key for r in running if r.adapter is not None}
         self.reserved: AdapterKey | None = None
         self.deferred: list[Request] = []
 
     def admits(self, req: Request) -> bool:
         """Whether ``req`` may be admitted now; if not, it is recorded as deferred."""
-        if req.lora is None:
+        if req.adapter is None:
             return True
-        key = req.lora.key
+        key = req.adapter.key
         fits = key in self.active or len(self.active) < self.max_loras
         if fits and (self.reserved is None or key == self.reserved):
             return True
-        req.lora_deferred_steps += 1
-        if self.reserved is None and req.lora_deferred_steps >= MAX_DEFERRED_STEPS:
+        req.adapter_deferred_steps += 1
+        if self.reserved is None and req.adapter_deferred_steps >= MAX_DEFERRED_STEPS:
             self.reserved = key
         self.deferred.append(req)
         return False
 
     def admitted(self, req: Request) -> None:
-        if req.lora is not None:
-            self.active.add(req.lora.key)
-            req.lora_deferred_steps = 0
+        if req.adapter is not None:
+            self.active.add(req.adapter.key)
+            req.adapter_deferred_steps = 0
 
 
 def adapter_limit(max_loras: int) -> Callable[[Iterable[Request]], AdapterAdmission] | None:

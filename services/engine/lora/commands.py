@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from services.engine.lora.files import LoadTimeout
 from services.engine.lora.manager import RUNTIME, AdapterState, LoRAManager
@@ -35,10 +35,12 @@ from services.protocol.wire import BadRequest
 logger = logging.getLogger(__name__)
 
 LOAD, UNLOAD = "load", "unload"
+PART = "lora"  # the commands' part of the server (``server_part``), the feature's name
 
 
 @dataclass(slots=True)
 class AdapterCommand:
+    part: ClassVar[str] = PART  # the core loop routes it to this part's service
     op: str  # LOAD or UNLOAD
     name: str
     path: str = ""
@@ -68,13 +70,14 @@ class AdapterCore(Protocol):
     @property
     def info(self) -> Any: ...  # the engine's description (``.model_name``)
 
-    async def adapter(self, cmd: AdapterCommand) -> AdapterReply: ...
+    async def command(self, cmd: AdapterCommand) -> AdapterReply: ...
 
 
 @dataclass(slots=True)
 class LoadFinished:
     """A read the loader thread finished (or that failed), for the engine thread."""
 
+    part: ClassVar[str] = PART
     name: str
     future: Future[AdapterWeights]
 

@@ -26,8 +26,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
+from services.engine.features import registry
 from services.engine.features.protocol import (
     EAGER,
+    FeatureFactory,
     ModelRunner,
     Request,
     StepFeature,
@@ -146,8 +148,8 @@ class LoRAFeature(StepFeature):
     # -- rows (rank 0) ----------------------------------------------------------------------
 
     def join(self, req: Request, row: int) -> None:
-        if req.lora is not None:
-            self.slot[row] = self.manager.slots.acquire(req.lora)
+        if req.adapter is not None:
+            self.slot[row] = self.manager.slots.acquire(req.adapter)
             self.rows += 1
         else:
             self.slot[row] = -1
@@ -232,6 +234,32 @@ class LoRAFeature(StepFeature):
         """The slots' A and B weights (on a GPU already out of the free memory the KV budget
         is read from: counted on the CPU only)."""
         return slot_bytes(self.lora)
+
+
+class LoRAFactory(FeatureFactory):
+    """The runner builds the feature through ``features.registry``: every rank's slots before
+    the weights are packed, then rank 0's adapters' manager after the KV pool."""
+
+    name = SECTION
+
+    def __init__(self) -> None:
+        self.feature: LoRAFeature | None = None
+
+    def before_packing(self, runner: ModelRunner) -> LoRAFeature | None:
+        self.feature = LoRAFeature.build(runner.model, runner.config, runner.device, runner.tp)
+        return self.feature
+
+    def build(self, runner: ModelRunner) -> None:
+        """Rank 0: the feature is already in the step's order (``before_packing``)."""
+        assert self.feature is not None
+        self.feature.serve_adapters(runner.config, runner.dtype)
+
+
+def _make(runner: ModelRunner) -> LoRAFactory | None:
+    return LoRAFactory() if runner.config.enable_lora else None
+
+
+registry.register(SECTION, _make)
 
 
 def slot_bytes(lora: ModelLoRA | None) -> int:

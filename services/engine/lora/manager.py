@@ -158,7 +158,7 @@ class LoRAManager:
 
     def stats(self, running: Iterable[Request], waiting: Iterable[Request]) -> LoRAStats:
         def names(requests: Iterable[Request]) -> tuple[str, ...]:
-            return tuple(sorted({r.lora.name for r in requests if r.lora is not None}))
+            return tuple(sorted({r.adapter.name for r in requests if r.adapter is not None}))
 
         return LoRAStats(self.slots.num_slots, names(running), names(waiting),
                          tuple(self.states()))

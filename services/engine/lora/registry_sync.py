@@ -114,7 +114,7 @@ class RegistrySync:
 
     async def _command(self, cmd: AdapterCommand) -> AdapterReply | None:
         try:
-            return await asyncio.wait_for(self.core.adapter(cmd), self.command_timeout_s)
+            return await asyncio.wait_for(self.core.command(cmd), self.command_timeout_s)
         except TimeoutError:
             logger.warning("adapter %s: no answer to %s within %.0f s; tried again later",
                            cmd.name, cmd.op, self.command_timeout_s)

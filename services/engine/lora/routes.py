@@ -83,7 +83,7 @@ def served_adapters(lora: LoRAStats | None) -> list[AdapterStatus]:
 async def run(core: AdapterCore, cmd: AdapterCommand) -> web.Response:
     if not core.is_ready:
         return json_error(503, "engine is not ready")
-    reply = await core.adapter(cmd)
+    reply = await core.command(cmd)
     if reply.status != 200:
         return json_error(reply.status, reply.message, reply.param)
     return web.json_response(_body(reply))

@@ -11,7 +11,8 @@ linear layer a ``LinearMethod``, and the layer asks its method for everything ab
   projections and column-parallel shards cut there) and input columns (row-parallel shards);
 * ``process_weights_after_loading(layer)``: once, after the checkpoint is read (unpacking,
   transposing into the kernel's layout);
-* ``pack(layer)``: once, on the CPU, after LoRA has read the layer's sizes (oneDNN's layout);
+* ``pack(layer)``: once, on the CPU, after the step features have read the layer's sizes
+  (oneDNN's layout);
 * ``apply(layer, x, bias)``: the product, ``[T, in]`` -> ``[T, out]`` in ``x``'s dtype.
 
 A layer without a scheme keeps the unquantized method (``models.unquantized_linear``), which is
@@ -68,7 +69,8 @@ class LinearMethod:
         """Called once, with the checkpoint loaded, on the model's device."""
 
     def pack(self, layer: nn.Module) -> None:
-        """Called once on the CPU after LoRA has been attached; a no-op by default."""
+        """Called once on the CPU after the features built before packing (adapter slots) read
+        the layer; a no-op by default."""
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from services.engine.engine import EngineStats, RequestUpdate
-from services.engine.lora.commands import AdapterCommand, AdapterReply
+from services.engine.features.server_parts import PartCommand
 from services.engine.serving.core_loop import (
     BAD_REQUEST,
     INTERNAL,
@@ -85,7 +85,7 @@ class CoreClient:
         # Called on the event loop after each step with the tokens it computed.
         self.on_step: Callable[[int], None] | None = None
         self._sinks: dict[str, Sink] = {}
-        self._replies: dict[int, asyncio.Future[AdapterReply]] = {}  # adapter commands
+        self._replies: dict[int, asyncio.Future[Any]] = {}  # the parts' commands
         self._reply_ids = itertools.count(1)
         # Called on the event loop when the core died or stalled unasked (``fail``).
         self.on_death: Callable[[], None] | None = None
@@ -116,7 +116,7 @@ class CoreClient:
         params: SamplingParams,
         cache_salt: str | None,
         sink: Sink,
-        lora_name: str | None = None,
+        adapter_name: str | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
         priority: int = 0,
     ) -> None:
@@ -124,12 +124,13 @@ class CoreClient:
         if not self._sinks:  # an idle core owes no progress: the clock starts now
             self._progress_at = time.monotonic()
         self._sinks[request_id] = sink
-        self._send(Add(request_id, prompt_token_ids, params, cache_salt, lora_name,
+        self._send(Add(request_id, prompt_token_ids, params, cache_salt, adapter_name,
                        kv_transfer_params, priority))
         self.load_changed.set()
 
-    async def adapter(self, cmd: AdapterCommand) -> AdapterReply:
-        """Loads or unloads an adapter in the core; its answer comes with a step's outputs."""
+    async def command(self, cmd: PartCommand) -> Any:
+        """A feature's command to its service in the core (``features.server_parts``: loading
+        an adapter); its answer comes with a step's outputs."""
         if self.died:  # nobody would answer
             raise RuntimeError("the engine core is gone")
         cmd.reply_to = next(self._reply_ids)
@@ -193,7 +194,7 @@ class CoreClient:
                 sink(update)
         if out.stats is not None:
             self.stats = out.stats
-        for reply in out.adapter_replies:
+        for reply in out.replies:
             future = self._replies.get(reply.reply_to)
             if future is not None and not future.done():
                 future.set_result(reply)

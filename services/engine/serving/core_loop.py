@@ -8,6 +8,9 @@ hand-over per step (one ``call_soon_threadsafe``, or one pipe message), never on
 
 KV events are recorded only when the server publishes them (``kv_events``): the loop drains
 them every step, and a ``Resync`` queues the whole prefix cache after the events before it.
+
+A feature's command (``features.server_parts``: a ``PartCommand``) goes to its part's core
+service, by the part's name; its answers leave with the next batch (``CoreOutputs.replies``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from typing import Any
 
 from services.engine.config import EngineConfig
 from services.engine.engine import EngineStats, LLMEngine, RequestUpdate
-from services.engine.lora.commands import AdapterCommand, AdapterReply, AdapterService, LoadFinished
+from services.engine.features import server_parts
+from services.engine.features.server_parts import CoreService, PartCommand
 from services.protocol.kv_events import KVEvent
 from services.protocol.sampling_params import SamplingParams
 from services.protocol.wire import BadRequest
@@ -48,7 +52,7 @@ class Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None
-    lora_name: str | None = None
+    adapter_name: str | None = None  # the model's adapter it runs under (None: the base)
     kv_transfer_params: dict[str, Any] | None = None
     priority: int = 0
 
@@ -68,8 +72,8 @@ class Stop:
     pass
 
 
-# LoadFinished: the loader thread's, never sent by the server.
-Command = Add | Abort | Resync | Stop | AdapterCommand | LoadFinished
+# A part's commands may come from its own threads too (a finished read), never the server's.
+Command = Add | Abort | Resync | Stop | PartCommand
 
 
 @dataclass(slots=True)
@@ -90,11 +94,11 @@ class CoreOutputs:
     kv_events: list[KVEvent] = field(default_factory=list)
     step_tokens: int | None = None  # tokens the step computed; None: no step ran
     step_ms: float = 0.0  # median wall time of the recent steps
-    adapter_replies: list[AdapterReply] = field(default_factory=list)  # to AdapterCommands
+    replies: list[Any] = field(default_factory=list)  # to the parts' commands (``reply_to``)
     stats_changed: bool = False  # between steps (an idle engine freed KV held for a pull)
 
     def __bool__(self) -> bool:
-        return bool(self.updates or self.errors or self.kv_events or self.adapter_replies
+        return bool(self.updates or self.errors or self.kv_events or self.replies
                     or self.step_tokens is not None or self.stats_changed)
 
 
@@ -124,13 +128,16 @@ class CoreLoop:
         # cold cache in the core process): a compile must never stall the step loop.
         self._compiling: set[str] = set()
         self._compile_pool: ThreadPoolExecutor | None = None
-        # Adapter files are read on its loader thread; steps go on meanwhile.
-        self.adapters: AdapterService | None = None
+        # The features' services for their commands, by part name (made with the engine).
+        self.parts: dict[str, CoreService] = {}
 
     def load(self) -> LLMEngine:
         """Loads the engine, on the thread that will run it."""
         self.engine = LLMEngine(self.config, kv_events=self.kv_events)
-        self.adapters = AdapterService(self.engine.lora, self.commands.put)
+        for part in server_parts.parts():
+            service = part.core_service(self.engine, self.commands.put)
+            if service is not None:
+                self.parts[part.name] = service
         return self.engine
 
     def stop(self) -> None:
@@ -158,8 +165,8 @@ class CoreLoop:
             engine.close()
             if self._compile_pool is not None:
                 self._compile_pool.shutdown(wait=False, cancel_futures=True)
-            if self.adapters is not None:
-                self.adapters.close()
+            for service in self.parts.values():
+                service.close()
 
     # -- commands -------------------------------------------------------------------------------
 
@@ -191,14 +198,10 @@ class CoreLoop:
         elif isinstance(cmd, Resync):
             out.kv_events.extend(engine.take_kv_events())
             out.kv_events.extend(engine.snapshot_kv_events())
-        elif isinstance(cmd, AdapterCommand):
-            reply = self.adapters.handle(cmd)  # None: read on the loader thread, answered later
-            if reply is not None:
-                out.adapter_replies.append(reply)
-        elif isinstance(cmd, LoadFinished):
-            out.adapter_replies.extend(self.adapters.finish(cmd))
-        else:
+        elif isinstance(cmd, Stop):
             self._stop.set()
+        else:  # a part's command: its service answers now, or later with a command it posts
+            out.replies.extend(self.parts[cmd.part].handle(cmd))
 
     def _add(self, cmd: Add) -> None:
         spec = cmd.params.structured_outputs
@@ -213,7 +216,7 @@ class CoreLoop:
             return
         try:
             self.engine.add_request(rid, cmd.prompt_token_ids, cmd.params, cmd.cache_salt,
-                                    cmd.lora_name, cmd.kv_transfer_params, cmd.priority)
+                                    cmd.adapter_name, cmd.kv_transfer_params, cmd.priority)
         except BadRequest as exc:  # the client's input: a 400 naming the field
             self._out.errors.append(CoreError(rid, BAD_REQUEST, str(exc), exc.param))
         except Exception as exc:  # a bug must fail this request, never the engine loop

@@ -1,9 +1,9 @@
-"""Prometheus metrics under vLLM's names, so existing dashboards and autoscalers work."""
+"""Prometheus metrics under vLLM's names, so existing dashboards and autoscalers work. The
+features' server parts add their own families (``ServerPart.metric_families``)."""
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -12,6 +12,7 @@ from prometheus_client.registry import Collector
 
 from services.common.process_metrics import register_process_metrics
 from services.engine.engine import EngineStats
+from services.engine.features import server_parts
 from services.engine.kv_connector import transfer_stats
 from services.engine.kv_connector.transfer_stats import DIRECTIONS, TransferStats
 from services.engine.kv_offload.tiers import KVTierStats
@@ -58,8 +59,8 @@ class _StatsCollector(Collector):
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric([self._model], value)
             yield c
-        if s.lora is not None:
-            yield _lora_info(s)
+        for part in server_parts.parts():
+            yield from part.metric_families(self._model, ENGINE_INDEX, s)
         if s.spec_decode is not None:
             yield from metric_families(self._model, ENGINE_INDEX, s.spec_decode)
         if s.kv_tiers is not None:
@@ -164,17 +165,6 @@ def _kv_tiers(model: str, t: KVTierStats) -> Iterator:
         g = GaugeMetricFamily(name, doc, labels=labels)
         g.add_metric([model], value)
         yield g
-
-
-def _lora_info(s: EngineStats) -> GaugeMetricFamily:
-    """vLLM's ``vllm:lora_requests_info``: its labels say which adapters run and wait (comma
-    separated) and how many fit a step; its value is when that was read, as vLLM's."""
-    g = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
-                          labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
-    lora = s.lora
-    g.add_metric([str(lora.max_loras), ",".join(lora.running), ",".join(lora.waiting)],
-                 time.time())
-    return g
 
 
 class EngineMetrics:

@@ -21,10 +21,8 @@ import logging
 import time
 from collections.abc import Iterable
 
-from services.common.lora_registry import AdapterRegistry
-from services.common.redis_index import KVIndexPublisher, connect
-from services.engine.lora.registry_sync import RegistrySync
-from services.engine.lora.routes import served_adapters
+from services.common.redis_index import KVIndexPublisher
+from services.engine.features import server_parts
 from services.engine.serving.core_client import CoreClient
 from services.protocol.kv_events import KVEvent
 from services.protocol.messages import EngineHeartbeat
@@ -41,9 +39,10 @@ class EnginePublisher:
         self.engine_id = server_config.resolved_engine_id()
         self.url = server_config.resolved_url()
         self.publisher = KVIndexPublisher.from_url(server_config.redis_url)
-        self.registry = AdapterRegistry(connect(server_config.redis_url))
-        self.adapters = RegistrySync(self.registry, core, server_config.lora_roots,
-                                     self.engine_id)
+        self.parts = server_parts.parts()
+        # The features' work beside the heartbeats (the adapter registry's sync).
+        self.beside = [task for part in self.parts
+                       if (task := part.beside_heartbeat(server_config, core, self.engine_id))]
         self._pending: list = []
         self._failing = False
 
@@ -54,10 +53,12 @@ class EnginePublisher:
         info = core.info
         # Beside the heartbeat: only the first heartbeat waits (a bounded time) for the first
         # sync, so an engine is routable with what its peers have; never one past its TTL.
-        await self.adapters.tick(self.cfg.heartbeat_ttl_s / 2)
+        for task in self.beside:
+            await task.tick(self.cfg.heartbeat_ttl_s / 2)
         taken = core.kv_events.take(_MAX_EVENTS_PER_TICK - len(self._pending))
         self._pending.extend(taken if self.cfg.kv_events_token_ids else without_tokens(taken))
         s = core.stats
+        contributed = {k: v for part in self.parts for k, v in part.heartbeat_fields(s).items()}
         hb = EngineHeartbeat(
             engine_id=self.engine_id,
             url=self.url,
@@ -74,11 +75,11 @@ class EnginePublisher:
             timestamp=time.time(),
             max_model_len=info.max_model_len,
             step_ms=round(core.step_ms, 3),
-            adapters=served_adapters(s.lora),
             kv_role=info.kv_role,
             kv_transfer_address=info.kv_transfer_address,
             kv_layout=info.kv_layout,
             openai_port=self.cfg.openai_port,
+            **contributed,
         )
         try:
             if self._pending:
@@ -108,10 +109,10 @@ class EnginePublisher:
             logger.warning("redis remove_engine failed: %s", exc)
 
     async def close(self) -> None:
-        await self.adapters.close()
+        for task in self.beside:
+            await task.close()
         await self.leave()
         await self.publisher.aclose()
-        await self.registry.redis.aclose()
 
 
 def without_tokens(events: Iterable[KVEvent]) -> list[KVEvent]:

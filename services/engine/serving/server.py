@@ -26,7 +26,7 @@ from services.common.http_errors import error_middleware, json_error
 from services.common.logs import setup_logging
 from services.engine.config import EngineConfig
 from services.engine.engine import RequestUpdate
-from services.engine.lora import routes as adapter_routes
+from services.engine.features import server_parts
 from services.engine.serving import step_watchdog, zmq_kv_events
 from services.engine.serving.core_client import CoreClient, InternalEngineError
 from services.engine.serving.core_process import EngineCoreProcess
@@ -90,7 +90,8 @@ def create_app(engine_config: EngineConfig, server_config: ServerConfig) -> web.
     app.router.add_post(engine_api.ABORT_PATH, handle_abort)
     app.router.add_get("/health", handle_health)
     app.router.add_get("/metrics", handle_metrics)
-    adapter_routes.add_routes(app, CORE, server_config.lora_roots)
+    for part in server_parts.parts():  # the features' own routes
+        part.add_routes(app, CORE, server_config)
     return app
 
 
@@ -286,7 +287,7 @@ async def handle_generate(request: web.Request) -> web.StreamResponse:
     finished = False
     try:
         core.submit(rid, req.prompt_token_ids, req.params, req.cache_salt, updates.put_nowait,
-                    req.lora_name, req.kv_transfer_params, req.priority)
+                    req.adapter_name, req.kv_transfer_params, req.priority)
         first = await updates.get()
         if isinstance(first, BadRequest):
             finished = True

@@ -1,9 +1,16 @@
 """The engine server's own configuration and its command line: every field of ``EngineConfig``
-and of ``ServerConfig`` is one flag (``--num-blocks``, ``--redis-url``)."""
+and of ``ServerConfig`` is one flag (``--num-blocks``, ``--redis-url``).
+
+``ServerConfig`` is the server's own flags (``ServerFlags``), then those the features' server
+parts read (``features.server_parts``: ``ServerPart.server_fields``), then the internal API's
+auth flags: one dataclass, made once the parts are registered, so a feature's flag is a field
+like any other (``ServerConfig(redis_url=..., <a part's field>=...)``).
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import socket
 from collections.abc import Mapping, Sequence
@@ -14,6 +21,8 @@ from services.common.cli import flag
 from services.common.internal_auth import insecure_flag, token_file_flag
 from services.common.logs import check_log_level
 from services.engine.config import EngineConfig
+from services.engine.features import server_parts
+from services.engine.features.server_parts import FieldSpec
 from services.engine.parallel.node_group import from_lws_env
 
 PROG = "python -m services.engine.serving.server"
@@ -22,7 +31,9 @@ ENGINE_CORES = ("process", "inline")
 
 
 @dataclass(slots=True)
-class ServerConfig:
+class ServerFlags:
+    """The server's own flags; ``ServerConfig`` adds the parts' and the auth flags."""
+
     host: str = flag("127.0.0.1", help="address to listen on")
     port: int = flag(8200, help="port to listen on")
     engine_id: str | None = flag(None, help="the engine's id in Redis (default: hostname-port)")
@@ -77,16 +88,6 @@ class ServerConfig:
         "(a thread of the server process)",
     )
 
-    lora_roots: tuple[str, ...] = flag(
-        (),
-        metavar="DIR",
-        help="directories runtime LoRA loads may read from (comma-separated): a lora_path "
-        "must resolve inside one of them, symlinks followed (default: none, runtime loads are "
-        "refused)",
-    )
-    internal_token_file: str | None = token_file_flag()
-    insecure_no_internal_auth: bool = insecure_flag()
-
     def __post_init__(self) -> None:
         for name in ("port", "openai_port"):
             if not 0 <= getattr(self, name) <= 65535:
@@ -111,6 +112,19 @@ class ServerConfig:
 
     def resolved_url(self) -> str:
         return self.advertise_url or f"http://{self.host}:{self.port}"
+
+
+def _config_class() -> type[ServerFlags]:
+    """``ServerFlags`` with the parts' fields, then the auth flags (last in ``--help``)."""
+    auth: list[FieldSpec] = [("internal_token_file", str | None, token_file_flag()),
+                             ("insecure_no_internal_auth", bool, insecure_flag())]
+    fields = [f for part in server_parts.parts() for f in part.server_fields()]
+    return dataclasses.make_dataclass(
+        "ServerConfig", [*fields, *auth], bases=(ServerFlags,), slots=True,
+        namespace={"__module__": __name__, "__doc__": "The engine server's configuration."})
+
+
+ServerConfig = _config_class()
 
 
 def build_parser() -> argparse.ArgumentParser:
