@@ -16,7 +16,7 @@ from kubernetes.config import ConfigException, incluster_config
 
 from services.common.redis_index import KVIndexPublisher
 from services.router.discovery import KubernetesDiscovery, default_api_client, endpoints_of
-from tests.router.util import heartbeat, route, route_raw, router_client
+from tests.router.util import heartbeat, route_raw, router_client
 from tests.support.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.asyncio
@@ -185,9 +185,11 @@ async def _wait_ready(client: Any) -> None:
 
 
 async def _wait_routable(client: Any, expected: set[str]) -> None:
+    # Until the router's discovery has seen the change, a route may still find no engine (503).
     deadline = time.monotonic() + 15
     while True:
-        seen = {(await route(client)).engine_id for _ in range(4)}
+        answers = [await route_raw(client) for _ in range(4)]
+        seen = {body.engine_id if status == 200 else status for status, body in answers}
         if seen == expected:
             return
         if time.monotonic() > deadline:
