@@ -49,8 +49,8 @@ class _RequestBlocks:
     num_visited: int = 0
 
     def extend(self, blocks: list[KVBlock]) -> None:
-        self.blocks.extend(blocks)
-        self.block_ids.extend(block.block_id for block in blocks)
+        self.blocks += blocks
+        self.block_ids += [block.block_id for block in blocks]  # in place: readers hold it
 
 
 class BlockManager:
@@ -265,9 +265,7 @@ class BlockManager:
                 return True  # most decode steps: the last block still has room
             if num_new > len(self._free):
                 return False
-            fresh = self._pop_fresh(num_new)
-            entry.blocks += fresh
-            entry.block_ids += [block.block_id for block in fresh]
+            entry.extend(self._pop_fresh(num_new))
             return True
         held = 0 if entry is None else len(entry.blocks)
         assert num_tokens >= 0, num_tokens  # the scheduler's arithmetic, never a client's

@@ -551,8 +551,9 @@ class Scheduler:
                     self.waiting.remove(req)
         if finished:  # one pass, not a list.remove per finished request
             self.running[:] = [r for r in self.running if not r.status.is_finished]
-            self._left.extend(r for r in kept if r.status.is_finished)
-            self.num_finished += sum(r.status.is_finished for r in kept)
+            done = [r for r in kept if r.status.is_finished]
+            self._left.extend(done)
+            self.num_finished += len(done)
         return kept
 
     def _stopped(self, req: Request, tok: int) -> bool:

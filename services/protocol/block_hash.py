@@ -58,6 +58,12 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
 _BIG_ENDIAN = sys.byteorder != "little"
 
 
+def _chain_digest(algorithm: HashAlgorithm, parent: BlockHash,
+                  token_ids: Sequence[int]) -> BlockHash:
+    """h_i = H(h_{i-1} || token_ids of block i): one link of the chain."""
+    return _digest(algorithm, parent + _token_bytes(token_ids))
+
+
 @dataclass(frozen=True, slots=True)
 class AdapterKey:
     """A LoRA adapter as the chain sees it: its name and the version of its weights (the
@@ -107,7 +113,7 @@ class BlockHasher:
             raise ValueError(
                 f"a block holds exactly {self.block_size} tokens, got {len(token_ids)}"
             )
-        return _digest(self.algorithm, parent + _token_bytes(token_ids))
+        return _chain_digest(self.algorithm, parent, token_ids)
 
     def chain(self, token_ids: Sequence[int]) -> list[BlockHash]:
         """Hashes of every full block of ``token_ids``, in order."""
@@ -123,7 +129,7 @@ class BlockHasher:
         parent = hashes[-1] if hashes else self.seed
         algorithm = self.algorithm
         for i in range(len(hashes), num_full):
-            parent = _digest(algorithm, parent + _token_bytes(token_ids[i * bs : (i + 1) * bs]))
+            parent = _chain_digest(algorithm, parent, token_ids[i * bs : (i + 1) * bs])
             hashes.append(parent)
         return hashes
 
