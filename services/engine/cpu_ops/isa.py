@@ -41,3 +41,9 @@ def has_int8_dot(flags: frozenset[str] | None = None) -> bool:
     ``flags``: this CPU's."""
     flags = cpu_flags() if flags is None else flags
     return "avx512_vnni" in flags or "amx_int8" in flags
+
+
+def has_amx_int8(flags: frozenset[str] | None = None) -> bool:
+    """AMX tiles for int8 (Intel Xeon, Sapphire Rapids and later); ``flags``: this CPU's."""
+    flags = cpu_flags() if flags is None else flags
+    return "amx_int8" in flags and "amx_tile" in flags

@@ -6,17 +6,22 @@ Each step every row of the input is quantized on its own (``scale = max|x| / 127
 ``q = round(x / scale)``), the product runs on int8 with int32 sums, and the sums are scaled back
 in float32: ``y = (q @ weight^T) * scale * weight_scale + bias``.
 
-Two implementations of that one math, bit for bit the same results, both with the rows
+Three implementations of that one math, bit for bit the same results, all with the rows
 quantized by ``csrc/w8a8.cpp``'s fused op where the kernels are built:
 
-- ``torch._int_mm`` (oneDNN's int8 GEMM) where the CPU has int8 dot-product instructions
-  (AVX512-VNNI or AMX, ``isa.has_int8_dot``). Measured on a 2-core AMD EPYC with AVX512-VNNI
-  (576 -> 1536, one thread, best of 30, shared machine): 9 us at 1 row and 565 us at 256 against
-  63 and 2,251 us for the packed float32 product (``models.onednn``).
-- ``csrc/w8a8.cpp`` elsewhere (AVX2 only, or a non-x86 CPU): there ``_int_mm`` takes a reference
-  path 10-35x slower than float32. The kernel's sums are exact int32 (int16 pair products); it
-  serves every row count (it matches float32 ``F.linear`` at 1,024
-  rows, and beats it 2.5x at one; docs/benchmarks.md, "Quantized checkpoints").
+- ``csrc/w8a8.cpp``'s VNNI product (``w8a8_linear_vnni``) on CPUs with AVX512-VNNI, from a copy
+  of the weight packed once (``pack``) into 64-byte vectors of 16 outputs by 4 inputs. On a
+  2-core AMD EPYC with AVX512-VNNI (two threads, best of 15) it took 0.5-0.9 ms at 1-16 rows of a
+  2048 -> 8192 weight, where ``_int_mm`` took 0.8-2.3 ms and the packed bfloat16 product 1.2-1.7;
+  from 256 rows on the two are level, 1.6-1.8x faster than bfloat16 (docs/benchmarks.md,
+  "Quantized checkpoints"). There the packed copy is the only one kept.
+- ``torch._int_mm`` (oneDNN's int8 GEMM) on CPUs with AMX-INT8, for steps of more than
+  ``VNNI_ROWS_BESIDE_AMX`` rows: oneDNN's AMX tiles (never measured here; no such machine has
+  run it). Those CPUs keep both copies of the weight.
+- ``csrc/w8a8.cpp``'s AVX2 product elsewhere (AVX2 only, or a non-x86 CPU): there ``_int_mm``
+  takes a reference path 10-35x slower than float32. The kernel's sums are exact int32 (int16
+  pair products); it serves every row count (it matches float32 ``F.linear`` at 1,024 rows, and
+  beats it 2.5x at one).
 
 On a GPU (only with ``PAGODA_W8A8_TRITON=1``: never compiled yet) the rows are quantized in
 torch and multiplied by ``w8a8_triton``'s kernel, the same results bit for bit.
@@ -24,12 +29,13 @@ torch and multiplied by ``w8a8_triton``'s kernel, the same results bit for bit.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
 from services.engine.cpu_ops import w8a8_ops
-from services.engine.cpu_ops.isa import has_int8_dot
+from services.engine.cpu_ops.isa import has_amx_int8, has_int8_dot
 from services.engine.quantization.base import (
     PER_OUTPUT,
     WEIGHT,
@@ -42,6 +48,25 @@ from services.engine.quantization.w8a8_triton import int8_linear_triton
 # Any positive scale quantizes a row of zeros to zeros; this one keeps 0 / 0 out.
 _MIN_SCALE = 1e-30
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+# On CPUs with AMX-INT8, steps of more rows than this go to ``_int_mm`` (oneDNN's AMX tiles):
+# below it oneDNN's small-row path is 2-6x slower than the VNNI kernel on AVX512-VNNI.
+VNNI_ROWS_BESIDE_AMX = 32
+
+
+@dataclass(frozen=True, slots=True)
+class VnniWeight:
+    """An int8 weight in ``csrc/w8a8.cpp``'s ``pack_vnni`` layout: ``packed`` int8
+    ``[out / 16, in / 4, 16, 4]`` (padded), ``comp`` int32 ``[out]`` (128 times each output's
+    weight sum: the activations go in offset by 128)."""
+
+    packed: torch.Tensor
+    comp: torch.Tensor
+    out_features: int
+
+
+def pack_vnni(kernels: ModuleType, weight: torch.Tensor) -> VnniWeight:
+    packed, comp = kernels.pack_vnni(weight.contiguous())
+    return VnniWeight(packed, comp, weight.shape[0])
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,6 +112,17 @@ def int8_linear_int_mm(
     return kernels.scale_int32(torch._int_mm(q, weight.t()), scale, scale_row, dtype)
 
 
+def int8_linear_vnni(
+    kernels: ModuleType, x: torch.Tensor, weight: VnniWeight, scale_row: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``int8_linear_int_mm``'s result (the same bits) from the packed weight."""
+    q, scale = quantize_rows_fused(kernels, x)
+    return kernels.w8a8_linear_vnni(
+        q, scale, weight.packed, weight.comp, scale_row, weight.out_features, dtype
+    )
+
+
 def kernels_for(x: torch.Tensor) -> ModuleType | None:
     """``csrc/w8a8.cpp`` for ``x``'s rows (a CPU tensor, the kernels built), else None."""
     return w8a8_ops() if x.device.type == "cpu" else None
@@ -99,6 +135,7 @@ class W8A8Int8Method(LinearMethod):
         layer.weight = frozen_param(layer.out_features, layer.in_features, dtype=torch.int8)
         layer.weight_scale = frozen_param(layer.out_features, 1, dtype=torch.float32)
         layer.bias = frozen_param(layer.out_features, dtype=layer.dtype) if layer.has_bias else None
+        layer.vnni = None
 
     def layout(self, leaf: str) -> ParamLayout:
         return WEIGHT if leaf == "weight" else PER_OUTPUT
@@ -108,17 +145,29 @@ class W8A8Int8Method(LinearMethod):
         layer.scale_row = layer.weight_scale.detach().reshape(-1).float().contiguous()
         assert layer.weight.is_contiguous(), "the int8 kernel reads the weight's rows in place"
 
+    def pack(self, layer: torch.nn.Module) -> None:
+        kernels = w8a8_ops()
+        if layer.vnni is not None or kernels is None or not kernels.has_vnni():
+            return
+        layer.vnni = pack_vnni(kernels, layer.weight)
+        if not has_amx_int8():
+            layer.weight = None  # the packed copy serves every step
+
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         kernels = kernels_for(x)
+        # Rounded to the activations' dtype in the scaling pass when no bias follows.
+        out = x.dtype if bias is None and x.dtype in _KERNEL_DTYPES else torch.float32
         if x.is_cuda:
             y = int8_linear_triton(*quantize_rows(x), layer.weight, layer.scale_row)
         elif kernels is None:
             y = int8_linear_torch(x, layer.weight, layer.scale_row)
+        elif layer.vnni is not None and (
+            layer.weight is None or x.shape[0] <= VNNI_ROWS_BESIDE_AMX
+        ):
+            y = int8_linear_vnni(kernels, x, layer.vnni, layer.scale_row, out)
         elif has_int8_dot():
-            # Rounded to the activations' dtype in the scaling pass when no bias follows.
-            out = x.dtype if bias is None and x.dtype in _KERNEL_DTYPES else torch.float32
             y = int8_linear_int_mm(kernels, x, layer.weight, layer.scale_row, out)
         else:
             y = int8_linear_kernel(kernels, x, layer.weight, layer.scale_row)
