@@ -208,67 +208,109 @@ struct VnniProblem {
   int64_t rows, in4, out;
 };
 
-// R rows from t by C vectors of 16 outputs from vector v: R * C int32 accumulators over the
-// inputs four at a time, each weight vector loaded once for the R rows.
+// One row's 16 sums from output o0 to y, in scale_int32's rounding order: the int32 sum (less
+// the 128s' share) to float, times the row's scale, times the outputs', rounded once to y's
+// dtype (bfloat16: to nearest even, NaN to 0x7FC0, as c10::BFloat16 rounds). Masked past out.
+inline void store_vnni(const VnniProblem& p, int64_t t, int64_t o0, __m512i sums) {
+  const __mmask16 m = p.out - o0 >= kLanes ? 0xFFFF : (1u << (p.out - o0)) - 1;
+  sums = _mm512_sub_epi32(sums, _mm512_maskz_loadu_epi32(m, p.comp + o0));
+  __m512 value = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(p.scale[t]));
+  value = _mm512_mul_ps(value, _mm512_maskz_loadu_ps(m, p.w_scale + o0));
+  const int64_t at = t * p.out + o0;
+  if (!p.bf16) {
+    _mm512_mask_storeu_ps(static_cast<float*>(p.y) + at, m, value);
+    return;
+  }
+  const __m512i bits = _mm512_castps_si512(value);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q);
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
+  _mm256_mask_storeu_epi16(static_cast<at::BFloat16*>(p.y) + at, m,
+                           _mm512_cvtepi32_epi16(rounded));
+}
+
+// The inputs in blocks of this many steps (256 inputs): a task's weights for one block (16 KB
+// for 4 vectors) stay in L1 while each of its row tiles reads them, instead of coming from L2
+// once per tile; the sums wait between blocks in the task's ``part``.
+constexpr int64_t kStepBlock = 64;
+
+// R rows from t by C vectors of 16 outputs from vector v, over the steps k0..k1 (four inputs a
+// step): R * C int32 accumulators, each weight vector loaded once for the R rows. They start
+// from ``part`` ([R][C], the earlier blocks' sums) unless k0 is 0 and end there; after the last
+// block they go to y. The pointers are hoisted, every inner loop unrolled and the sums stored
+// before the epilogue reads them: otherwise GCC 12 copied each accumulator through a spare
+// register (and the stack) at every step, twice the products' instructions.
 template <int R, int C>
-void tile_vnni(const VnniProblem& p, int64_t t, int64_t v) {
+void tile_vnni(const VnniProblem& p, int64_t t, int64_t v, int64_t k0, int64_t k1,
+               __m512i* part) {
   static_assert(R * C + C + 1 <= 32, "the tile's accumulators and operands fit the registers");
-  __m512i acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_si512();
   const int64_t steps = p.in4 / kDepth, stride = steps * kLanes * kDepth;
-  const int8_t* wv = p.w + v * stride;
-  for (int64_t k = 0; k < steps; ++k) {
-    __m512i wk[C];
+  const int8_t* __restrict w = p.w + v * stride;
+  const uint8_t* __restrict a[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) a[r] = p.a + (t + r) * p.in4;
+  __m512i acc[R][C];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
     for (int c = 0; c < C; ++c)
-      wk[c] = _mm512_loadu_si512(wv + c * stride + k * kLanes * kDepth);
+      acc[r][c] = k0 == 0 ? _mm512_setzero_si512() : _mm512_load_si512(&part[r * C + c]);
+  for (int64_t k = k0; k < k1; ++k) {
+    __m512i wk[C];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) wk[c] = _mm512_loadu_si512(w + c * stride + k * kLanes * kDepth);
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       int32_t four;
-      std::memcpy(&four, p.a + (t + r) * p.in4 + k * kDepth, sizeof four);
+      std::memcpy(&four, a[r] + k * kDepth, sizeof four);
       const __m512i ak = _mm512_set1_epi32(four);
+#pragma GCC unroll 8
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], ak, wk[c]);
     }
   }
-  alignas(64) int32_t sums[kLanes];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) {
-      _mm512_store_si512(sums, acc[r][c]);
-      const int64_t o0 = (v + c) * kLanes, n = std::min(kLanes, p.out - o0);
-      // scale_int32's rounding order: the int32 sum to float, times the row's scale, times the
-      // output's, rounded once to the output's dtype.
-      const float s = p.scale[t + r];
-      for (int64_t j = 0; j < n; ++j) {
-        float value = static_cast<float>(sums[j] - p.comp[o0 + j]) * s;
-        value = value * p.w_scale[o0 + j];
-        const int64_t at = (t + r) * p.out + o0 + j;
-        if (p.bf16)
-          static_cast<at::BFloat16*>(p.y)[at] = static_cast<at::BFloat16>(value);
-        else
-          static_cast<float*>(p.y)[at] = value;
-      }
-    }
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) _mm512_store_si512(&part[r * C + c], acc[r][c]);
+  if (k1 < steps) return;
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) store_vnni(p, t + r, (v + c) * kLanes, part[r * C + c]);
 }
 
+// Rows t0..t1 by C vectors from v over the steps k0..k1: tiles of 6 rows (24 accumulators),
+// the last rows by a smaller one.
 template <int C>
-void rows_vnni(const VnniProblem& p, int64_t t0, int64_t t1, int64_t v) {
+void rows_vnni(const VnniProblem& p, int64_t t0, int64_t t1, int64_t v, int64_t k0,
+               int64_t k1, __m512i* part) {
   int64_t t = t0;
-  for (; t + 4 <= t1; t += 4) tile_vnni<4, C>(p, t, v);
+  for (; t + 6 <= t1; t += 6) tile_vnni<6, C>(p, t, v, k0, k1, part + (t - t0) * C);
+  __m512i* rest = part + (t - t0) * C;
   switch (t1 - t) {
-    case 3: tile_vnni<3, C>(p, t, v); break;
-    case 2: tile_vnni<2, C>(p, t, v); break;
-    case 1: tile_vnni<1, C>(p, t, v); break;
+    case 5: tile_vnni<5, C>(p, t, v, k0, k1, rest); break;
+    case 4: tile_vnni<4, C>(p, t, v, k0, k1, rest); break;
+    case 3: tile_vnni<3, C>(p, t, v, k0, k1, rest); break;
+    case 2: tile_vnni<2, C>(p, t, v, k0, k1, rest); break;
+    case 1: tile_vnni<1, C>(p, t, v, k0, k1, rest); break;
     default: break;
   }
 }
 
-// Rows t0..t1 by the output vectors v0..v1 (at most 4).
+// Rows t0..t1 (at most kRowBlock) by the output vectors v0..v1 (at most 4), block by block of
+// the inputs.
 void block_vnni(const VnniProblem& p, int64_t t0, int64_t t1, int64_t v0, int64_t v1) {
-  switch (v1 - v0) {
-    case 4: rows_vnni<4>(p, t0, t1, v0); break;
-    case 3: rows_vnni<3>(p, t0, t1, v0); break;
-    case 2: rows_vnni<2>(p, t0, t1, v0); break;
-    case 1: rows_vnni<1>(p, t0, t1, v0); break;
-    default: break;
+  alignas(64) __m512i part[kRowBlock * 4];
+  const int64_t steps = p.in4 / kDepth;
+  for (int64_t k0 = 0; k0 < steps; k0 += kStepBlock) {
+    const int64_t k1 = std::min(steps, k0 + kStepBlock);
+    switch (v1 - v0) {
+      case 4: rows_vnni<4>(p, t0, t1, v0, k0, k1, part); break;
+      case 3: rows_vnni<3>(p, t0, t1, v0, k0, k1, part); break;
+      case 2: rows_vnni<2>(p, t0, t1, v0, k0, k1, part); break;
+      case 1: rows_vnni<1>(p, t0, t1, v0, k0, k1, part); break;
+      default: break;
+    }
   }
 }
 
@@ -476,9 +518,11 @@ torch::Tensor w8a8_linear_vnni(const torch::Tensor& q, const torch::Tensor& scal
   auto a = torch::full({rows, in4}, 128, q.options().dtype(at::kByte));
   uint8_t* ap = a.data_ptr<uint8_t>();
   const int8_t* qp = q.data_ptr<int8_t>();
-  for (int64_t t = 0; t < rows; ++t)
-    for (int64_t i = 0; i < in; ++i)
-      ap[t * in4 + i] = static_cast<uint8_t>(static_cast<int32_t>(qp[t * in + i]) + 128);
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t i = 0; i < in; ++i)  // q + 128: the sign bit flipped
+        ap[t * in4 + i] = static_cast<uint8_t>(qp[t * in + i]) ^ 0x80;
+  });
 #ifdef PAGODA_W8_VNNI
   const VnniProblem p{ap, scale.data_ptr<float>(), packed.data_ptr<int8_t>(),
                       comp.data_ptr<int32_t>(), w_scale.data_ptr<float>(), y.data_ptr(),
