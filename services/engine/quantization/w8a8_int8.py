@@ -11,10 +11,10 @@ quantized by ``csrc/w8a8.cpp``'s fused op where the kernels are built:
 
 - ``csrc/w8a8.cpp``'s VNNI product (``w8a8_linear_vnni``) on CPUs with AVX512-VNNI, from a copy
   of the weight packed once (``pack``) into 64-byte vectors of 16 outputs by 4 inputs. On a
-  2-core AMD EPYC with AVX512-VNNI (two threads, best of 15) it took 0.5-0.9 ms at 1-16 rows of a
-  2048 -> 8192 weight, where ``_int_mm`` took 0.8-2.3 ms and the packed bfloat16 product 1.2-1.7;
-  from 256 rows on the two are level, 1.6-1.8x faster than bfloat16 (docs/benchmarks.md,
-  "Quantized checkpoints"). There the packed copy is the only one kept.
+  2-core AMD EPYC with AVX512-VNNI (two threads, best of 15) it took 0.3-1.0 ms at 1-16 rows of a
+  2048 -> 8192 weight, where ``_int_mm`` took 0.6-2.7 ms and the packed bfloat16 product 1.0-2.0;
+  12.6 ms at 256 rows against 15.9 and 20.8 (docs/benchmarks.md, "Quantized checkpoints").
+  There the packed copy is the only one kept.
 - ``torch._int_mm`` (oneDNN's int8 GEMM) on CPUs with AMX-INT8, for steps of more than
   ``VNNI_ROWS_BESIDE_AMX`` rows: oneDNN's AMX tiles (never measured here; no such machine has
   run it). Those CPUs keep both copies of the weight.
