@@ -29,8 +29,8 @@ measured. The first line names the machine (its CPU flags): figures depend on it
 4. The int8 product itself (``--sections kernel``): one 576 -> 1536 product (the default model's
    MLP shape) at 1, 8, 64 and 1,024 rows, one thread, best of N with the sides alternated:
    W8A8 (per-row quantization included) by the path this CPU takes (``csrc/w8a8.cpp``'s VNNI
-   product with AVX512-VNNI, its AVX2 product without) against the packed float32 and bfloat16 products the
-   unquantized model runs (``models.onednn``).
+   product with AVX512-VNNI, its AVX2 product without) against the packed float32 and bfloat16
+   products the unquantized model runs (``models.onednn``).
 5. Batch-1 decode of the default model, W8A8 (the checkpoint of section 2) against bfloat16
    (``--sections w8a8-decode``), each twice, alternated.
 

@@ -263,6 +263,14 @@ def test_each_cpu_takes_its_product(monkeypatch) -> None:
         assert called == ["int8_linear_int_mm" if has_int8_dot() else "int8_linear_kernel"]
 
 
+def test_a_layer_too_wide_for_exact_vnni_sums_keeps_int_mm(monkeypatch) -> None:
+    monkeypatch.setattr(w8a8_int8, "VNNI_MAX_IN", 8)
+    layer = _layer()  # 8 inputs
+    assert layer.vnni is None and layer.weight is not None
+    with pytest.raises(RuntimeError, match="in must be below 2"):
+        kernels.pack_vnni(torch.zeros(1, 1 << 16, dtype=torch.int8))
+
+
 @needs_vnni
 def test_cpus_with_amx_send_long_steps_to_int_mm(monkeypatch) -> None:
     monkeypatch.setattr(w8a8_int8, "has_amx_int8", lambda: True)

@@ -51,6 +51,9 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # On CPUs with AMX-INT8, steps of more rows than this go to ``_int_mm`` (oneDNN's AMX tiles):
 # below it oneDNN's small-row path is 2-6x slower than the VNNI kernel on AVX512-VNNI.
 VNNI_ROWS_BESIDE_AMX = 32
+# The VNNI product's sums are exact for narrower inputs only (|sum| <= in * 255 * 128 < 2^31);
+# a wider layer keeps ``_int_mm``.
+VNNI_MAX_IN = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +150,8 @@ class W8A8Int8Method(LinearMethod):
 
     def pack(self, layer: torch.nn.Module) -> None:
         kernels = w8a8_ops()
-        if layer.vnni is not None or kernels is None or not kernels.has_vnni():
+        if (layer.vnni is not None or kernels is None or not kernels.has_vnni()
+                or layer.weight.shape[1] >= VNNI_MAX_IN):
             return
         layer.vnni = pack_vnni(kernels, layer.weight)
         if not has_amx_int8():
