@@ -231,10 +231,10 @@ inline void store_vnni(const VnniProblem& p, int64_t t, int64_t o0, __m512i sums
                            _mm512_cvtepi32_epi16(rounded));
 }
 
-// The inputs in blocks of this many steps (256 inputs): a task's weights for one block (16 KB
+// The inputs in blocks of this many steps (128 inputs): a task's weights for one block (8 KB
 // for 4 vectors) stay in L1 while each of its row tiles reads them, instead of coming from L2
 // once per tile; the sums wait between blocks in the task's ``part``.
-constexpr int64_t kStepBlock = 64;
+constexpr int64_t kStepBlock = 32;
 
 // R rows from t by C vectors of 16 outputs from vector v, over the steps k0..k1 (four inputs a
 // step): R * C int32 accumulators, each weight vector loaded once for the R rows. They start
@@ -472,6 +472,22 @@ torch::Tensor scale_int32(const torch::Tensor& acc, const torch::Tensor& scale,
   return y;
 }
 
+// Output vectors per task: 4 (a tile's widest) unless 3 or 2 leave the busiest thread fewer
+// vectors to do. 576 outputs are 36 vectors: 9 tasks of 4 give one of two threads 20, 12
+// tasks of 3 give each 18.
+int64_t vectors_per_task(int64_t vectors, int64_t row_blocks, int64_t threads) {
+  int64_t best = 4, least = INT64_MAX;
+  for (const int64_t n : {4, 3, 2}) {
+    const int64_t tasks = row_blocks * ((vectors + n - 1) / n);
+    const int64_t busiest = (tasks + threads - 1) / threads * n;
+    if (busiest < least) {
+      least = busiest;
+      best = n;
+    }
+  }
+  return best;
+}
+
 std::tuple<torch::Tensor, torch::Tensor> pack_vnni(const torch::Tensor& w) {
   check(w, at::kChar, 2, "w");
   const int64_t out = w.size(0), in = w.size(1);
@@ -527,8 +543,9 @@ torch::Tensor w8a8_linear_vnni(const torch::Tensor& q, const torch::Tensor& scal
   const VnniProblem p{ap, scale.data_ptr<float>(), packed.data_ptr<int8_t>(),
                       comp.data_ptr<int32_t>(), w_scale.data_ptr<float>(), y.data_ptr(),
                       dtype == at::kBFloat16, rows, in4, out};
-  const int64_t vectors = packed.size(0), per_task = 4;
+  const int64_t vectors = packed.size(0);
   const int64_t row_blocks = (rows + kRowBlock - 1) / kRowBlock;
+  const int64_t per_task = vectors_per_task(vectors, row_blocks, at::get_num_threads());
   const int64_t out_blocks = (vectors + per_task - 1) / per_task;
   at::parallel_for(0, row_blocks * out_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
