@@ -37,7 +37,7 @@ PROMPT = "The capital of France is"
 @pytest.fixture(scope="module")
 def root(fast_model_dir: Path, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("adapter-root")
-    for name, seed in (("static", 1), ("static2", 2), ("dyn", 3)):
+    for name, seed in (("static", 1), ("static2", 2), ("dyn", 3), ("static3", 5)):
         write_adapter(fast_model_dir, root / name, seed=seed)
     outside = tmp_path_factory.mktemp("outside")
     write_adapter(fast_model_dir, outside / "secret", seed=4)
@@ -50,7 +50,8 @@ def root(fast_model_dir: Path, tmp_path_factory) -> Path:
 def stack(fast_model_dir: Path, root: Path) -> Iterator[PagodaStack]:
     engine = ["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "4", "--lora-roots",
               str(root), "--lora-modules", f"static={root / 'static'}",
-              json.dumps({"name": "static2", "path": str(root / "static2")})]
+              json.dumps({"name": "static2", "path": str(root / "static2")}),
+              f"static3={root / 'static3'}"]
     gateway = ["--allow-runtime-lora-updating", "--admin-api-key", ADMIN, "--api-key", USER]
     with PagodaStack(fast_model_dir, StackOptions(engines=2, engine_args=[engine, engine],
                                                   gateway_args=gateway)) as s:
@@ -126,16 +127,22 @@ def test_the_router_follows_the_adapter_and_spreads_a_burst(stack: PagodaStack) 
     # Even side by side, a neighbour's burst can still make one engine's recent steps 1.25x
     # the other's (the router's "slower" threshold): then speed, not affinity, decides. So
     # the pair is primed again, up to three rounds, until the paced requests show affinity.
+    # A round that sent some to engine-0 put static2 in one of its two slots; static3 then
+    # static, one after the other, push it out again (the slots are LRU) before the next round.
     c = _client(stack)
     rounds = []
     for _ in range(3):
+        if rounds:
+            assert [_direct(stack, 0, name, [1, 2, 3]) for name in ("static3", "static")] \
+                == [200, 200]
         with ThreadPoolExecutor(2) as pool:
             primed = pool.map(lambda a: _direct(stack, *a, [1, 2, 3], max_tokens=40),
                               [(1, "static2"), (0, "static")])
             assert list(primed) == [200, 200]
         wait_for(lambda: _engine_adapters(stack, "engine-1").get("static2") == 2, 10,
                  "engine-1 reports static2 in a slot")
-        assert _engine_adapters(stack, "engine-0")["static2"] == 1
+        wait_for(lambda: _engine_adapters(stack, "engine-0").get("static2") == 1, 10,
+                 "engine-0 holds static2 in host memory only")
         engines = []
         for i in range(5):  # paced traffic; prompts under a block: no prefix to follow
             raw = c.completions.with_raw_response.create(model="static2", prompt=f"Hi {i}",

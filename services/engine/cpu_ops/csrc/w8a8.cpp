@@ -33,8 +33,8 @@
 // ``vpdpbusd`` multiplies unsigned by signed bytes, four products summed into each int32 lane:
 // the activations go in as q + 128 (a flipped sign bit) and ``comp`` takes the 128s back out.
 // Neither the four-product sums nor the totals can overflow (|sum| <= in * 255 * 128 < 2^31 for
-// in below 2^16). One 64-byte load holds 16 outputs by 4 inputs; a tile of up to 4 rows by 64
-// outputs keeps 16 accumulators in registers.
+// in below 2^16). One 64-byte load holds 16 outputs by 4 inputs; a tile of up to 6 rows by 64
+// outputs keeps 24 accumulators in registers.
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -530,14 +530,17 @@ torch::Tensor w8a8_linear_vnni(const torch::Tensor& q, const torch::Tensor& scal
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype must be float32 or bfloat16");
   auto y = torch::empty({rows, out}, q.options().dtype(dtype));
   if (rows == 0 || out == 0) return y;
-  // The activations as unsigned bytes (q + 128), each row padded with q = 0 to in4.
-  auto a = torch::full({rows, in4}, 128, q.options().dtype(at::kByte));
+  // The activations as unsigned bytes (q + 128: the sign bit flipped), each row padded with
+  // q = 0 to in4; written once.
+  auto a = torch::empty({rows, in4}, q.options().dtype(at::kByte));
   uint8_t* ap = a.data_ptr<uint8_t>();
   const int8_t* qp = q.data_ptr<int8_t>();
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      for (int64_t i = 0; i < in; ++i)  // q + 128: the sign bit flipped
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t i = 0; i < in; ++i)
         ap[t * in4 + i] = static_cast<uint8_t>(qp[t * in + i]) ^ 0x80;
+      for (int64_t i = in; i < in4; ++i) ap[t * in4 + i] = 0x80;
+    }
   });
 #ifdef PAGODA_W8_VNNI
   const VnniProblem p{ap, scale.data_ptr<float>(), packed.data_ptr<int8_t>(),
