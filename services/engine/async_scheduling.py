@@ -60,8 +60,7 @@ class InFlightStep:
     def sampled_rows(self) -> dict[Request, int]:
         """Each request this step samples for -> its row of the sampled ids."""
         if self._rows is None:
-            sampled = (s.request for s in self.sched.scheduled if s.completes_sequence)
-            self._rows = {req: i for i, req in enumerate(sampled)}
+            self._rows = {req: i for i, req in enumerate(self.sched.sampling_requests())}
         return self._rows
 
 

@@ -409,7 +409,7 @@ class LLMEngine:
     ) -> list[tuple[Request, list[TokenLogprobs | None]]]:
         self.last_step_tokens = sched.num_batched_tokens
         for index, scored in result.prompt_logprobs:
-            sched.scheduled[index].request.prompt_logprobs.extend(scored)
+            sched.requests[index].prompt_logprobs.extend(scored)
         out, spec = result.sampler_output, result.spec
         num_finished = self.scheduler.num_finished
         sampled = self.scheduler.update(sched, out.token_ids, None if spec is None else spec.runs)
@@ -424,8 +424,8 @@ class LLMEngine:
         self.runner.features.applied(sched, result)
         if len(sampled) < len(lps):  # some had finished (or were aborted) since: no token
             kept = {id(req) for req in sampled}
-            rows = (s.request for s in sched.scheduled if s.completes_sequence)
-            lps = [lp for req, lp in zip(rows, lps, strict=True) if id(req) in kept]
+            lps = [lp for req, lp in zip(sched.sampling_requests(), lps, strict=True)
+                   if id(req) in kept]
         if self.scheduler.num_finished != num_finished:
             for req in sampled:
                 if req.status.is_finished:  # the scheduler has already freed its blocks

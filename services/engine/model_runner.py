@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from operator import getitem
 from pathlib import Path
 from typing import Any
 
@@ -481,8 +482,10 @@ class ModelRunner:
         may be a token that the step in flight samples (a placeholder): ``in_flight_rows`` maps
         each request that step samples for to its row of the sampled ids, which ``run`` is
         given."""
+        prepared = self._prepare_decodes(sched, in_flight_rows)
+        if prepared is not None:
+            return prepared
         ib = self.input_batch
-        scheduled = sched.scheduled
         ids: list[int] = []
         rows: list[int] = []
         seq_lens: list[int] = []
@@ -491,19 +494,18 @@ class ModelRunner:
         add, refresh, written = ib.add, ib.refresh, ib.blocks_written
         lookahead = self.features.lookahead_ids
         every_row = ib.features.penalties > 0  # their counts catch up with the new tokens
-        # Runs for every scheduled request every step: locals, and only what varies per request
-        # is appended (query lengths and who samples are rebuilt below only when not all 1).
-        for s in scheduled:
-            req, start, num = s.request, s.start, s.num_new_tokens
+        for req, start, num, block_ids, num_drafts in zip(
+                sched.requests, sched.starts, sched.num_new_tokens, sched.block_ids,
+                sched.num_lookahead_tokens, strict=True):
             row = req.batch_row
             if row < 0:
-                row = add(req, s.block_ids)
-            elif every_row or len(s.block_ids) > written[row]:
-                refresh(req, s.block_ids)
+                row = add(req, block_ids)
+            elif every_row or len(block_ids) > written[row]:
+                refresh(req, block_ids)
             toks = req.token_ids
-            if s.num_lookahead_tokens:  # the last token, then those its feature holds
+            if num_drafts:  # the last token, then those its feature holds
                 ids.append(toks[start])
-                ids.extend(lookahead(row, s.num_lookahead_tokens))
+                ids.extend(lookahead(row, num_drafts))
             elif num == 1 and start < len(toks):  # a decode: its last known token
                 ids.append(toks[start])
             else:
@@ -516,12 +518,43 @@ class ModelRunner:
                 ids.extend(chunk)
             rows.append(row)
             seq_lens.append(start + num)
-        n = len(scheduled)
-        q_lens = ([1] * n if sched.num_batched_tokens == n  # every request one token (each >= 1)
-                  else [s.num_new_tokens for s in scheduled])
-        sampled = (np.arange(n) if sched.num_sampling == n
-                   else np.flatnonzero([s.completes_sequence for s in scheduled]))
+        n = len(rows)
+        q_lens = [1] * n if sched.num_batched_tokens == n else sched.num_new_tokens
+        sampled = (np.arange(n) if sched.num_sampling == n else np.flatnonzero(sched.samples))
         return self._prepared(sched, ids, rows, seq_lens, q_lens, sampled, fill_at, fill_from)
+
+    def _prepare_decodes(self, sched: SchedulerOutput,
+                         in_flight_rows: Mapping[Request, int] | None) -> PreparedStep | None:
+        """``prepare`` of the common step by list operations: every request has a row and
+        computes one token that it samples (its last, or with async scheduling the one on its
+        way). None when the step is not that (joins, prefill chunks, lookahead tokens,
+        penalised rows, whose counts catch up row by row)."""
+        ib = self.input_batch
+        reqs = sched.requests
+        n = len(reqs)
+        if not n or n != sched.num_batched_tokens or n != sched.num_sampling or (
+                ib.features.penalties):
+            return None
+        rows = [r.batch_row for r in reqs]
+        if min(rows) < 0:
+            return None
+        written, block_ids = ib.blocks_written, sched.block_ids
+        for i in [i for i, (row, ids) in enumerate(zip(rows, block_ids, strict=True))
+                  if len(ids) > written[row]]:
+            ib.refresh(reqs[i], block_ids[i])
+        starts = sched.starts
+        toks = [r.token_ids for r in reqs]
+        fill_at: list[int] = []
+        fill_from: list[int] = []
+        if in_flight_rows is None:  # every token known
+            ids = list(map(getitem, toks, starts))
+        else:
+            ids = [t[s] if s < len(t) else 0 for t, s in zip(toks, starts, strict=True)]
+            fill_at = [i for i, (t, s) in enumerate(zip(toks, starts, strict=True)) if s >= len(t)]
+            fill_from = [in_flight_rows[reqs[i]] for i in fill_at]
+        seq_lens = np.add(starts, 1)
+        return self._prepared(sched, ids, rows, seq_lens, [1] * n, np.arange(n), fill_at,
+                              fill_from)
 
     def _prepared(self, sched, ids, rows, seq_lens, q_lens, sampled, fill_at, fill_from):
         """``sampled``: the indices of the scheduled requests that sample (logits rows)."""

@@ -59,6 +59,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from operator import sub
 from typing import Any, Protocol
 
 from services.engine.block_manager import BlockManager
@@ -100,6 +101,8 @@ def _rank(req: Request) -> tuple[int, float]:
 
 @dataclass(slots=True)
 class ScheduledRequest:
+    """One request of a step: a view of ``SchedulerOutput``'s columns at one index."""
+
     request: Request
     num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
     # The request's block ids, the block manager's own list (engine thread only: the runner
@@ -122,16 +125,52 @@ class WaitingForKV:
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    """The step, as columns: its requests in schedule order and, at the same index of each
+    other column, what the step does for that request (``ScheduledRequest`` names them). The
+    runner and ``Scheduler.update`` read the columns whole, so a step of decodes is built and
+    applied by list and array operations rather than an object per request."""
+
+    requests: list[Request] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)  # first position computed this step
+    num_new_tokens: list[int] = field(default_factory=list)  # computed from ``starts`` on
+    # Each one's block ids, the block manager's own list (engine thread only: the runner
+    # appends what is new to its persistent row, never keeps it).
+    block_ids: list[list[int]] = field(default_factory=list)
+    # Decided by schedule(): this step reaches the last known token, so a token is sampled
+    # from its logits (False for every chunk of a chunked prefill but the last).
+    samples: list[bool] = field(default_factory=list)
+    num_lookahead_tokens: list[int] = field(default_factory=list)  # the last new ones: drafts
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
-    num_sampling: int = 0  # the scheduled requests with ``completes_sequence``
+    num_sampling: int = 0  # the scheduled requests with ``samples``
     # The connector's metadata for the step (the loads it planned), for its worker side.
     kv_connector_metadata: Any = None
 
+    def add(self, req: Request, start: int, num_new: int, block_ids: list[int], samples: bool,
+            num_lookahead: int = 0) -> None:
+        self.requests.append(req)
+        self.starts.append(start)
+        self.num_new_tokens.append(num_new)
+        self.block_ids.append(block_ids)
+        self.samples.append(samples)
+        self.num_lookahead_tokens.append(num_lookahead)
+        self.num_sampling += samples
+
+    @property
+    def scheduled(self) -> list[ScheduledRequest]:
+        """The step, a request at a time (a view built on each call: not for the step loop)."""
+        return list(map(ScheduledRequest, self.requests, self.num_new_tokens, self.block_ids,
+                        self.samples, self.starts, self.num_lookahead_tokens))
+
+    def sampling_requests(self) -> list[Request]:
+        """The requests the step samples for, in the order of its sampled tokens."""
+        if self.num_sampling == len(self.requests):
+            return self.requests
+        return [req for req, smp in zip(self.requests, self.samples, strict=True) if smp]
+
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.requests
 
 
 class Scheduler:
@@ -280,17 +319,19 @@ class Scheduler:
             )
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        # Runs for every running request every step: locals, no helper calls on the common
-        # path (a decode whose last block has room). Preemption only removes from the end of
-        # ``running``, which the loop then never reaches.
-        scheduled, append = out.scheduled, out.scheduled.append
+        if not self.one_batch_per_request:
+            left = self._schedule_decodes(out, budget)
+            if left is not None:
+                return left
+        # Preemption only removes from the end of ``running``, which the loop then never
+        # reaches.
+        add, requests = out.add, out.requests
         bm = self.block_manager
         allocate, tables, bs = bm.allocate_slots, bm.block_tables, bm.block_size
         room = self.max_batch_seqs or self.max_num_seqs
         exclusive = self.one_batch_per_request
-        num_sampling = 0
         for req in self.running:
-            if budget <= 0 or len(scheduled) >= room:
+            if budget <= 0 or len(requests) >= room:
                 break
             if exclusive and req.num_scheduled_tokens:
                 continue  # in a step in flight (a pipeline's): its next step waits for it
@@ -312,12 +353,49 @@ class Scheduler:
             samples = total >= end
             req.num_scheduled_tokens += num_new
             req.num_placeholders = placeholders + samples
-            append(ScheduledRequest(req, num_new, ids, samples, start,
-                                    total - end if total > end else 0))
-            num_sampling += samples
+            add(req, start, num_new, ids, samples, total - end if total > end else 0)
             budget -= num_new
-        out.num_sampling += num_sampling
         return budget
+
+    def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> int | None:
+        """The common step, by list operations: every running request computes one token (its
+        last, or the one on its way) and samples it, as the loop of ``_schedule_running``
+        would schedule them. None, having changed nothing, when the step is not that (a
+        prefill chunk, lookahead tokens, a last token that surely ends its request, too small
+        a budget, too few free blocks): the loop decides then."""
+        running = self.running
+        n = len(running)
+        if not n or n > budget or n > (self.max_batch_seqs or self.max_num_seqs):
+            return None
+        starts = [r.num_computed_tokens + r.num_scheduled_tokens for r in running]
+        placeholders = [r.num_placeholders for r in running]
+        ends = [len(r.token_ids) + p for r, p in zip(running, placeholders, strict=True)]
+        if list(map(sub, ends, starts)).count(1) != n or any(
+                [r.num_lookahead_tokens for r in running]):
+            return None
+        if any(placeholders) and any([self._surely_finishes(r) for r in running
+                                      if r.num_placeholders]):
+            return None
+        bm = self.block_manager
+        tables, bs = bm.block_tables, bm.block_size
+        ids = [tables[r.request_id] for r in running]
+        short = [i for i, (end, t) in enumerate(zip(ends, ids, strict=True)) if end > len(t) * bs]
+        if len(short) > bm.num_free_blocks:
+            return None  # someone is preempted: the loop picks whom
+        for i in short:  # a block each: they fit
+            grown = bm.allocate_slots(running[i].request_id, ends[i])
+            assert grown, running[i].request_id
+        for r in running:
+            r.num_scheduled_tokens += 1
+            r.num_placeholders += 1
+        out.requests = running.copy()
+        out.starts = starts
+        out.num_new_tokens = [1] * n
+        out.block_ids = ids
+        out.samples = [True] * n
+        out.num_lookahead_tokens = [0] * n
+        out.num_sampling = n
+        return budget - n
 
     def _preempt_for(self, req: Request, total: int, out: SchedulerOutput) -> bool:
         """Preempts the newest running requests (PRIORITY: the least urgent) until ``req`` gets
@@ -348,7 +426,7 @@ class Scheduler:
         gate = None if self.admission is None else self.admission(
             [*self.running, *(w.request for w in self.loading.values())])  # loading: to run
         cap = self.max_batch_seqs or self.max_num_seqs
-        while self.waiting and budget > 0 and len(out.scheduled) < cap and (
+        while self.waiting and budget > 0 and len(out.requests) < cap and (
                 len(self.running) + len(self.loading) < self.max_num_seqs):
             req = self.waiting[0]
             if gate is not None and not gate.admits(req):
@@ -378,9 +456,7 @@ class Scheduler:
                 self.connector.update_state_after_alloc(
                     req, self.block_manager.block_ids(req.request_id), 0)
             self._start_running(req, num_cached)
-            scheduled = self._scheduled(req, num_new)
-            out.scheduled.append(scheduled)
-            out.num_sampling += scheduled.completes_sequence
+            self._schedule_new(out, req, num_new)
             budget -= num_new
             if gate is not None:
                 gate.admitted(req)
@@ -448,13 +524,12 @@ class Scheduler:
             logger.warning("request_id=%s: its KV was not taken within %.0f s; freed",
                            rid, self.kv_transfer_timeout_s)
 
-    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+    def _schedule_new(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
         start = req.num_computed_tokens + req.num_scheduled_tokens
         samples = start + num_new == len(req.token_ids) + req.num_placeholders
         req.num_scheduled_tokens += num_new
         req.num_placeholders += samples
-        ids = self.block_manager.block_ids(req.request_id)
-        return ScheduledRequest(req, num_new, ids, samples, start)
+        out.add(req, start, num_new, self.block_manager.block_ids(req.request_id), samples)
 
     def _surely_finishes(self, req: Request) -> bool:
         """The tokens on their way reach max_tokens or the context: the request ends with
@@ -480,21 +555,24 @@ class Scheduler:
         """
         assert len(token_ids) == sched.num_sampling, "one token per request that samples"
         self.num_steps_in_flight -= 1
+        if runs is None:
+            kept = self._apply_decodes(sched, token_ids)
+            if kept is not None:
+                return kept
         now = time.monotonic()
         finished = False
         kept = []
         running, preempted = RequestStatus.RUNNING, RequestStatus.PREEMPTED
         max_len, bs = self.max_model_len, self.block_manager.block_size
         k = 0  # the next sampling request's index in token_ids (and runs)
-        # Runs for every running request every step: the run's path inline, locals, calls only
-        # where a block filled or the request ends.
-        for s in sched.scheduled:
-            req = s.request
+        for req, num_new, samples, lookahead in zip(
+                sched.requests, sched.num_new_tokens, sched.samples, sched.num_lookahead_tokens,
+                strict=True):
             status = req.status
-            if not s.completes_sequence:  # a prefill chunk: its KV counts if it still runs
+            if not samples:  # a prefill chunk: its KV counts if it still runs
                 if status is running:
-                    req.num_scheduled_tokens -= s.num_new_tokens
-                    after = req.num_computed_tokens + s.num_new_tokens
+                    req.num_scheduled_tokens -= num_new
+                    after = req.num_computed_tokens + num_new
                     self._cache_blocks(req, after)  # the blocks it filled, if any
                     req.num_computed_tokens = after
                 continue
@@ -504,7 +582,7 @@ class Scheduler:
             # step scheduled since, and its tokens are kept for its recompute).
             computed = status is running
             if computed:
-                req.num_scheduled_tokens -= s.num_new_tokens
+                req.num_scheduled_tokens -= num_new
             elif status is not preempted:
                 continue  # finished or aborted: the extra token of a step scheduled before
             kept.append(req)
@@ -534,8 +612,8 @@ class Scheduler:
                 # Every token it scheduled counts but the rejected lookahead ones
                 # (``num_lookahead_tokens`` less the accepted ``n - 1``); the blocks past its
                 # tokens go back.
-                lookahead, done = s.num_lookahead_tokens, req.num_computed_tokens
-                after = done + s.num_new_tokens - lookahead + n - 1
+                done = req.num_computed_tokens
+                after = done + num_new - lookahead + n - 1
                 if after // bs != done // bs:  # a block filled: cache it
                     self._cache_blocks(req, after)
                 req.num_computed_tokens = after
@@ -549,12 +627,61 @@ class Scheduler:
                                     if computed else [])
                 if not computed:  # preempted by a step scheduled since
                     self.waiting.remove(req)
-        if finished:  # one pass, not a list.remove per finished request
-            self.running[:] = [r for r in self.running if not r.status.is_finished]
-            done = [r for r in kept if r.status.is_finished]
-            self._left.extend(done)
-            self.num_finished += len(done)
+        if finished:
+            self._drop_finished(kept)
         return kept
+
+    def _apply_decodes(self, sched: SchedulerOutput,
+                       token_ids: Sequence[int]) -> list[Request] | None:
+        """``update`` of the common step by list operations: each request computed one token,
+        sampled one and still runs (what the loop of ``update`` does with a run of one token,
+        the blocks' hashing and caching and the stop's exact rules called only for the few it
+        concerns). None, having changed nothing, when the step is not that."""
+        reqs = sched.requests
+        n = len(reqs)
+        if n != sched.num_sampling or n != sched.num_batched_tokens or not n:
+            return None  # a prefill chunk, or lookahead tokens (more tokens than requests)
+        if [r.status for r in reqs].count(RequestStatus.RUNNING) != n:
+            return None  # some finished (or were preempted) since it was scheduled
+        now = time.monotonic()
+        max_len = self.max_model_len
+        bm = self.block_manager
+        bs = bm.block_size
+        ends: list[Request] = []  # a stop token or a length reached: the exact rules decide
+        for req, tok in zip(reqs, token_ids, strict=True):
+            toks = req.token_ids
+            toks.append(tok)
+            req.output_token_ids.append(tok)
+            req.num_scheduled_tokens -= 1
+            req.num_placeholders -= 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if req.grammar is not None:
+                req.grammar.accept(tok)
+            if tok in req.stop_token_set or len(toks) >= req.token_limit or len(toks) >= max_len:
+                ends.append(req)
+            if not len(toks) % bs:  # its new token filled a block: hash it
+                req.hash_full_blocks()
+            after = req.num_computed_tokens + 1
+            if not after % bs:  # its KV filled a block: cache it
+                bm.cache_computed_blocks(req.request_id, toks, req.block_hashes, after)
+            req.num_computed_tokens = after
+        finished = False
+        for req in ends:
+            if self._stopped(req, req.token_ids[-1]):
+                finished = True
+                self._free_finished(req, self.block_manager.block_ids(req.request_id))
+        if finished:
+            self._drop_finished(reqs)
+        return reqs
+
+    def _drop_finished(self, kept: list[Request]) -> None:
+        """The finished requests out of the running set, in one pass (not a ``list.remove``
+        each)."""
+        self.running[:] = [r for r in self.running if not r.status.is_finished]
+        done = [r for r in kept if r.status.is_finished]
+        self._left.extend(done)
+        self.num_finished += len(done)
 
     def _stopped(self, req: Request, tok: int) -> bool:
         """Sets the finished status if ``tok`` ends the request; True if it does."""

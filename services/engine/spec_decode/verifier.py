@@ -156,9 +156,7 @@ class Verifier(StepFeature):
         """The step's verification inputs and draft passes (None: neither); sets
         ``batch.extra_logits`` (before the runner builds the step's CPU inputs)."""
         ib, sched, batch, row_idx = step.input_batch, step.sched, step.batch, step.rows
-        scheduled = sched.scheduled
-        per_req = np.fromiter((s.num_lookahead_tokens for s in scheduled), np.int64,
-                              len(scheduled))
+        per_req = np.array(sched.num_lookahead_tokens, dtype=np.int64)
         num_drafts = per_req[batch.rows]
         spec = None
         if num_drafts.any():
@@ -258,8 +256,8 @@ class Verifier(StepFeature):
         far the draft model's KV reaches."""
         if self.draft is None:
             return
-        sampled = (s.request for s in sched.scheduled if s.completes_sequence)
-        for req, k, a in zip(sampled, out.num_drafts, out.num_accepted, strict=True):
+        for req, k, a in zip(sched.sampling_requests(), out.num_drafts, out.num_accepted,
+                             strict=True):
             if k and req.batch_row >= 0:  # draft j's KV is valid when draft j was accepted
                 self.draft_computed[req.batch_row] += min(a, k - 1)
 
@@ -298,12 +296,14 @@ def _draft_inputs(computed: np.ndarray, ib: InputBatch, sched: SchedulerOutput,
     ids: list[int] = []
     seen: list[int] = []  # the draft's KV reaches this far after pass 1
     q_lens: list[int] = []
-    for i, s in enumerate(sched.scheduled):
-        req, row = s.request, int(row_idx[i])
-        end = min(s.start + s.num_new_tokens - s.num_lookahead_tokens, len(req.token_ids))
+    for i, (req, start, num_new, num_drafts) in enumerate(zip(
+            sched.requests, sched.starts, sched.num_new_tokens, sched.num_lookahead_tokens,
+            strict=True)):
+        row = int(row_idx[i])
+        end = min(start + num_new - num_drafts, len(req.token_ids))
         done = int(computed[row])
         if done < 0:  # joined: a prefix-cache hit's last token may lack the draft's KV
-            done = max(s.start - 1, 0)
+            done = max(start - 1, 0)
         if end > done:
             members.append(i)
             ids.extend(req.token_ids[done:end])
