@@ -500,6 +500,15 @@ def test_argmax_rows_equals_torch_argmax_ties_nans_and_infinities() -> None:
     logits[2, 7] = logits[2, 3] = float("nan")  # NaNs: the first one
     logits[3] = float("-inf")
     logits[4, 0] = float("inf")
+    logits[5] = -1.0
+    logits[5, 100], logits[5, 700] = -0.0, 0.0  # zero's two signs: the first one wins
+    logits[6, 776] = 60.0  # the maximum in the last, partial chunk of 64
+    logits[7, 640] = logits[7, 650] = 70.0  # a tie inside one chunk
+    logits[8, 770] = float("nan")  # a NaN past the maximum
     for rows in (logits, logits[:1], logits[:, :1], logits[::2]):  # incl. a strided view
         got = kernels.argmax_rows(rows.contiguous())
         assert torch.equal(got, rows.argmax(-1))
+    assert kernels.argmax_rows(logits)[5:9].tolist() == [100, 776, 640, 770]
+    vocab = torch.randn(64, 49_152, generator=gen)  # the default model's vocabulary
+    vocab[3, 49_151] = 99.0
+    assert torch.equal(kernels.argmax_rows(vocab), vocab.argmax(-1))

@@ -1160,9 +1160,35 @@ torch::Tensor gumbel_scores(const torch::Tensor& values, const torch::Tensor& id
 
 // argmax per row, as torch's (the first of equal maxima; a NaN wins, the first one), spread
 // over the threads by row chunks: torch's CPU argmax takes ~0.1 ms for 256 rows of 512, which
-// is a greedy decode step's whole sampling.
-PAGODA_INLINE bool beats(float v, float best) {
-  return v > best || (std::isnan(v) && !std::isnan(best));
+// is a greedy decode step's whole sampling. A row is read twice, vectorised: its maximum (and
+// whether it holds a NaN), then the first chunk that holds the maximum, scanned for it. Equal
+// compares -0.0 and 0.0 alike, so the first zero wins where zero is the maximum, as in torch.
+PAGODA_CLONES int64_t argmax_row(const float* row, int64_t vocab) {
+  float top = row[0];
+  int nan = 0;
+#pragma omp simd reduction(max : top) reduction(| : nan)
+  for (int64_t v = 0; v < vocab; ++v) {
+    top = row[v] > top ? row[v] : top;
+    nan |= row[v] != row[v];
+  }
+  if (nan) {
+    for (int64_t v = 0; v < vocab; ++v) {
+      if (std::isnan(row[v])) return v;
+    }
+  }
+  constexpr int64_t kChunk = 64;
+  for (int64_t c = 0; c < vocab; c += kChunk) {
+    const int64_t end = std::min(vocab, c + kChunk);
+    int hit = 0;
+#pragma omp simd reduction(| : hit)
+    for (int64_t v = c; v < end; ++v) hit |= row[v] == top;
+    if (hit) {
+      for (int64_t v = c; v < end; ++v) {
+        if (row[v] == top) return v;
+      }
+    }
+  }
+  return 0;  // not reached: the maximum is one of the row's values
 }
 
 torch::Tensor argmax_rows(const torch::Tensor& logits) {
@@ -1176,18 +1202,7 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
   int64_t* op = out.data_ptr<int64_t>();
   const int64_t grain = std::max<int64_t>(1, 32768 / vocab);  // rows per task: ~32k values
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* row = lp + r * stride;
-      float best = row[0];
-      int64_t at = 0;
-      for (int64_t v = 1; v < vocab; ++v) {
-        if (beats(row[v], best)) {
-          best = row[v];
-          at = v;
-        }
-      }
-      op[r] = at;
-    }
+    for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(lp + r * stride, vocab);
   });
   return out;
 }
