@@ -195,10 +195,19 @@ class LLM:
         # Samples with stop strings follow their text token by token; the others need a
         # token only for its logprobs, or when it ends them.
         streamed = {cid for cid, (_, child) in by_child_id.items() if child.stream is not None}
+        # Without streams or logprobs only a sample that finished needs anything, so a step
+        # that finished none is not walked (``update`` counts the requests it finishes).
+        every_step = bool(streamed) or any(
+            child.output.logprobs is not None for _, child in by_child_id.values())
+        scheduler = self.engine.scheduler
         with bar:
             while self.engine.has_unfinished_requests():
+                num_finished = scheduler.num_finished
+                stepped = self.engine.step_requests()
+                if not every_step and scheduler.num_finished == num_finished:
+                    continue
                 finished = []
-                for req, lps in self.engine.step_requests():
+                for req, lps in stepped:
                     if lps[0] is None and not req.status.is_finished and (
                             not streamed or req.request_id not in streamed):
                         continue  # nothing to fold in until it finishes
