@@ -530,11 +530,10 @@ class ModelRunner:
         way). None when the step is not that (joins, prefill chunks, lookahead tokens,
         penalised rows, whose counts catch up row by row)."""
         ib = self.input_batch
+        if not sched.one_token_each or ib.features.penalties:
+            return None
         reqs = sched.requests
         n = len(reqs)
-        if not n or n != sched.num_batched_tokens or n != sched.num_sampling or (
-                ib.features.penalties):
-            return None
         rows = [r.batch_row for r in reqs]
         if min(rows) < 0:
             return None

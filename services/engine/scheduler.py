@@ -101,18 +101,15 @@ def _rank(req: Request) -> tuple[int, float]:
 
 @dataclass(slots=True)
 class ScheduledRequest:
-    """One request of a step: a view of ``SchedulerOutput``'s columns at one index."""
+    """One request of a step: a view of ``SchedulerOutput``'s columns at one index (they say
+    what each field means; ``completes_sequence`` is the ``samples`` column)."""
 
     request: Request
-    num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
-    # The request's block ids, the block manager's own list (engine thread only: the runner
-    # appends what is new to its persistent row, never keeps it).
+    num_new_tokens: int
     block_ids: list[int]
-    # Decided by schedule(): this step reaches the last known token, so a token is sampled
-    # from its logits (False for every chunk of a chunked prefill but the last).
     completes_sequence: bool
-    start: int  # the request's first position computed this step
-    num_lookahead_tokens: int = 0  # the last ones of the new tokens: proposed, to verify
+    start: int
+    num_lookahead_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -161,6 +158,14 @@ class SchedulerOutput:
         """The step, a request at a time (a view built on each call: not for the step loop)."""
         return list(map(ScheduledRequest, self.requests, self.num_new_tokens, self.block_ids,
                         self.samples, self.starts, self.num_lookahead_tokens))
+
+    @property
+    def one_token_each(self) -> bool:
+        """Every request computes one token and samples it: a step of decodes (no prefill
+        chunk, no lookahead tokens), which the array paths of the scheduler and the runner
+        take."""
+        n = len(self.requests)
+        return n > 0 and self.num_batched_tokens == n == self.num_sampling
 
     def sampling_requests(self) -> list[Request]:
         """The requests the step samples for, in the order of its sampled tokens."""
@@ -637,16 +642,13 @@ class Scheduler:
         sampled one and still runs (what the loop of ``update`` does with a run of one token,
         the blocks' hashing and caching and the stop's exact rules called only for the few it
         concerns). None, having changed nothing, when the step is not that."""
+        if not sched.one_token_each:
+            return None
         reqs = sched.requests
-        n = len(reqs)
-        if n != sched.num_sampling or n != sched.num_batched_tokens or not n:
-            return None  # a prefill chunk, or lookahead tokens (more tokens than requests)
-        if [r.status for r in reqs].count(RequestStatus.RUNNING) != n:
+        if [r.status for r in reqs].count(RequestStatus.RUNNING) != len(reqs):
             return None  # some finished (or were preempted) since it was scheduled
         now = time.monotonic()
-        max_len = self.max_model_len
-        bm = self.block_manager
-        bs = bm.block_size
+        max_len, bs = self.max_model_len, self.block_manager.block_size
         ends: list[Request] = []  # a stop token or a length reached: the exact rules decide
         for req, tok in zip(reqs, token_ids, strict=True):
             toks = req.token_ids
@@ -663,8 +665,8 @@ class Scheduler:
             if not len(toks) % bs:  # its new token filled a block: hash it
                 req.hash_full_blocks()
             after = req.num_computed_tokens + 1
-            if not after % bs:  # its KV filled a block: cache it
-                bm.cache_computed_blocks(req.request_id, toks, req.block_hashes, after)
+            if not after % bs:  # its KV filled a block
+                self._cache_blocks(req, after)
             req.num_computed_tokens = after
         finished = False
         for req in ends:
