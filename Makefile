@@ -47,10 +47,13 @@ test: install
 	TRITON_INTERPRET=1 $(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
 
 # On a CUDA machine, with its own torch and Triton (not the CPU venv): the GPU-only tests and the
-# kernels' tests compiled (no TRITON_INTERPRET), then the GPU benchmark. E.g. `make test-gpu PY=python3`.
+# kernels' tests compiled (no TRITON_INTERPRET), the features on the GPU against their references,
+# then the GPU benchmark. E.g. `make test-gpu PY=python3`; benchmarks/gpu_check.sh runs the same
+# under time caps, logs kept, for a GPU lease.
 test-gpu:
 	PYTHONPATH=. $(PY) -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py tests/engine/test_triton_kernels.py tests/engine/test_triton_fused_kernels.py \
-		tests/engine/test_triton_moe.py
+		tests/engine/test_triton_moe.py tests/engine/test_triton_lora.py tests/engine/test_w4a16_triton.py tests/engine/test_w8a8_triton.py
+	PYTHONPATH=. $(PY) benchmarks/gpu_features.py
 	PYTHONPATH=. $(PY) benchmarks/gpu_throughput.py
 
 # The router as a Gateway API endpoint picker (Envoy ext_proc, gRPC): make serve EXT_PROC_PORT=9002

@@ -14,17 +14,20 @@ exceeds it, which is harmless (only the frequencies use it). The tokenizer files
 ``--tokenizer-dir`` (SmolLM2's; no checkpoint is copied to the machine).
 
 Workload (``make_workload``, ``random.Random(0)``): 256 requests, prompts of 64-1024 random
-token ids, outputs of 32-256 tokens, ``ignore_eos``, greedy.
+token ids, outputs of 32-256 tokens, ``ignore_eos``, greedy. Every run has the same lengths
+and token ids of its own, so no run finds an earlier one's prompts in the prefix cache.
 
 Parts (``--parts``), each in a fresh process, under a time cap and the global ``--budget-s``;
 ``--json`` is rewritten as each part ends (and during the long ones), so a timeout keeps what
 was measured:
 
   offline    ``LLM(model, max_num_seqs=256, max_num_batched_tokens=8192)``: three runs in one
-             process: the first is the cold one (Triton's cache starts empty: ``--kernel-cache``)
+             process: the first is the cold one (Triton's cache starts empty: ``--kernel-cache``);
+             each run lists the Triton kernel variants built during it (none should be)
   batch1     one request (128-token prompt, 256 output tokens): ms per token, cold and warm
   server     ``python -m services.engine.serving.server``, then 256 concurrent streams of
              ``/internal/generate`` (msgpack), twice; failures counted
+  server_process  the same with ``--engine-core process`` (the step loop in its own process)
   kernel     ``benchmarks/decode_attention_bench.py --quick``: the 128 x 1024 decode bandwidth
   hf_static  transformers ``generate``, static batches of 64 (left padding, sdpa); only the
              requested tokens count
@@ -103,9 +106,11 @@ ENGINE_ARGS = {"max_num_seqs": 256, "max_num_batched_tokens": 8192}
 FLOP_PER_TOKEN = 2.4e9  # ~2 x the 1.2B parameters, as issue 10 counts
 PEAK_FLOPS = 790e12  # an H200's dense bf16, as issue 10 counts
 # In priority order: a part that would outlast --budget-s is skipped (or cut) at the end.
-PARTS = ("offline", "batch1", "server", "kernel", "hf_batch", "hf_static")
+PARTS = ("offline", "batch1", "server", "server_process", "kernel", "hf_batch", "hf_static")
+SERVER_PARTS = {"inline": "server", "process": "server_process"}  # --engine-core: its part
 CAPS_S = {  # per part, seconds; the global --budget-s cuts them further
     "model": 60, "offline": 110, "offline_eager": 80, "batch1": 50, "server": 100,
+    "server_process": 100,
     "kernel": 45, "hf_static": 60, "hf_batch": 80,
 }
 MIN_PART_S = 15  # a part with less time left than this is skipped
@@ -118,13 +123,19 @@ class Request:
     output_len: int
 
 
-def make_workload(tiny: bool) -> list[Request]:
+def make_workload(tiny: bool, run: int = 0) -> list[Request]:
+    """The same lengths every time; the token ids of each ``run`` after the first its own, so
+    that a run never finds an earlier run's prompts in the prefix cache (warm means compiled,
+    not cached)."""
     rng = random.Random(SEED)
     n, prompts, outputs = (16, (16, 64), (4, 16)) if tiny else (256, (64, 1024), (32, 256))
     work = []
     for _ in range(n):
         prompt_len, output_len = rng.randint(*prompts), rng.randint(*outputs)
         work.append(Request([rng.randrange(VOCAB) for _ in range(prompt_len)], output_len))
+    if run:
+        ids = random.Random(SEED + 1000 * run)
+        work = [Request([ids.randrange(VOCAB) for _ in r.prompt], r.output_len) for r in work]
     return work
 
 
@@ -209,10 +220,12 @@ def worker_offline(args: argparse.Namespace, report: Report) -> None:
     llm, startup = make_llm(args)
     eager = engine_kwargs(args).get("enforce_eager", False)
     report.update(startup_s=startup, enforce_eager=eager, runs=[])
-    work = make_workload(args.tiny)
     runs = []
-    for _ in range(3):
-        runs.append(timed_generate(llm, work))
+    for run in range(3):
+        with CompileCounter() as built:
+            runs.append(timed_generate(llm, make_workload(args.tiny, run)))
+        runs[-1]["kernel_variants_built"] = built.names
+        runs[-1]["reserved_gib"] = reserved_gib(llm)  # the allocator's growth, run by run
         report.update(runs=runs)
 
 
@@ -220,20 +233,52 @@ def worker_batch1(args: argparse.Namespace, report: Report) -> None:
     llm, startup = make_llm(args)
     report.update(startup_s=startup, runs=[])
     prompt_len, output_len = (16, 32) if args.tiny else (BATCH1_PROMPT, BATCH1_OUTPUT)
-    rng = random.Random(SEED + 1)
-    request = Request([rng.randrange(VOCAB) for _ in range(prompt_len)], output_len)
     runs = []
-    for _ in range(2):  # cold, then warm
+    for run in range(2):  # cold, then warm (another prompt: no prefix-cache hit)
+        rng = random.Random(SEED + 1 + run)
+        request = Request([rng.randrange(VOCAB) for _ in range(prompt_len)], output_len)
         t = time.perf_counter()
-        out = llm.generate([request.prompt], sampling_params(output_len), use_tqdm=False)[0]
+        with CompileCounter() as built:
+            out = llm.generate([request.prompt], sampling_params(output_len), use_tqdm=False)[0]
         wall = time.perf_counter() - t
         m = out.metrics
         runs.append({
             "ms_per_token": wall / output_len * 1e3,
             "decode_ms_per_token": (m.finished_time - m.first_token_time) / (output_len - 1) * 1e3,
             "ttft_ms": m.time_to_first_token * 1e3,
+            "kernel_variants_built": built.names,
         })
         report.update(runs=runs)
+
+
+class CompileCounter:
+    """The Triton kernel variants built while it is active (Triton's ``jit_cache_hook``; none
+    should be: the warm-up compiles every variant a step meets)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def __enter__(self) -> CompileCounter:
+        knobs = _triton_runtime_knobs()
+        if knobs is not None:
+            knobs.jit_cache_hook = self._record
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        knobs = _triton_runtime_knobs()
+        if knobs is not None:
+            knobs.jit_cache_hook = None
+
+    def _record(self, *, fn: Any, **_kwargs: Any) -> None:
+        self.names.append(fn.name)
+
+
+def _triton_runtime_knobs() -> Any:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return getattr(getattr(triton, "knobs", None), "runtime", None)
 
 
 def make_llm(args: argparse.Namespace) -> tuple[Any, float]:
@@ -266,6 +311,13 @@ def timed_generate(llm: Any, work: list[Request]) -> dict[str, float]:
     dt = time.perf_counter() - t
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"seconds": dt, "output_tokens": tokens, "tok_s": tokens / dt}
+
+
+def reserved_gib(llm: Any) -> float | None:
+    import torch
+
+    device = llm.engine.runner.device
+    return torch.cuda.memory_reserved(device) / 2**30 if device.type == "cuda" else None
 
 
 def llm_device(llm: Any) -> str:
@@ -407,16 +459,19 @@ def module_version(name: str) -> str | None:
 # ------------------------------------------------------------------------- the server part
 
 
-def part_server(args: argparse.Namespace, ctx: Context, cap_s: float) -> dict[str, Any]:
-    """Starts the engine server in a fresh process, streams the workload through it twice."""
+def part_server(args: argparse.Namespace, ctx: Context, cap_s: float,
+                core: str = "inline") -> dict[str, Any]:
+    """Starts the engine server in a fresh process (its engine core on a thread of it, or in
+    a process of its own), streams the workload through it twice."""
     deadline = time.monotonic() + cap_s
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = ctx.tmp / "server.log"
     cmd = [sys.executable, "-m", "services.engine.serving.server", "--host", "127.0.0.1",
            "--port", str(port), "--model", str(ctx.model_dir), "--device", args.device,
-           "--dtype", dtype_name(args), "--log-level", "WARNING", *server_flags(args)]
-    result: dict[str, Any] = {"runs": []}
+           "--dtype", dtype_name(args), "--log-level", "WARNING", "--engine-core", core,
+           *server_flags(args)]
+    result: dict[str, Any] = {"engine_core": core, "runs": []}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=ctx.server_env, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -424,17 +479,36 @@ def part_server(args: argparse.Namespace, ctx: Context, cap_s: float) -> dict[st
             start = time.monotonic()
             wait_healthy(url, proc, deadline)
             result["startup_s"] = time.monotonic() - start
-            work = make_workload(args.tiny)
-            for _ in range(2):
+            for run in range(2):
                 left = deadline - time.monotonic()
+                work = make_workload(args.tiny, run)
+                server_cpu, client_cpu = cpu_seconds(proc.pid), time.process_time()
                 result["runs"].append(asyncio.run(stream_workload(url, work, left)))
-                ctx.save_partial("server", result)
+                # Which side was busy: a side near 1 CPU-second per second limits the run.
+                result["runs"][-1]["client_cpu_s"] = time.process_time() - client_cpu
+                if server_cpu is not None:
+                    result["runs"][-1]["server_cpu_s"] = cpu_seconds(proc.pid) - server_cpu
+                ctx.save_partial(SERVER_PARTS[core], result)
         except Exception as exc:  # noqa: BLE001 -- recorded with the server's log tail
             result["error"] = f"{type(exc).__name__}: {exc}"
             result["server_log_tail"] = log_path.read_text(errors="replace")[-3000:]
         finally:
             stop_process(proc)
     return result
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time of the process ``pid`` and its children (psutil; None without it)."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    try:
+        procs = [psutil.Process(pid)]
+        procs += procs[0].children(recursive=True)
+        return sum(sum(p.cpu_times()[:2]) for p in procs)
+    except psutil.Error:
+        return None
 
 
 def server_flags(args: argparse.Namespace) -> list[str]:
@@ -658,8 +732,8 @@ def run_part(part: str, args: argparse.Namespace, ctx: Context) -> None:
         return
     print(f"== {part} (cap {cap:.0f}s)", flush=True)
     start = time.monotonic()
-    if part == "server":
-        result = part_server(args, ctx, cap)
+    if part in ("server", "server_process"):
+        result = part_server(args, ctx, cap, "process" if part == "server_process" else "inline")
     elif part == "kernel":
         result = part_kernel(args, ctx, cap)
     else:
@@ -753,9 +827,9 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
         for peer in ("hf_static", "hf_batch"):
             if parts.get(peer, {}).get("tok_s"):
                 s[f"offline_over_{peer}"] = warm / parts[peer]["tok_s"]
-        server_runs = parts.get("server", {}).get("runs", [])
-        if server_runs:
-            s["server_over_offline"] = [r["tok_s"] / warm for r in server_runs]
+        for part in SERVER_PARTS.values():
+            if parts.get(part, {}).get("runs"):
+                s[f"{part}_over_offline"] = [r["tok_s"] / warm for r in parts[part]["runs"]]
     for name in ("model", "offline_eager", "batch1", "kernel"):
         if name in parts:
             s[name] = summarise_part(name, parts[name])

@@ -268,12 +268,18 @@ class ModelRunner:
 
     def close(self) -> None:
         """Stops a tensor-parallel engine's workers (a no-op without them); a pipeline's
-        stages first finish what is in flight and leave their loop."""
+        stages first finish what is in flight and leave their loop. Then lets go of the KV
+        pool, the decode graphs and the step buffers, and on a GPU gives their memory back to
+        the device: another engine started in this process sizes its pool from free memory
+        (with the old pool still held it got what 85% of the rest allowed)."""
         if self.pipeline is not None and self.workers is not None:
             pp_stage.stop(self)
         if self.workers is not None:
             self.workers.close()
             self.workers = None
+        self.kv_caches, self.graphs, self.buffers = [], None, None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # -- KV cache ---------------------------------------------------------------------------
 

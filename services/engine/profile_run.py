@@ -145,4 +145,7 @@ def largest_step_peak(runner: ModelRunner) -> int:
             del hidden
     finally:
         runner.kv_caches, runner.num_blocks = [], 0
+        del scratch
+        if runner.device.type == "cuda":  # the pool is sized from free memory next: give the
+            torch.cuda.empty_cache()       # run's blocks back, or its peak would count twice
     return meter.peak

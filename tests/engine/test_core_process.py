@@ -150,6 +150,7 @@ def test_the_core_is_forked_only_from_a_single_threaded_server(monkeypatch) -> N
     monkeypatch.setattr(threading, "active_count", lambda: 1)
     assert core_process.start_method(threads=2) == "fork"
     assert core_process.start_method(threads=3) == "spawn"  # a native thread since
+    assert core_process.start_method(threads=2, device="cuda") == "spawn"  # CUDA forbids fork
     monkeypatch.undo()
     stop = threading.Event()
     extra = threading.Thread(target=stop.wait)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,15 @@ def test_async_scheduling_step_thread_is_released(fast_model_dir) -> None:
     gc.collect()
     assert _step_threads() == before
 
+
+
+def test_a_shut_down_engine_lets_go_of_its_kv_pool(fast_model_dir) -> None:
+    """On a GPU the next engine sizes its pool from free memory: the closed one's pool (and
+    its graphs and step buffers) must not be held by the ``LLM`` object the caller keeps."""
+    with LLM(str(fast_model_dir), num_blocks=16) as llm:
+        pool = weakref.ref(llm.engine.runner.kv_caches[0][0])
+        _generate(llm)
+    gc.collect()
+    assert pool() is None and llm.engine.runner.kv_caches == []
+    with pytest.raises(RuntimeError, match="shut down"):
+        _generate(llm)

@@ -64,7 +64,7 @@ def _projection(sizes: tuple[int, ...], in_features: int, slots: int, rank: int,
 
 def _reference(proj: LoRAProjection, x: torch.Tensor, y: torch.Tensor,
                token_slots: np.ndarray) -> torch.Tensor:
-    out = y.float().clone()
+    out = y.float().cpu().clone()
     on = torch.from_numpy(token_slots >= 0)
     idx = torch.from_numpy(token_slots[token_slots >= 0])
     h = torch.einsum("ti,tiw->tw", x[on].float().cpu(), proj.a[idx].float().cpu())

@@ -158,7 +158,8 @@ def load_weights(model: CausalLM, path: Path) -> int:
                 f"shape mismatch for {name!r}: checkpoint {tuple(tensor.shape)}, "
                 f"model expects {tuple(target.shape)}"
             )
-        if slot.shared and slot.param in filled_params and not torch.equal(target, tensor):
+        if slot.shared and slot.param in filled_params and not torch.equal(
+                target, tensor.to(target.device)):  # read to the host, held on the device
             raise ValueError(f"checkpoint tensor {name!r} differs from the one stacked with it "
                              f"into {slot.param!r}; a fused projection holds one")
         filled_params.add(slot.param)

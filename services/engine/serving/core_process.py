@@ -76,7 +76,7 @@ class EngineCoreProcess(CoreClient):
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        method = start_method()
+        method = start_method(device=self.config.torch_device().type)
         ctx = multiprocessing.get_context(method)
         cmd_read, self._commands = ctx.Pipe(duplex=False)
         self._outputs, out_write = ctx.Pipe(duplex=False)
@@ -167,19 +167,23 @@ def _os_threads() -> int | None:
 _IMPORT_THREADS = _os_threads()
 
 
-def start_method(threads: int | None = None) -> str:
+def start_method(threads: int | None = None, device: str = "cpu") -> str:
     """How the core process starts: ``PAGODA_CORE_START_METHOD`` (``fork`` or ``spawn``), else
-    ``fork`` while this process runs no thread beyond those its imports left, as at the
-    server's startup, and ``spawn`` otherwise. A fork inherits the modules the server imported
-    (torch among them), where a spawned core imports them again, about 3 s of every start
-    (vLLM's engine core forks by default too); a fork while another thread works could inherit
-    a lock it holds, so a thread started since (tracing's exporter, ZMQ's I/O, an OpenMP team)
-    means spawn. ``threads``: this process's OS threads (None: read from ``/proc``)."""
+    ``spawn`` for a ``device`` other than the CPU (a process that has asked CUDA for its devices
+    cannot use CUDA in a forked child: torch refuses it), else ``fork`` while this process runs
+    no thread beyond those its imports left, as at the server's startup, and ``spawn``
+    otherwise. A fork inherits the modules the server imported (torch among them), where a
+    spawned core imports them again, about 3 s of every start (vLLM's engine core forks by
+    default too); a fork while another thread works could inherit a lock it holds, so a thread
+    started since (tracing's exporter, ZMQ's I/O, an OpenMP team) means spawn. ``threads``:
+    this process's OS threads (None: read from ``/proc``)."""
     chosen = os.environ.get(START_METHOD_ENV, "")
     if chosen:
         if chosen not in ("fork", "spawn"):
             raise ValueError(f"{START_METHOD_ENV} must be fork or spawn, got {chosen!r}")
         return chosen
+    if device != "cpu":
+        return "spawn"
     threads = _os_threads() if threads is None else threads
     if threads is None or _IMPORT_THREADS is None:
         return "spawn"  # no way to tell: the portable way
