@@ -22,6 +22,9 @@ recorded with its traceback and the rest go on:
                  (``PAGODA_LORA_GRAPHS=1``)
   int4           a GPTQ checkpoint through the Triton W4A16 kernel (``PAGODA_W4A16_TRITON=1``)
                  against the dequantized reference's greedy tokens
+  w8a8           a compressed-tensors W8A8 checkpoint through the Triton int8 kernel
+                 (``PAGODA_W8A8_TRITON=1``): the fake-quantized reference ranks every token
+                 the engine chose within 0.02 of its best (rows may part at a near tie)
 """
 
 from __future__ import annotations
@@ -220,20 +223,11 @@ class Checks:
         return result
 
     def int4(self) -> dict[str, Any]:
-        import torch
-
         from tests.support.quantized import int4_reference, write_int4
 
         quantized, dense = write_int4(self.model, self.tmp / "gptq", "gptq", 32)
-        ref = int4_reference(self.model, dense)
         work = prompts(3, seed=7)
-        want = []
-        with torch.inference_mode():
-            for p in work:
-                out = ref.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS,
-                                   min_new_tokens=NEW_TOKENS, do_sample=False,
-                                   eos_token_id=None, pad_token_id=0)
-                want.append(out[0, len(p):].tolist())
+        want = hf_greedy(int4_reference(self.model, dense), work)
         result: dict[str, Any] = {}
         for name, switches in (("default", {}), ("triton", {"PAGODA_W4A16_TRITON": "1"})):
             with env(**switches), self.llm(quantized) as llm:
@@ -244,8 +238,62 @@ class Checks:
         return result
 
 
+    def w8a8(self) -> dict[str, Any]:
+        from tests.conftest import _write_tiny_model
+        from tests.support.quantized import w8a8_reference, write_w8a8
+
+        # The suite's own tiny shape (vocabulary 256), where its CPU test matches exactly:
+        # per-token activation scales make near-ties of a wider random model flip either way.
+        small = self.tmp / "small"
+        _write_tiny_model(small, "LlamaForCausalLM", 0, {})
+        quantized = write_w8a8(small, self.tmp / "w8a8")
+        work = prompts(3, seed=8, low=3, high=250)
+        reference = w8a8_reference(small, quantized)
+        want = hf_greedy(reference, work)
+        from tests.support.spec_decode import engine, run
+
+        with env(PAGODA_W8A8_TRITON="1"):  # the engine alone: this model has no tokenizer
+            core = engine(quantized, device=self.device, dtype="float32", num_blocks=64)
+        try:
+            got = run(core, work, greedy_params())
+        finally:
+            core.close()
+        equal = sum(a == b for a, b in zip(got, want, strict=True))
+        # Rows may part at a near tie (per-token activation scales round either way): the
+        # reference, fed the engine's tokens, must rank each of them within a hair of its best.
+        gap = max(choice_gap(reference, p, g) for p, g in zip(work, got, strict=True))
+        return {"ok": gap < 0.02, "equal_rows": equal, "rows": len(work),
+                "max_logprob_gap": gap}
+
+
+def choice_gap(model: Any, prompt: list[int], tokens: list[int]) -> float:
+    """The most that ``model``'s best next-token logprob exceeds the one of the token chosen,
+    over a continuation (0: every choice was its greedy one)."""
+    import torch
+
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    return (logprobs.max(dim=-1).values - chosen).max().item()
+
+
+def hf_greedy(model: Any, work: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (EOS ignored), on the host."""
+    import torch
+
+    out = []
+    with torch.inference_mode():
+        for p in work:
+            ids = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS,
+                                 min_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)
+            out.append(ids[0, len(p):].tolist())
+    return out
+
+
 CHECKS = ("graphs_async", "ngram", "self_draft", "structured", "profile_run", "host_tier",
-          "lora", "int4")
+          "lora", "int4", "w8a8")
 
 
 def make_model(out: Path) -> Path:

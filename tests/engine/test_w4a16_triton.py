@@ -76,9 +76,9 @@ def test_a_layout_the_kernel_cannot_take_is_left_to_the_dense_path() -> None:
     assert w4.triton_weight(q, zeros, scales, uneven) is None
 
 
-def test_the_kernel_is_off_unless_asked_for_on_a_gpu(monkeypatch) -> None:
-    monkeypatch.delenv(w4.TRITON_ENV, raising=False)
+def test_the_kernel_is_on_by_default_on_a_gpu_only(monkeypatch) -> None:
+    monkeypatch.setenv(w4.TRITON_ENV, "0")
     assert not w4.wanted(torch.device("cuda")) and not w4.wanted(torch.device("cpu"))
-    monkeypatch.setenv(w4.TRITON_ENV, "1")
+    monkeypatch.delenv(w4.TRITON_ENV)
     assert not w4.wanted(torch.device("cpu"))  # the CPU has its own kernel
     assert w4.wanted(torch.device("cuda")) == (w4.triton is not None)

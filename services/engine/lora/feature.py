@@ -8,7 +8,8 @@ which crosses to the other ranks. Every rank then installs those adapters and se
 layout (``LoRAStep``) on the state its projections read, just before the forward, and clears it
 after. A step with no adapter token carries no slots and does no LoRA work at all.
 
-CUDA graphs (``PAGODA_LORA_GRAPHS=1`` on a GPU; off by default: it has not run on one): decode
+CUDA graphs (on a GPU unless ``PAGODA_LORA_GRAPHS=0``; first run on an H200 on 2026-12-04,
+tokens equal to peft's merged model): decode
 steps under adapters replay graphs of their own, captured with the ``stacked`` layout over a
 static buffer of each row's slot, the slots holding whatever adapters (dummy ones: zeros) they
 hold at capture; the graph reads the slots' weights where they are, so installs between
@@ -131,7 +132,7 @@ class LoRAFeature(StepFeature):
         lora = ModelLoRA(
             model, config.max_loras, config.max_lora_rank, device, segment_kernels_wanted(device)
         )
-        graphs = device.type == "cuda" and os.environ.get(GRAPHS_ENV) == "1"
+        graphs = device.type == "cuda" and os.environ.get(GRAPHS_ENV, "1") != "0"
         return cls(lora, config.max_num_seqs, tp, graphs)
 
     def serve_adapters(self, config: LoRALimits, dtype: torch.dtype) -> None:

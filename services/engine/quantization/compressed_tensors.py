@@ -112,8 +112,8 @@ def _group(name: str, raw: dict[str, Any], device: torch.device) -> _Group:
         if test(weights, acts):
             if device.type not in SUPPORTED[label] and not (
                     label == _W8A8 and device.type == "cuda" and w8a8_triton.allowed_on_gpu()):
-                gpu = (f" (on a GPU with {w8a8_triton.TRITON_ENV}=1: its Triton kernel, "
-                       "never compiled yet)" if label == _W8A8 else "")
+                gpu = (f" (on a GPU: its Triton kernel, turned off by {w8a8_triton.TRITON_ENV}=0 "
+                       "or absent without Triton)" if label == _W8A8 else "")
                 raise ValueError(f"compressed-tensors {label} runs on "
                                  f"{', '.join(SUPPORTED[label])} only, not {device.type}{gpu}")
             return _Group(tuple(raw.get("targets") or ()), method)

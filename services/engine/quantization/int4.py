@@ -5,7 +5,7 @@ output: ``W[o, i] = (q[i, o] - zero[g(i), o]) * scale[g(i), o]``. They differ in
 packed (``unpack``'s ``order``) and where (GPTQ packs ``qweight`` along the input, AWQ along the
 output). ``hold`` then gives the layer its weight: on the CPU, in the layout of the kernel that
 reads the nibbles in its loop (``w4a16_cpu``: a quarter of bfloat16's bytes per decode step);
-on a GPU with ``PAGODA_W4A16_TRITON=1``, in the Triton kernel's (``w4a16_triton``); elsewhere
+on a GPU (unless ``PAGODA_W4A16_TRITON=0``), in the Triton kernel's (``w4a16_triton``); elsewhere
 (or where neither kernel takes the layer) dequantized once into the model's dtype, run by the
 unquantized method.
 """

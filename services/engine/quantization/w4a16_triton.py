@@ -13,9 +13,10 @@ the activations, the packed words (each word serves its eight inputs), shifts ou
 scales them and multiplies with ``tl.dot`` into a float32 accumulator; the result is rounded to
 the activations' dtype once.
 
-Tested under ``TRITON_INTERPRET=1`` against the dequantized weight's product; never compiled on a
-GPU, so a GPU engine uses it only with ``PAGODA_W4A16_TRITON=1`` (otherwise the 4-bit weights are
-dequantized once at load into the model's dtype, as before).
+Tested under ``TRITON_INTERPRET=1`` against the dequantized weight's product, and compiled on an
+H200 (2026-12-04: its tests, and an engine's greedy tokens equal to the dequantized reference's),
+so a GPU engine uses it by default; ``PAGODA_W4A16_TRITON=0`` dequantizes the 4-bit weights once
+at load into the model's dtype instead.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ TRITON_ENV = "PAGODA_W4A16_TRITON"
 
 
 def wanted(device: torch.device) -> bool:
-    """Whether a 4-bit layer on ``device`` runs this kernel: on a GPU, when asked for."""
-    return device.type == "cuda" and os.environ.get(TRITON_ENV) == "1" and triton is not None
+    """Whether a 4-bit layer on ``device`` runs this kernel: on a GPU, unless turned off."""
+    return (device.type == "cuda" and os.environ.get(TRITON_ENV, "1") != "0"
+            and triton is not None)
 
 
 if triton is not None:

@@ -23,8 +23,8 @@ quantized by ``csrc/w8a8.cpp``'s fused op where the kernels are built:
   pair products); it serves every row count (it matches float32 ``F.linear`` at 1,024 rows, and
   beats it 2.5x at one).
 
-On a GPU (only with ``PAGODA_W8A8_TRITON=1``: never compiled yet) the rows are quantized in
-torch and multiplied by ``w8a8_triton``'s kernel, the same results bit for bit.
+On a GPU (unless ``PAGODA_W8A8_TRITON=0``) the rows are quantized in torch and multiplied by
+``w8a8_triton``'s kernel, the same results bit for bit.
 """
 
 from __future__ import annotations

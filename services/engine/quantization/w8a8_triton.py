@@ -6,9 +6,10 @@ results are the same bit for bit. The rows are quantized by ``w8a8_int8.quantize
 ``torch._int_mm`` would serve a GPU too, but cuBLAS refuses it for 16 rows or fewer (every
 decode step of a small batch); the kernel takes any row count.
 
-Tested under ``TRITON_INTERPRET=1`` against ``int8_linear_torch``; never compiled on a GPU, so a
-GPU engine serves W8A8 checkpoints only with ``PAGODA_W8A8_TRITON=1`` (refused otherwise, as
-before, naming this).
+Tested under ``TRITON_INTERPRET=1`` against ``int8_linear_torch``, and compiled on an H200
+(2026-12-04: its tests, and an engine's greedy tokens against the fake-quantized reference), so
+a GPU engine serves W8A8 checkpoints with it by default; ``PAGODA_W8A8_TRITON=0`` refuses them
+there as before.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ TRITON_ENV = "PAGODA_W8A8_TRITON"
 
 
 def allowed_on_gpu() -> bool:
-    return os.environ.get(TRITON_ENV) == "1" and triton is not None
+    return os.environ.get(TRITON_ENV, "1") != "0" and triton is not None
 
 
 if triton is not None:
