@@ -15,8 +15,10 @@ Measured by ``CudaPeak`` on a GPU (the caching allocator's peak) and by ``Tensor
 elsewhere (the storages that torch operations create: memory that a C++ kernel outside the
 dispatcher allocates and frees inside itself is not seen, so on the CPU the figure is a floor).
 
-Off unless ``PAGODA_PROFILE_RUN=1``: it has never run on a GPU, where it is meant to be the
-default once it has; without it the items are counted from shapes (``memory_budget``).
+Off unless ``PAGODA_PROFILE_RUN=1``: it has run on a GPU once (an H200, 2026-12-04, a small
+model, where it agreed with the shapes' count), not yet where the two differ; it is meant to
+be the GPU default once it has; without it the items are counted from shapes
+(``memory_budget``).
 Pipeline stages are not profiled (their forward crosses stages): they count from shapes.
 """
 
