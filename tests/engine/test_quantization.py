@@ -133,7 +133,13 @@ def test_an_unsupported_group_names_itself_and_what_runs_here() -> None:
         quant_config_for(_ct(w4, None), None, torch.device("cpu"))
 
 
-def test_a_scheme_is_refused_on_a_device_it_has_never_run_on() -> None:
+def test_a_scheme_is_refused_on_a_device_it_has_never_run_on(monkeypatch) -> None:
+    fp8 = {"type": "float", "num_bits": 8, "strategy": "channel", "symmetric": True,
+           "dynamic": False}
+    with pytest.raises(ValueError, match="runs on cpu only, not cuda"):
+        quant_config_for(_ct(fp8, None), None, torch.device("cuda"))
+    # W8A8 has run on a GPU (its Triton kernel, on by default there): refused once turned off.
+    monkeypatch.setenv("PAGODA_W8A8_TRITON", "0")
     with pytest.raises(ValueError, match="runs on cpu only, not cuda"):
         quant_config_for(_ct(W8, A8), None, torch.device("cuda"))
 
