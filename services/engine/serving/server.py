@@ -343,6 +343,9 @@ async def _stream(
     first_frame = True
     item = first
     model = metrics.model_name
+    # Bound once per stream: a labels() lookup per token cost about 4 us, 3% of the serving
+    # loop's own work with 256 streams of a fast model (a CPU profile).
+    ttft, itl = metrics.ttft.labels(model), metrics.itl.labels(model)
     span = trace.get_current_span()
     spans = _SpanEvents(span) if span.is_recording() else None
     pending = None
@@ -360,11 +363,11 @@ async def _stream(
             await resp.write(engine_api.KVTransferFrame(item.kv_transfer_params).to_msgpack())
         if item.new_token_ids:
             if last is None:
-                metrics.ttft.labels(model).observe(now - start)
+                ttft.observe(now - start)
             else:
-                metrics.itl.labels(model).observe(now - last)
+                itl.observe(now - last)
             for _ in range(len(item.new_token_ids) - 1):  # coalesced: delivered together
-                metrics.itl.labels(model).observe(0.0)
+                itl.observe(0.0)
             last = now
             cached = item.num_cached_tokens if first_frame else None
             prompt_lps = item.prompt_logprobs if first_frame else None
