@@ -73,7 +73,8 @@ def prompts(n: int, seed: int, low: int = 100, high: int = 4000) -> list[list[in
 
 
 def repetitive(n: int, seed: int) -> list[list[int]]:
-    """Prompts of a repeated motif, so prompt lookup finds drafts."""
+    """Prompts of a repeated motif, longer than the suite's ``repetitive_prompts``: prompt
+    lookup keeps finding drafts in them for several steps of a random model."""
     import random
 
     rng = random.Random(seed)
@@ -223,11 +224,13 @@ class Checks:
         return result
 
     def int4(self) -> dict[str, Any]:
+        from tests.support.lora import greedy
         from tests.support.quantized import int4_reference, write_int4
 
         quantized, dense = write_int4(self.model, self.tmp / "gptq", "gptq", 32)
         work = prompts(3, seed=7)
-        want = hf_greedy(int4_reference(self.model, dense), work)
+        ref = int4_reference(self.model, dense)
+        want = [greedy(ref, p, NEW_TOKENS)[0] for p in work]
         result: dict[str, Any] = {}
         for name, switches in (("default", {}), ("triton", {"PAGODA_W4A16_TRITON": "1"})):
             with env(**switches), self.llm(quantized) as llm:
@@ -240,6 +243,7 @@ class Checks:
 
     def w8a8(self) -> dict[str, Any]:
         from tests.conftest import _write_tiny_model
+        from tests.support.lora import greedy
         from tests.support.quantized import w8a8_reference, write_w8a8
 
         # The suite's own tiny shape (vocabulary 256), where its CPU test matches exactly:
@@ -249,7 +253,7 @@ class Checks:
         quantized = write_w8a8(small, self.tmp / "w8a8")
         work = prompts(3, seed=8, low=3, high=250)
         reference = w8a8_reference(small, quantized)
-        want = hf_greedy(reference, work)
+        want = [greedy(reference, p, NEW_TOKENS)[0] for p in work]
         from tests.support.spec_decode import engine, run
 
         with env(PAGODA_W8A8_TRITON="1"):  # the engine alone: this model has no tokenizer
@@ -276,20 +280,6 @@ def choice_gap(model: Any, prompt: list[int], tokens: list[int]) -> float:
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(1, torch.tensor(tokens)[:, None])[:, 0]
     return (logprobs.max(dim=-1).values - chosen).max().item()
-
-
-def hf_greedy(model: Any, work: list[list[int]]) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt (EOS ignored), on the host."""
-    import torch
-
-    out = []
-    with torch.inference_mode():
-        for p in work:
-            ids = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS,
-                                 min_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0)
-            out.append(ids[0, len(p):].tolist())
-    return out
 
 
 CHECKS = ("graphs_async", "ngram", "self_draft", "structured", "profile_run", "host_tier",

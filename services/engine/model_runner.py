@@ -268,16 +268,21 @@ class ModelRunner:
 
     def close(self) -> None:
         """Stops a tensor-parallel engine's workers (a no-op without them); a pipeline's
-        stages first finish what is in flight and leave their loop. Then lets go of the KV
-        pool, the decode graphs and the step buffers, and on a GPU gives their memory back to
-        the device: another engine started in this process sizes its pool from free memory
-        (with the old pool still held it got what 85% of the rest allowed)."""
+        stages first finish what is in flight and leave their loop. Then lets go of the decode
+        graphs, the step buffers and the KV pool (``release_kv_pool``)."""
         if self.pipeline is not None and self.workers is not None:
             pp_stage.stop(self)
         if self.workers is not None:
             self.workers.close()
             self.workers = None
-        self.kv_caches, self.graphs, self.buffers = [], None, None
+        self.graphs, self.buffers = None, None
+        self.release_kv_pool()
+
+    def release_kv_pool(self) -> None:
+        """Lets go of the KV pool; on a GPU its memory goes back to the device, where the next
+        pool (another engine's in this process, or this one's after the profiling run) is
+        sized from free memory: with the old one still held it got 85% of what was left."""
+        self.kv_caches = []
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

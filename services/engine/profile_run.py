@@ -146,8 +146,7 @@ def largest_step_peak(runner: ModelRunner) -> int:
                 del logits
             del hidden
     finally:
-        runner.kv_caches, runner.num_blocks = [], 0
-        del scratch
-        if runner.device.type == "cuda":  # the pool is sized from free memory next: give the
-            torch.cuda.empty_cache()       # run's blocks back, or its peak would count twice
+        runner.num_blocks = 0
+        del scratch  # the last reference besides the runner's: its blocks can go back
+        runner.release_kv_pool()
     return meter.peak
