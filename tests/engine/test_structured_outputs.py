@@ -150,6 +150,7 @@ def test_a_slow_compile_runs_beside_the_event_loop_and_the_steps(llm: LLM) -> No
     """A schema that takes seconds to compile: the event loop keeps ticking and the engine
     keeps stepping meanwhile (xgrammar releases the GIL on its compile thread)."""
     import asyncio
+    import gc
     import threading
     import time
 
@@ -176,10 +177,19 @@ def test_a_slow_compile_runs_beside_the_event_loop_and_the_steps(llm: LLM) -> No
         free_done.append(time.perf_counter())
 
     stepper = threading.Thread(target=free_requests)
-    stepper.start()
-    compile_s, worst_gap = asyncio.run(compile_and_watch())
-    compiled_at = time.perf_counter()
-    stepper.join()
-    assert worst_gap < 0.25, f"the event loop stalled {worst_gap:.2f}s during the compile"
+    # A full collection of the suite's heap holds the GIL for 0.1-0.3 s whatever runs (CI saw a
+    # 0.26 s stall): not what this measures, so none happens in the window.
+    gc.collect()
+    gc.disable()
+    try:
+        stepper.start()
+        compile_s, worst_gap = asyncio.run(compile_and_watch())
+        compiled_at = time.perf_counter()
+        stepper.join()
+    finally:
+        gc.enable()
+    # A compile on the loop would stall it for the whole compile (seconds).
+    assert worst_gap < min(0.5, max(0.1, compile_s / 4)), (
+        f"the event loop stalled {worst_gap:.2f}s during a {compile_s:.2f}s compile")
     if compile_s > 1.0:  # a slow machine: the free requests finished while it compiled
         assert free_done[0] < compiled_at
