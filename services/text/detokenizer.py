@@ -11,7 +11,9 @@ calls ``detokenize_batch`` instead: the same text, from one batched decode.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
+from itertools import accumulate
 
 from services.text.tokenizer import Tokenizer
 
@@ -19,6 +21,8 @@ _PROMPT_CONTEXT = 5  # prompt tokens kept as left context for the first output t
 _REPLACEMENT = "\ufffd"
 _TAIL_BYTES = 4  # the longest UTF-8 character
 _TAIL_FIRST = 8  # candidate ends tested first, latest first; then all the others
+# What ``surrogateescape`` decodes an invalid byte to (0x80-0xff: ASCII is always valid).
+_ESCAPED_BYTES = "".join(chr(0xDC00 + b) for b in range(0x80, 0x100))
 
 
 class IncrementalDetokenizer:
@@ -98,11 +102,59 @@ def _without_open_tails(
     or on a U+FFFD of its own, the incremental detokenizer holds that tail back.
 
     Whether a decoded text ends in U+FFFD depends on its last 4 bytes only (the longest UTF-8
-    character), so each candidate ``n`` is tested on a short window of tokens holding at least
-    4 bytes, each distinct window decoded once, in one batch: first the last few candidates of
-    every sequence, then the rest for those still open (a random model may repeat one byte
-    token for a whole output). Only the winners are decoded in full.
+    character: the decoder resynchronises at the last character's lead byte). A sequence is
+    searched on its tokens' bytes; one holding a token without them (an id past the
+    tokenizer's, an added token whose text holds U+FFFD) by windows of tokens
+    (``_ends_by_windows``). Only the winners are decoded in full, by the tokenizer.
     """
+    table = tokenizer.token_bytes(skip)
+    ends: list[int | None] = [None] * len(seqs)
+    by_windows = []
+    for i, (ids, start) in enumerate(zip(seqs, starts, strict=True)):
+        parts = [table[t] if t < len(table) else None for t in ids]
+        if None in parts:
+            by_windows.append(i)
+        else:
+            ends[i] = _end_by_bytes(parts, start)
+    if by_windows:
+        found = _ends_by_windows(tokenizer, [seqs[i] for i in by_windows],
+                                 [starts[i] for i in by_windows], skip)
+        for i, end in zip(by_windows, found, strict=True):
+            ends[i] = end
+    winners = [i for i, end in enumerate(ends) if end is not None]
+    texts = tokenizer.decode_batch([seqs[i][: ends[i]] for i in winners], skip)
+    closed = [""] * len(seqs)
+    for i, text in zip(winners, texts, strict=True):
+        closed[i] = text
+    return closed
+
+
+def _end_by_bytes(parts: list[bytes], start: int) -> int | None:
+    """The largest ``n > start`` whose first ``n`` tokens' bytes do not decode to a text ending
+    in U+FFFD (None if none). A cut inside the trailing run of bytes that decode to nothing
+    valid never qualifies (a shorter prefix of invalid bytes stays invalid), so that run is
+    skipped at once: a random model repeating one byte token costs microseconds. The cuts
+    before it are tested on their last 4 bytes each."""
+    data = b"".join(parts)
+    ends = list(accumulate(map(len, parts)))  # ends[k]: bytes in the first k + 1 tokens
+    text = data.decode("utf-8", "surrogateescape")  # each invalid byte: one escape character
+    valid_end = len(data) - (len(text) - len(text.rstrip(_ESCAPED_BYTES)))
+    top = min(len(parts) - 1, bisect_right(ends, valid_end))
+    for n in range(top, start, -1):
+        cut = ends[n - 1]
+        if not data[max(cut - _TAIL_BYTES, 0):cut].decode("utf-8", "replace").endswith(
+                _REPLACEMENT):
+            return n
+    return None
+
+
+def _ends_by_windows(
+    tokenizer: Tokenizer, seqs: list[list[int]], starts: list[int], skip: bool
+) -> list[int | None]:
+    """``_end_by_bytes`` for sequences with a token of unknown bytes: each candidate ``n`` is
+    tested on a short window of tokens holding at least 4 bytes, each distinct window decoded
+    once, in one batch: first the last few candidates of every sequence, then the rest for
+    those still open."""
     added = tokenizer.added_token_ids
     ends: list[int | None] = [None] * len(seqs)
     candidates = [range(len(ids) - 1, start, -1) for ids, start in zip(seqs, starts, strict=True)]
@@ -114,12 +166,7 @@ def _without_open_tails(
         texts = dict(zip(unique, tokenizer.decode_batch(unique, skip), strict=True))
         for i, pairs in windows.items():
             ends[i] = next((e for e, w in pairs if not texts[w].endswith(_REPLACEMENT)), None)
-    winners = [i for i, end in enumerate(ends) if end is not None]
-    texts = tokenizer.decode_batch([seqs[i][: ends[i]] for i in winners], skip)
-    closed = [""] * len(seqs)
-    for i, text in zip(winners, texts, strict=True):
-        closed[i] = text
-    return closed
+    return ends
 
 
 def _window(ids: list[int], end: int, added: frozenset[int]) -> tuple[int, ...]:

@@ -28,6 +28,7 @@ class Tokenizer:
         self.decodes_bytewise = self._backend is not None and _is_byte_level(self._backend)
         # Added tokens (special or not) decode as their own text, not through the BPE bytes.
         self.added_token_ids = frozenset(getattr(self.hf, "added_tokens_decoder", {}))
+        self._token_bytes: dict[bool, list[bytes | None]] = {}  # by skip_special_tokens
 
     @property
     def vocab_size(self) -> int:
@@ -48,6 +49,29 @@ class Tokenizer:
         return self._backend.decode_batch(
             [list(s) for s in seqs], skip_special_tokens=skip_special_tokens
         )
+
+    def token_bytes(self, skip_special_tokens: bool = True) -> list[bytes | None]:
+        """Each id's bytes under byte-level decoding (``decodes_bytewise``), what a run of them
+        decodes from: an added token's are its own text's (nothing when it is special and
+        skipped); None where that text holds a U+FFFD. Built on first use (~0.1 s, 49k ids)."""
+        table = self._token_bytes.get(skip_special_tokens)
+        if table is None:
+            table = self._token_bytes[skip_special_tokens] = self._build_token_bytes(
+                skip_special_tokens)
+        return table
+
+    def _build_token_bytes(self, skip: bool) -> list[bytes | None]:
+        assert self.decodes_bytewise and self._backend is not None
+        byte_of = {ch: b for b, ch in _byte_alphabet().items()}
+        table: list[bytes | None] = [None] * len(self.hf)
+        for token, i in self._backend.get_vocab(with_added_tokens=False).items():
+            if i < len(table) and all(ch in byte_of for ch in token):
+                table[i] = bytes(byte_of[ch] for ch in token)
+        for i in self.added_token_ids:
+            text = self.decode([i], skip)
+            if i < len(table):
+                table[i] = None if "\ufffd" in text else text.encode()
+        return table
 
     def convert_id_to_token(self, token_id: int) -> str:
         return self.hf.convert_ids_to_tokens(int(token_id))
@@ -84,3 +108,12 @@ def _is_byte_level(backend: Any) -> bool:
     from tokenizers import decoders
 
     return isinstance(backend.decoder, decoders.ByteLevel)
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's table): printable Latin-1
+    bytes stand for themselves, the others for 256, 257, ... in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{b: chr(b) for b in kept}, **{b: chr(256 + k) for k, b in enumerate(moved)}}

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from services.text import detokenizer
 from services.text.detokenizer import IncrementalDetokenizer, detokenize_batch
 from services.text.tokenizer import Tokenizer
 
@@ -88,3 +89,33 @@ def test_two_batched_decodes_and_none_per_token(tok: Tokenizer, monkeypatch) -> 
     texts = detokenize_batch(tok, prompts, outputs)
     assert texts == [f" answer {i} 😀 done" for i in range(50)]
     assert calls == {"decode": 0, "batch": 2}
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_token_bytes_decode_as_the_tokenizer_does(tok: Tokenizer, skip: bool) -> None:
+    """The open-tail search reads ids as bytes: joined and decoded with replacement, a run of
+    them gives the Rust tokenizer's text (split characters, added tokens skipped or not)."""
+    table = tok.token_bytes(skip)
+    rng = random.Random(7 + skip)
+    pools = token_pools(tok)
+    for _ in range(500):
+        ids = random_seq(rng, pools, rng.randint(1, 16))
+        assert b"".join(table[i] for i in ids).decode("utf-8", "replace") == tok.decode(ids, skip)
+
+
+def test_ids_without_bytes_take_the_window_search(tok: Tokenizer, monkeypatch) -> None:
+    """An id past the tokenizer's vocabulary (an LM head's padding row) has no bytes: its
+    sequence is searched by windows of tokens, to the same text."""
+    emoji = tok.encode("😀", add_special_tokens=False)
+    prompt = tok.encode("Say:", add_special_tokens=False)
+    past = len(tok.hf) + 3
+    assert len(tok.token_bytes(True)) <= past
+    searched = []
+    by_windows = detokenizer._ends_by_windows
+    monkeypatch.setattr(detokenizer, "_ends_by_windows",
+                        lambda tok, seqs, *a: searched.extend(seqs) or by_windows(tok, seqs, *a))
+    cases = [(prompt, [*emoji, past, *emoji[:2]]), (prompt, [past, emoji[0], emoji[0]])]
+    for skip in (True, False):
+        expected = [incremental(tok, p, o, skip) for p, o in cases]
+        assert detokenize_batch(tok, *zip(*cases, strict=True), skip) == expected
+    assert searched and all(past in seq for seq in searched)
