@@ -548,9 +548,12 @@ class ModelRunner:
         rows = [r.batch_row for r in reqs]
         if min(rows) < 0:
             return None
-        written, block_ids = ib.blocks_written, sched.block_ids
-        for i in [i for i, (row, ids) in enumerate(zip(rows, block_ids, strict=True))
-                  if len(ids) > written[row]]:
+        block_ids, grown = sched.block_ids, sched.grown
+        if grown is None:
+            written = ib.blocks_written
+            grown = [i for i, (row, ids) in enumerate(zip(rows, block_ids, strict=True))
+                     if len(ids) > written[row]]
+        for i in grown:
             ib.refresh(reqs[i], block_ids[i])
         starts = sched.starts
         toks = [r.token_ids for r in reqs]

@@ -142,9 +142,14 @@ class SchedulerOutput:
     num_sampling: int = 0  # the scheduled requests with ``samples``
     # The connector's metadata for the step (the loads it planned), for its worker side.
     kv_connector_metadata: Any = None
+    # The indices of the requests whose block list this schedule grew, when the decode path
+    # built the step (None: any may have; the runner compares each row's). A row is brought
+    # up to date by the prepare of the schedule that grew its list, so no other row can lag.
+    grown: list[int] | None = None
 
     def add(self, req: Request, start: int, num_new: int, block_ids: list[int], samples: bool,
             num_lookahead: int = 0) -> None:
+        self.grown = None
         self.requests.append(req)
         self.starts.append(start)
         self.num_new_tokens.append(num_new)
@@ -388,8 +393,8 @@ class Scheduler:
         if len(short) > bm.num_free_blocks:
             return None  # someone is preempted: the loop picks whom
         for i in short:  # a block each: they fit
-            grown = bm.allocate_slots(running[i].request_id, ends[i])
-            assert grown, running[i].request_id
+            allocated = bm.allocate_slots(running[i].request_id, ends[i])
+            assert allocated, running[i].request_id
         for r in running:
             r.num_scheduled_tokens += 1
             r.num_placeholders += 1
@@ -400,6 +405,7 @@ class Scheduler:
         out.samples = [True] * n
         out.num_lookahead_tokens = [0] * n
         out.num_sampling = n
+        out.grown = short
         return budget - n
 
     def _preempt_for(self, req: Request, total: int, out: SchedulerOutput) -> bool:
