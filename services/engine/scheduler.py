@@ -143,13 +143,13 @@ class SchedulerOutput:
     # The connector's metadata for the step (the loads it planned), for its worker side.
     kv_connector_metadata: Any = None
     # The indices of the requests whose block list this schedule grew, when the decode path
-    # built the step (None: any may have; the runner compares each row's). A row is brought
-    # up to date by the prepare of the schedule that grew its list, so no other row can lag.
+    # built the step and nothing was admitted after it (None: any may have; the runner
+    # compares each row's). A row is brought up to date by the prepare of the schedule that
+    # grew its list, so no other row can lag.
     grown: list[int] | None = None
 
     def add(self, req: Request, start: int, num_new: int, block_ids: list[int], samples: bool,
             num_lookahead: int = 0) -> None:
-        self.grown = None
         self.requests.append(req)
         self.starts.append(start)
         self.num_new_tokens.append(num_new)
@@ -540,6 +540,7 @@ class Scheduler:
         samples = start + num_new == len(req.token_ids) + req.num_placeholders
         req.num_scheduled_tokens += num_new
         req.num_placeholders += samples
+        out.grown = None  # an admission after the decode path: its list is not in ``grown``
         out.add(req, start, num_new, self.block_manager.block_ids(req.request_id), samples)
 
     def _surely_finishes(self, req: Request) -> bool:

@@ -62,7 +62,7 @@ class Tokenizer:
 
     def _build_token_bytes(self, skip: bool) -> list[bytes | None]:
         assert self.decodes_bytewise and self._backend is not None
-        byte_of = {ch: b for b, ch in _byte_alphabet().items()}
+        byte_of = _byte_of_char()
         table: list[bytes | None] = [None] * len(self.hf)
         for token, i in self._backend.get_vocab(with_added_tokens=False).items():
             if i < len(table) and all(ch in byte_of for ch in token):
@@ -110,10 +110,10 @@ def _is_byte_level(backend: Any) -> bool:
     return isinstance(backend.decoder, decoders.ByteLevel)
 
 
-def _byte_alphabet() -> dict[int, str]:
-    """Byte-level BPE's printable stand-in for each byte (GPT-2's table): printable Latin-1
-    bytes stand for themselves, the others for 256, 257, ... in byte order."""
+def _byte_of_char() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's table), read back: each byte has a printable stand-in,
+    a printable Latin-1 byte itself, every other byte 256, 257, ... in byte order."""
     kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
             *range(ord("®"), ord("ÿ") + 1)]
     moved = [b for b in range(256) if b not in kept]
-    return {**{b: chr(b) for b in kept}, **{b: chr(256 + k) for k, b in enumerate(moved)}}
+    return {**{chr(b): b for b in kept}, **{chr(256 + k): b for k, b in enumerate(moved)}}
