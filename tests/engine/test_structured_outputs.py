@@ -16,6 +16,7 @@ from services.protocol.sampling_params import SamplingParams
 from services.protocol.structured_outputs import StructuredOutputsParams as SO
 from services.protocol.wire import BadRequest
 from tests.support.stack import TOKENIZER_FILES
+from tests.support.timing import collector_held_off
 
 SCHEMA = {
     "type": "object",
@@ -150,7 +151,6 @@ def test_a_slow_compile_runs_beside_the_event_loop_and_the_steps(llm: LLM) -> No
     """A schema that takes seconds to compile: the event loop keeps ticking and the engine
     keeps stepping meanwhile (xgrammar releases the GIL on its compile thread)."""
     import asyncio
-    import gc
     import threading
     import time
 
@@ -177,17 +177,11 @@ def test_a_slow_compile_runs_beside_the_event_loop_and_the_steps(llm: LLM) -> No
         free_done.append(time.perf_counter())
 
     stepper = threading.Thread(target=free_requests)
-    # A full collection of the suite's heap holds the GIL for 0.1-0.3 s whatever runs (CI saw a
-    # 0.26 s stall): not what this measures, so none happens in the window.
-    gc.collect()
-    gc.disable()
-    try:
+    with collector_held_off():
         stepper.start()
         compile_s, worst_gap = asyncio.run(compile_and_watch())
         compiled_at = time.perf_counter()
         stepper.join()
-    finally:
-        gc.enable()
     # A compile on the loop would stall it for the whole compile (seconds).
     assert worst_gap < min(0.5, max(0.1, compile_s / 4)), (
         f"the event loop stalled {worst_gap:.2f}s during a {compile_s:.2f}s compile")
