@@ -133,6 +133,7 @@ class InputBatch:
         self.max_rows = max_rows
         self.vocab_size = vocab_size
         self.num_rows = 0
+        self.layout = 0  # counts joins and leaves: a request's row stays while it is unchanged
         self.requests: list[Request | None] = [None] * max_rows
         self.block_table = np.zeros((max_rows, max_blocks_per_seq), dtype=np.int32)
         self.num_blocks = np.zeros(max_rows, dtype=np.int64)
@@ -160,6 +161,7 @@ class InputBatch:
         assert self.num_rows < self.max_rows, "more running requests than max_num_seqs"
         row = self.num_rows
         self.num_rows += 1
+        self.layout += 1
         self.requests[row] = req
         req.batch_row = row
         n = len(block_ids)
@@ -188,6 +190,7 @@ class InputBatch:
             return
         assert self.requests[row] is req, req.request_id
         req.batch_row = -1
+        self.layout += 1
         self.features.count(req, -1)
         slot = int(self.penalty_slot[row])
         if slot >= 0:

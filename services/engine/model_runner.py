@@ -42,6 +42,7 @@ from services.engine.attention.metadata import (
 from services.engine.attention.selector import get_attention_backend
 from services.engine.config import EngineConfig
 from services.engine.cuda_graphs import DecodeGraphs, capture_sizes
+from services.engine.decode_batch import DecodeBatch
 from services.engine.feature_warm_up import warm_up_features, warm_up_forward
 from services.engine.features import registry
 from services.engine.features.protocol import FeatureFactory
@@ -205,6 +206,8 @@ class ModelRunner:
         if config.max_model_len is not None:
             self.model.limit_context(config.max_model_len)
         self.model_config = self.model.config
+        # (decode batch, its size, the input batch's layout) -> its requests' rows
+        self._rows_of_batch: tuple[tuple[DecodeBatch, int, int], np.ndarray] | None = None
         # The step's optional features, in the order the runner calls them (``step_features``),
         # made by the enabled ones' factories (``features.registry``): first those that change
         # the model's layers, before packing (they read the weights' shapes); the others after
@@ -545,9 +548,13 @@ class ModelRunner:
             return None
         reqs = sched.requests
         n = len(reqs)
-        rows = [r.batch_row for r in reqs]
-        if min(rows) < 0:
-            return None
+        batch = sched.decode_batch
+        if batch is not None:
+            rows = self._batch_rows(batch)
+        else:
+            rows = [r.batch_row for r in reqs]
+            if min(rows) < 0:
+                return None
         block_ids, grown = sched.block_ids, sched.grown
         if grown is None:
             written = ib.blocks_written
@@ -556,18 +563,31 @@ class ModelRunner:
         for i in grown:
             ib.refresh(reqs[i], block_ids[i])
         starts = sched.starts
-        toks = [r.token_ids for r in reqs]
         fill_at: list[int] = []
         fill_from: list[int] = []
-        if in_flight_rows is None:  # every token known
-            ids = list(map(getitem, toks, starts))
+        if batch is not None:  # each one's last token: the last step's
+            ids = batch.last_tokens
+        elif in_flight_rows is None:  # every token known
+            ids = list(map(getitem, [r.token_ids for r in reqs], starts))
         else:
+            toks = [r.token_ids for r in reqs]
             ids = [t[s] if s < len(t) else 0 for t, s in zip(toks, starts, strict=True)]
             fill_at = [i for i, (t, s) in enumerate(zip(toks, starts, strict=True)) if s >= len(t)]
             fill_from = [in_flight_rows[reqs[i]] for i in fill_at]
         seq_lens = np.add(starts, 1)
         return self._prepared(sched, ids, rows, seq_lens, [1] * n, np.arange(n), fill_at,
                               fill_from)
+
+    def _batch_rows(self, batch: DecodeBatch) -> np.ndarray:
+        """The input-batch rows of a decode batch's requests, kept while no row moved (rows
+        move when a request leaves or joins)."""
+        ib = self.input_batch
+        key = (batch, len(batch.requests), ib.layout)
+        if self._rows_of_batch is None or self._rows_of_batch[0] != key:
+            rows = np.array([r.batch_row for r in batch.requests], dtype=np.int64)
+            assert rows.min() >= 0, "a decoding request has had a step, so a row"
+            self._rows_of_batch = (key, rows)
+        return self._rows_of_batch[1]
 
     def _prepared(self, sched, ids, rows, seq_lens, q_lens, sampled, fill_at, fill_from):
         """``sampled``: the indices of the scheduled requests that sample (logits rows)."""

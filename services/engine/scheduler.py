@@ -62,7 +62,10 @@ from dataclasses import dataclass, field
 from operator import sub
 from typing import Any, Protocol
 
+import numpy as np
+
 from services.engine.block_manager import BlockManager
+from services.engine.decode_batch import DecodeBatch
 from services.engine.kv_connector.base import FinishedTransfers, KVConnector
 from services.engine.kv_connector.config import DEFAULT_TIMEOUT_S
 from services.engine.prompt_logprobs import reads_prefix_cache
@@ -147,6 +150,9 @@ class SchedulerOutput:
     # compares each row's). A row is brought up to date by the prepare of the schedule that
     # grew its list, so no other row can lag.
     grown: list[int] | None = None
+    # The running set as arrays, when the step was scheduled from them (``decode_batch``):
+    # its requests' scheduled counts were left as they were, and its apply goes by the arrays.
+    decode_batch: DecodeBatch | None = None
 
     def add(self, req: Request, start: int, num_new: int, block_ids: list[int], samples: bool,
             num_lookahead: int = 0) -> None:
@@ -221,6 +227,12 @@ class Scheduler:
         self.loading: dict[str, WaitingForKV] = {}
         self._cancelled_loads: set[str] = set()  # aborted while loading: freed once reported
         self._held: dict[str, float] = {}  # finished, blocks held for sending: id -> deadline
+        # The running set as arrays while it only decodes (``decode_batch``): built by a step
+        # of decodes' apply, used by the next schedule if nothing else happened in between.
+        # The engine turns it on where each step is applied before the next is scheduled and
+        # no feature sets lookahead tokens before schedules.
+        self.decode_batches = False
+        self._decode_batch: DecodeBatch | None = None
 
     # -- queue management -------------------------------------------------------------------
 
@@ -301,9 +313,18 @@ class Scheduler:
 
     def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        # Whatever this schedule does, the batch is used by it or by nobody.
+        batch, self._decode_batch = self._decode_batch, None
+        budget = None
         if self.num_steps_in_flight:
+            # A step from the batch left the requests' scheduled counts alone: no other step
+            # may be scheduled before it is applied.
+            assert not self.decode_batches, "decode batches need synchronous stepping"
             self._cache_in_flight()
-        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        elif batch is not None and batch.requests == self.running:
+            budget = self._schedule_batch(out, self.max_num_batched_tokens, batch)
+        if budget is None:
+            budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             budget = self._schedule_waiting(out, budget)
         out.num_batched_tokens = self.max_num_batched_tokens - budget
@@ -366,6 +387,38 @@ class Scheduler:
             add(req, start, num_new, ids, samples, total - end if total > end else 0)
             budget -= num_new
         return budget
+
+    def _schedule_batch(self, out: SchedulerOutput, budget: int,
+                        batch: DecodeBatch) -> int | None:
+        """``_schedule_decodes`` from the arrays of a running set that only decoded since the
+        last schedule: each request computes the position after the last one. The requests'
+        scheduled and placeholder counts are not raised (nothing reads them before this
+        step's apply, which goes by the batch too). None, having changed nothing, when the
+        step is not that (too small a budget, too few free blocks)."""
+        n = len(batch.requests)
+        if n > budget or n > (self.max_batch_seqs or self.max_num_seqs):
+            return None
+        starts = batch.starts + 1
+        short = np.flatnonzero(starts >= batch.capacity)  # its next token needs a block
+        bm = self.block_manager
+        if len(short) > bm.num_free_blocks:
+            return None  # someone is preempted: the loop picks whom
+        grown = short.tolist()
+        for i in grown:  # a block each: they fit
+            allocated = bm.allocate_slots(batch.requests[i].request_id, int(starts[i]) + 1)
+            assert allocated, batch.requests[i].request_id
+            batch.capacity[i] = len(batch.block_ids[i]) * bm.block_size
+        batch.starts = starts
+        out.requests = batch.requests
+        out.starts = starts.tolist()
+        out.num_new_tokens = [1] * n
+        out.block_ids = batch.block_ids
+        out.samples = [True] * n
+        out.num_lookahead_tokens = [0] * n
+        out.num_sampling = n
+        out.grown = grown
+        out.decode_batch = batch
+        return budget - n
 
     def _schedule_decodes(self, out: SchedulerOutput, budget: int) -> int | None:
         """The common step, by list operations: every running request computes one token (its
@@ -536,6 +589,12 @@ class Scheduler:
                            rid, self.kv_transfer_timeout_s)
 
     def _schedule_new(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
+        if out.decode_batch is not None:  # a request joins: the step is the general kind
+            out.decode_batch = None
+            out.requests, out.block_ids = list(out.requests), list(out.block_ids)
+            for r in out.requests:
+                r.num_scheduled_tokens += 1
+                r.num_placeholders += 1
         start = req.num_computed_tokens + req.num_scheduled_tokens
         samples = start + num_new == len(req.token_ids) + req.num_placeholders
         req.num_scheduled_tokens += num_new
@@ -651,6 +710,8 @@ class Scheduler:
         concerns). None, having changed nothing, when the step is not that."""
         if not sched.one_token_each:
             return None
+        if sched.decode_batch is not None:
+            return self._apply_batch(sched.decode_batch, token_ids)
         reqs = sched.requests
         if [r.status for r in reqs].count(RequestStatus.RUNNING) != len(reqs):
             return None  # some finished (or were preempted) since it was scheduled
@@ -682,6 +743,40 @@ class Scheduler:
                 self._free_finished(req, self.block_manager.block_ids(req.request_id))
         if finished:
             self._drop_finished(reqs)
+        if (self.decode_batches and not self.num_steps_in_flight and self.connector is None
+                and not self.one_batch_per_request):
+            batch = DecodeBatch.of(reqs, sched.starts, sched.block_ids, list(token_ids),
+                                   max_len, bs)
+            if finished:
+                batch.keep([i for i, r in enumerate(reqs) if not r.status.is_finished])
+            self._decode_batch = batch if batch.requests else None
+        return reqs
+
+    def _apply_batch(self, batch: DecodeBatch, token_ids: Sequence[int]) -> list[Request]:
+        """``_apply_decodes`` of a step scheduled from ``batch`` (``_schedule_batch``): the
+        same effects, by array operations, but for the scheduled counts, which that schedule
+        left alone. The batch goes on for the next schedule, without those that finished."""
+        reqs, tokens = batch.requests, list(token_ids)
+        ends = batch.append(tokens)
+        for i in batch.grammar_rows:
+            reqs[i].grammar.accept(tokens[i])
+        bs = self.block_manager.block_size
+        for i in np.flatnonzero(batch.lengths % bs == 0).tolist():  # a block of tokens: hash
+            reqs[i].hash_full_blocks()
+        after = batch.starts + 1
+        for i in np.flatnonzero(after % bs == 0).tolist():  # its KV filled a block: cache it
+            self._cache_blocks(reqs[i], int(after[i]))
+        for req, n in zip(reqs, after.tolist(), strict=True):
+            req.num_computed_tokens = n
+        finished = [i for i in ends.tolist() if self._stopped(reqs[i], tokens[i])]
+        for i in finished:
+            req = reqs[i]
+            self._free_finished(req, self.block_manager.block_ids(req.request_id))
+        if finished:
+            self._drop_finished(reqs)
+            batch.keep([i for i, r in enumerate(reqs) if not r.status.is_finished])
+        if batch.requests and not self.num_steps_in_flight:
+            self._decode_batch = batch
         return reqs
 
     def _drop_finished(self, kept: list[Request]) -> None:

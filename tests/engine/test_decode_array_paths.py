@@ -1,7 +1,9 @@
 """The common step (every request decodes one token) is scheduled, prepared and applied by
 list operations (``Scheduler._schedule_decodes``, ``ModelRunner._prepare_decodes``,
-``Scheduler._apply_decodes``). They must give what the per-request loops give, token for
-token and block for block, and a decode step must really take them."""
+``Scheduler._apply_decodes``), and while the running set stays the same, from the arrays of a
+``DecodeBatch`` (``Scheduler._schedule_batch``; its apply is ``_apply_decodes``'). They must
+give what the per-request loops give, token for token and block for block, and a decode step
+must really take them."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from services.protocol.structured_outputs import StructuredOutputsParams
 ENGINE = {"max_num_batched_tokens": 48, "max_num_seqs": 8, "num_blocks": 48, "block_size": 4,
           "max_model_len": 64}
 ARRAY_PATHS = ((Scheduler, "_schedule_decodes"), (ModelRunner, "_prepare_decodes"),
-               (Scheduler, "_apply_decodes"))
+               (Scheduler, "_apply_decodes"), (Scheduler, "_schedule_batch"))
 
 
 @contextmanager
@@ -116,9 +118,12 @@ def test_the_array_paths_give_what_the_loops_give(fast_model_dir: Path, async_sc
     reasons = {c[2] for run in fast[0] for _, samples in run for c in samples}
     assert reasons == {"length", "stop"}
     assert len(fast[0][0][0][1][0][0]) == 64 - 13  # the context ended it
-    # The array paths ran (and declined where the step was not theirs).
+    # The array paths ran (and declined where the step was not theirs); with async
+    # scheduling no step is scheduled from a batch (a step is in flight at every schedule).
+    batch = counts.pop("_schedule_batch")
     for name, (taken, declined) in counts.items():
         assert taken > 0 and declined > 0, (name, counts)
+    assert (batch[0] > 0) != async_scheduling, batch
 
 
 def test_a_step_of_decodes_takes_the_array_paths(fast_model_dir: Path,
@@ -129,7 +134,9 @@ def test_a_step_of_decodes_takes_the_array_paths(fast_model_dir: Path,
         with _counted(monkeypatch) as counts:
             outs = llm.generate(prompts, params, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 40 for o in outs)
-    # One prefill step, then 39 decode steps: every one of those through the array paths.
-    assert counts["_schedule_decodes"] == [39, 1]
+    # One prefill step, then 39 decode steps: every one of those through the array paths,
+    # those after the first from the batch the first one's apply built.
+    assert counts["_schedule_batch"] == [38, 0]
+    assert counts["_schedule_decodes"] == [1, 1]
     assert counts["_prepare_decodes"] == [39, 1]
     assert counts["_apply_decodes"] == [39, 1]

@@ -100,6 +100,9 @@ class StepFeature:
     """One optional feature of a step (see the module docstring); the defaults do nothing."""
 
     name: str = ""
+    # Whether ``before_schedule`` may give running requests lookahead tokens (the scheduler
+    # then reads every request's count each schedule).
+    sets_lookahead: bool = False
 
     def join(self, req: Request, row: int) -> None:
         pass
@@ -202,6 +205,10 @@ class StepFeatures:
 
     def __bool__(self) -> bool:
         return bool(self.all)
+
+    @property
+    def sets_lookahead(self) -> bool:
+        return any(f.sets_lookahead for f in self.all)
 
     # -- rows -------------------------------------------------------------------------------
 

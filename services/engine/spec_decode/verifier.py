@@ -106,6 +106,7 @@ class Verifier(StepFeature):
     step feature ``speculation`` (``StepFeature``), and the step's sampler when it verifies."""
 
     name = "speculation"
+    sets_lookahead = True
 
     def __init__(self, spec: SpeculativeConfig, max_rows: int, device: torch.device,
                  draft: DraftModel | None = None, masks: GrammarManager | None = None) -> None:
