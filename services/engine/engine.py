@@ -83,6 +83,9 @@ class EngineStats:
     kv_transfer: TransferStats | None = None  # KV pulled from / served to other engines
 
 
+# A step's logprobs entry for each token sampled without them: one list shared by all (its
+# readers never write to it), not a new one per request per step.
+_NO_LOGPROBS: list[TokenLogprobs | None] = [None]
 _MAX_HASHERS = 4096  # one per cache salt seen; rebuilt on demand, so clearing is safe
 
 
@@ -422,7 +425,9 @@ class LLMEngine:
             self.kv_connector.save_kv()
             self._start_kv_loads()
         if spec is None:
-            lps = [[lp] for lp in out.logprobs]
+            lps = ([_NO_LOGPROBS] * len(out.logprobs)
+                   if out.logprobs.count(None) == len(out.logprobs)  # the common step: one list
+                   else [[lp] for lp in out.logprobs])
         else:  # each run's tokens, as the scheduler cut it
             lps = [lp[: len(run)] for lp, run in zip(spec.logprobs, spec.runs, strict=True)]
         self.runner.features.applied(sched, result)
