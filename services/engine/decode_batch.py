@@ -38,7 +38,6 @@ class DecodeBatch:
     limits: np.ndarray
     capacity: np.ndarray
     token_lists: list[list[int]]  # each request's ``token_ids`` (appended in place)
-    output_lists: list[list[int]]  # each request's ``output_token_ids``
     block_ids: list[list[int]]  # each request's block ids, the block manager's own list
     # Every request's stop tokens together: a token among them is checked by the exact rules
     # of its own request (the others' stop tokens do not end it).
@@ -63,7 +62,6 @@ class DecodeBatch:
             capacity=np.fromiter(map(len, block_ids), dtype=np.int64,
                                  count=len(requests)) * block_size,
             token_lists=token_lists,
-            output_lists=[r.output_token_ids for r in requests],
             block_ids=block_ids,
             stop_ids=np.array(sorted(stop_ids), dtype=np.int64),
             grammar_rows=[i for i, r in enumerate(requests) if r.grammar is not None],
@@ -71,10 +69,9 @@ class DecodeBatch:
         )
 
     def append(self, tokens: list[int]) -> np.ndarray:
-        """Appends one token to each request's token and output lists; the indices whose new
-        token or length may end them (the scheduler's exact rules decide)."""
+        """Appends one token to each request's tokens; the indices whose new token or length
+        may end them (the scheduler's exact rules decide)."""
         deque(map(list.append, self.token_lists, tokens), maxlen=0)
-        deque(map(list.append, self.output_lists, tokens), maxlen=0)
         self.last_tokens = tokens
         self.lengths += 1
         hit = self.lengths >= self.limits
@@ -92,7 +89,6 @@ class DecodeBatch:
         idx = np.asarray(kept, dtype=np.int64)
         self.requests = [self.requests[i] for i in kept]
         self.token_lists = [self.token_lists[i] for i in kept]
-        self.output_lists = [self.output_lists[i] for i in kept]
         self.block_ids = [self.block_ids[i] for i in kept]
         self.last_tokens = [self.last_tokens[i] for i in kept]
         self.starts, self.lengths = self.starts[idx], self.lengths[idx]

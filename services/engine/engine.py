@@ -320,7 +320,7 @@ class LLMEngine:
         KV connector announced params for (a streamed P/D prefill) gets an update without
         tokens carrying them, ahead of its others."""
         updates = [
-            self._update(req, req.output_token_ids[-len(lps):], lps)
+            self._update(req, req.token_ids[-len(lps):], lps)
             for req, lps in self.step_requests()
         ]
         if self.kv_connector is not None:
@@ -446,7 +446,7 @@ class LLMEngine:
     ) -> RequestUpdate:
         # Built for every running request every step: plain reads, no properties.
         finished = req.status.is_finished
-        n_out = len(req.output_token_ids)
+        n_out = req.num_output_tokens
         # The whole prompt is scored by the first token: send its logprobs with it, once.
         first = n_out == len(toks) and (n_out > 0 or finished)
         return RequestUpdate(

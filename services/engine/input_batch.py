@@ -90,18 +90,19 @@ class PenaltyCounts:
         vocab, device = self.vocab_size, self.device
         self.counts[slot] = _bincount(req.output_token_ids, vocab, device)
         self.prompt_seen[slot] = _bincount(req.prompt_token_ids, vocab, device) > 0
-        self.counted[slot] = len(req.output_token_ids)
+        self.counted[slot] = req.num_output_tokens
         return slot
 
     def catch_up(self, slot: int, req: Request) -> None:
         """Counts the request's output tokens sampled since the last call."""
-        out = req.output_token_ids
-        done = self.counted[slot]
-        if len(out) > done:
-            new = torch.tensor(out[done:], dtype=torch.long, device=self.device)
+        toks, done = req.token_ids, self.counted[slot]
+        num_out = req.num_output_tokens
+        if num_out > done:
+            new = torch.tensor(toks[len(toks) - num_out + done:], dtype=torch.long,
+                               device=self.device)
             self.counts[slot].index_put_((new,), torch.ones(len(new), device=self.device),
                                          accumulate=True)
-            self.counted[slot] = len(out)
+            self.counted[slot] = num_out
 
     def give_back(self, slot: int) -> None:
         self.free.append(slot)
@@ -293,7 +294,7 @@ class InputBatch:
         if not f.min_tokens:
             return False
         return any(r is not None and r.params.min_tokens > 0
-                   and len(r.output_token_ids) <= r.params.min_tokens
+                   and r.num_output_tokens <= r.params.min_tokens
                    for r in self.requests[: self.num_rows])
 
     def _biases(self, rows: np.ndarray) -> list[LogitBias | None] | None:
@@ -307,7 +308,7 @@ class InputBatch:
         for i, r in enumerate(rows.tolist()):
             ids = self.stop_ids[r]
             req = self.requests[r]
-            out = len(req.output_token_ids) + (0 if ahead is None else int(ahead[i]))
+            out = req.num_output_tokens + (0 if ahead is None else int(ahead[i]))
             if ids and out < req.params.min_tokens:
                 ban_rows.extend([i] * len(ids))
                 ban_ids.extend(ids)

@@ -231,7 +231,7 @@ class LLM:
                     out.cumulative_logprob += lp.logprob
         if stop is not None:
             out.finish_reason, out.stop_reason = "stop", stop
-            child.num_tokens = len(req.output_token_ids) - (len(lps) - kept)
+            child.num_tokens = req.num_output_tokens - (len(lps) - kept)
             return True
         if req.status.is_finished:
             out.finish_reason, out.stop_reason = req.finish_reason, req.stop_reason
@@ -245,7 +245,7 @@ class LLM:
         time; returns how many of them stand (those up to a stop string's end) and the stop
         string it hit."""
         finished = req.status.is_finished
-        new = req.output_token_ids[-n:]
+        new = req.token_ids[-n:]
         if _ended_by_token(req.finish_reason, req.params):
             new = new[:-1]  # the stop token is not part of the text
         for i, tok in enumerate(new):
@@ -263,7 +263,8 @@ class LLM:
         """Completes this step's finished samples, and the requests they were the last of."""
         now = time.monotonic()
         for parent, child, req in finished:
-            child.output.token_ids = req.output_token_ids[: child.num_tokens]
+            start, n = req.num_prompt_tokens, child.num_tokens  # n: None for all of them
+            child.output.token_ids = req.token_ids[start : None if n is None else start + n]
             _record_metrics(parent.output, req, now)
             if req.params.prompt_logprobs is not None and parent.output.prompt_logprobs is None:
                 parent.output.prompt_logprobs = [

@@ -606,7 +606,7 @@ class Scheduler:
         """The tokens on their way reach max_tokens or the context: the request ends with
         them whatever they are, so a step scheduled before they land would be wasted."""
         num_tokens = len(req.token_ids) + req.num_placeholders
-        return (len(req.output_token_ids) + req.num_placeholders >= req.max_tokens
+        return (req.num_output_tokens + req.num_placeholders >= req.max_tokens
                 or num_tokens >= self.max_model_len)
 
     # -- the step's result ------------------------------------------------------------------
@@ -662,12 +662,11 @@ class Scheduler:
                 req.first_token_time = now
             # The run appended, each token stop-checked, cut after the one that ends it (a list
             # run: its logprobs are cut to match).
-            toks, outs, grammar, stops, limit = (req.token_ids, req.output_token_ids,
-                                                 req.grammar, req.stop_token_set, req.token_limit)
+            toks, grammar, stops, limit = (req.token_ids, req.grammar, req.stop_token_set,
+                                           req.token_limit)
             n, stopped = 0, False
             for tok in run:
                 toks.append(tok)
-                outs.append(tok)
                 n += 1
                 if grammar is not None:
                     grammar.accept(tok)
@@ -721,7 +720,6 @@ class Scheduler:
         for req, tok in zip(reqs, token_ids, strict=True):
             toks = req.token_ids
             toks.append(tok)
-            req.output_token_ids.append(tok)
             req.num_scheduled_tokens -= 1
             req.num_placeholders -= 1
             if req.first_token_time is None:
@@ -790,7 +788,7 @@ class Scheduler:
     def _stopped(self, req: Request, tok: int) -> bool:
         """Sets the finished status if ``tok`` ends the request; True if it does."""
         p = req.params
-        n_out = len(req.output_token_ids)
+        n_out = req.num_output_tokens
         if n_out >= p.min_tokens:
             if not p.ignore_eos and tok in req.eos_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED

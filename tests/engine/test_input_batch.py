@@ -145,8 +145,7 @@ def _lists_of(requests: list[Request]) -> dict[int, str]:
     """id -> name of every list a request owns (what the engine thread appends to)."""
     out = {}
     for req in requests:
-        for name in ("token_ids", "output_token_ids", "prompt_token_ids", "prompt_logprobs",
-                     "block_hashes"):
+        for name in ("token_ids", "prompt_token_ids", "prompt_logprobs", "block_hashes"):
             out[id(getattr(req, name))] = f"{req.request_id}.{name}"
         for name in ("stop_token_ids", "stop"):
             out[id(getattr(req.params, name))] = f"{req.request_id}.params.{name}"

@@ -44,7 +44,7 @@ class Speculator:
             n = 0
             if (on and not req.num_placeholders and not req.num_scheduled_tokens
                     and req.num_computed_tokens == len(req.token_ids) - 1):
-                room = min(k, req.max_tokens - len(req.output_token_ids),
+                room = min(k, req.max_tokens - req.num_output_tokens,
                            max_len - len(req.token_ids))
                 if room > 0:
                     n = self._drafts(req, room)
