@@ -104,7 +104,11 @@ def check_step(meta: AttentionMetadata, num_tokens: int, k_cache: torch.Tensor) 
         raise AttentionContractError(
             f"the step has {num_tokens} tokens but the metadata schedules {sum(query_lens)}"
         )
-    if num_seqs and (min(query_lens) <= 0 or not all(map(le, query_lens, seq_lens))):
+    # Decodes (as many tokens as requests, none without one): every query_len is 1, so each
+    # is at most its seq_len when the least seq_len is at least 1.
+    decodes = num_tokens == num_seqs
+    if num_seqs and (min(query_lens) <= 0 or not (
+            min(seq_lens) >= 1 if decodes else all(map(le, query_lens, seq_lens)))):
         raise AttentionContractError(
             "every request needs 0 < query_len <= seq_len, got "
             f"query_lens={query_lens[:8]} seq_lens={seq_lens[:8]}"
@@ -117,7 +121,8 @@ def check_step(meta: AttentionMetadata, num_tokens: int, k_cache: torch.Tensor) 
     _check_tensors(meta, num_seqs, num_tokens, k_cache.device)
     if not num_seqs:
         return
-    if meta.max_seqlen_q != max(query_lens) or meta.max_seqlen_k != max(seq_lens):
+    if (meta.max_seqlen_q != (1 if decodes else max(query_lens))
+            or meta.max_seqlen_k != max(seq_lens)):
         raise AttentionContractError(
             f"max_seqlen_q/k ({meta.max_seqlen_q}, {meta.max_seqlen_k}) are not the maxima"
         )

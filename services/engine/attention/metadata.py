@@ -30,14 +30,8 @@ class HostStep:
     block_tables: np.ndarray  # [S, W] int32, each row padded with 0
     query_lens: list[int]
     seq_lens: list[int]
-
-    @property
-    def max_seqlen_q(self) -> int:
-        return max(self.query_lens)
-
-    @property
-    def max_seqlen_k(self) -> int:
-        return max(self.seq_lens)
+    max_seqlen_q: int
+    max_seqlen_k: int
 
 
 def pack_tables(block_tables: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -71,15 +65,16 @@ def plan_step(
     num_tokens = int(q.sum())
     if (-(-k // block_size) > num_blocks).any():
         raise AttentionContractError("a block table is too short for its sequence length")
-    cu_q = np.zeros(len(q) + 1, dtype=np.int32)
-    if num_tokens == len(q):  # all decodes (q >= 1: check_step refuses the rest): the last
+    decodes = num_tokens == len(q)  # (q >= 1: check_step refuses the rest)
+    if decodes:  # each one's last position
         positions = k - 1
         owner = np.arange(len(q))
-        cu_q[1:] = np.arange(1, len(q) + 1)
+        cu_q = np.arange(len(q) + 1, dtype=np.int32)
     else:  # absolute position of each new token: seq_len - q_len + j
         cumulative = np.cumsum(q)
         positions = np.repeat(k - q, q) + np.arange(num_tokens) - np.repeat(cumulative - q, q)
         owner = np.repeat(np.arange(len(q)), q)
+        cu_q = np.zeros(len(q) + 1, dtype=np.int32)
         cu_q[1:] = cumulative
     block_idx = positions // block_size
     slots = tables[owner, block_idx].astype(np.int64) * block_size + positions % block_size
@@ -92,8 +87,10 @@ def plan_step(
         cu_seqlens_k=cu_k,
         context_lens=k.astype(np.int32),
         block_tables=tables,
-        query_lens=q.tolist(),
+        query_lens=[1] * len(q) if decodes else q.tolist(),
         seq_lens=k.tolist(),
+        max_seqlen_q=int(q.max(initial=0)),
+        max_seqlen_k=int(k.max(initial=0)),
     )
 
 
