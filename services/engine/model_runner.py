@@ -753,7 +753,11 @@ class ModelRunner:
         meta, positions = to_metadata(step, self.block_size, self.device)
         check_step(meta, len(batch.input_ids), self.kv_caches[0][0])  # the plan: in the forward
         ids = torch.from_numpy(batch.input_ids)  # shares memory: ``before_step``'s writes show
-        last = torch.from_numpy(batch.logits_rows()) if len(batch.rows) else None
+        # Every token's row gets logits when each request brings one and samples it (decodes):
+        # the hidden states are the logits rows, no gather.
+        n = len(batch.rows)
+        every = n == len(batch.input_ids) == len(batch.seq_lens) and batch.extra_logits is None
+        last = None if every or not n else torch.from_numpy(batch.logits_rows())
         return CpuInputs(ids, positions, meta, last, self.features.host_inputs(batch))
 
     def _plan(self, meta: AttentionMetadata, num_tokens: int) -> None:
