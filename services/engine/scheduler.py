@@ -487,6 +487,8 @@ class Scheduler:
         logger.debug("preempted request_id=%s", req.request_id)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        if not self.waiting:  # the common decode step: no admission gate to build
+            return budget
         gate = None if self.admission is None else self.admission(
             [*self.running, *(w.request for w in self.loading.values())])  # loading: to run
         cap = self.max_batch_seqs or self.max_num_seqs
