@@ -60,6 +60,11 @@ class Tokenizer:
                 skip_special_tokens)
         return table
 
+    def built_token_bytes(self, skip_special_tokens: bool = True) -> list[bytes | None] | None:
+        """``token_bytes`` if something has built it already, else None (not worth building
+        for a decode the Rust tokenizer does)."""
+        return self._token_bytes.get(skip_special_tokens)
+
     def _build_token_bytes(self, skip: bool) -> list[bytes | None]:
         assert self.decodes_bytewise and self._backend is not None
         byte_of = _byte_of_char()

@@ -72,7 +72,14 @@ def test_split_characters_and_special_tokens(tok: Tokenizer) -> None:
     assert detokenize_batch(tok, [prompt], [emoji], True) == ["😀"]
 
 
-def test_two_batched_decodes_and_none_per_token(tok: Tokenizer, monkeypatch) -> None:
+@pytest.mark.parametrize("bytes_built", [False, True], ids=["rust", "token-bytes"])
+def test_two_batched_decodes_and_none_per_token(default_model_path, bytes_built: bool,
+                                                monkeypatch) -> None:
+    """Two batched decodes by the Rust tokenizer, none per token; none at all once the ids'
+    bytes were built (an open tail builds them): the same texts, joined from the bytes."""
+    tok = Tokenizer(default_model_path)
+    if bytes_built:
+        tok.token_bytes(True)
     calls = {"decode": 0, "batch": 0}
     decode, batch = tok.decode, tok.decode_batch
 
@@ -88,7 +95,7 @@ def test_two_batched_decodes_and_none_per_token(tok: Tokenizer, monkeypatch) -> 
     outputs = [tok.encode(f" answer {i} 😀 done", add_special_tokens=False) for i in range(50)]
     texts = detokenize_batch(tok, prompts, outputs)
     assert texts == [f" answer {i} 😀 done" for i in range(50)]
-    assert calls == {"decode": 0, "batch": 2}
+    assert calls == {"decode": 0, "batch": 0 if bytes_built else 2}
 
 
 @pytest.mark.parametrize("skip", [True, False])
