@@ -20,7 +20,10 @@ counts the tokens of steps scheduled but not applied (``num_scheduled_tokens``) 
 and each token such a step samples for it as known (a placeholder, ``num_placeholders``: its
 value reaches the model runner from step n's sampled ids). ``update`` of step n then drops the
 token of a request that has finished or was aborted meanwhile. Synchronous stepping goes
-through the same bookkeeping, with nothing in flight at ``schedule``.
+through the same bookkeeping, with nothing in flight at ``schedule``, with one shortcut: while
+the running set only decodes, each step is scheduled and applied from a ``DecodeBatch``'s
+arrays (``decode_batch``), which leaves the scheduled and placeholder counts alone; anything
+else that happens to the set drops the batch and the bookkeeping above resumes.
 
 Lookahead tokens (proposed by ``spec_decode``, verified by the step): a decoding request with
 ``num_lookahead_tokens`` = k is scheduled for its last token and them (``1 + k`` tokens, fewer
