@@ -10,8 +10,9 @@ maps rather than Python passes reading a dozen attributes of every request: at 2
 those passes were most of the scheduler's share of a step, and most of it cache misses on the
 request objects that the model's forward had evicted.
 
-It belongs to one running set, in its order. The scheduler builds it from the first step of
-decodes after the set changed, drops the requests that finish from it, and throws it away on
+Every step of decodes is applied through one (``Scheduler._apply_decodes``). It belongs to one
+running set, in its order. The scheduler keeps the one it built for the first step of decodes
+after the set changed, drops the requests that finish from it, and throws it away on
 anything else: an admission, a preemption, an abort, a step built by the general path, a step
 still in flight (async scheduling), or a feature that sets lookahead tokens before schedules.
 """
@@ -47,10 +48,9 @@ class DecodeBatch:
 
     @classmethod
     def of(cls, requests: list[Request], starts: Sequence[int],
-           block_ids: list[list[int]], tokens: list[int], max_model_len: int,
-           block_size: int) -> DecodeBatch:
-        """The batch after a step of decodes that computed ``starts`` and applied ``tokens``
-        (nothing finished)."""
+           block_ids: list[list[int]], max_model_len: int, block_size: int) -> DecodeBatch:
+        """The requests of a step of decodes that computes ``starts``, before its tokens are
+        applied (``append``)."""
         token_lists = [r.token_ids for r in requests]
         stop_ids = set().union(*(r.stop_token_set for r in requests))
         return cls(
@@ -65,7 +65,7 @@ class DecodeBatch:
             block_ids=block_ids,
             stop_ids=np.array(sorted(stop_ids), dtype=np.int64),
             grammar_rows=[i for i, r in enumerate(requests) if r.grammar is not None],
-            last_tokens=tokens,
+            last_tokens=[],
         )
 
     def append(self, tokens: list[int]) -> np.ndarray:

@@ -206,8 +206,8 @@ class ModelRunner:
         if config.max_model_len is not None:
             self.model.limit_context(config.max_model_len)
         self.model_config = self.model.config
-        # (decode batch, its size, the input batch's layout) -> its requests' rows
-        self._rows_of_batch: tuple[tuple[DecodeBatch, int, int], np.ndarray] | None = None
+        # (decode batch, the input batch's layout) -> its requests' rows
+        self._rows_of_batch: tuple[tuple[DecodeBatch, int], np.ndarray] | None = None
         # The step's optional features, in the order the runner calls them (``step_features``),
         # made by the enabled ones' factories (``features.registry``): first those that change
         # the model's layers, before packing (they read the weights' shapes); the others after
@@ -582,7 +582,7 @@ class ModelRunner:
         """The input-batch rows of a decode batch's requests, kept while no row moved (rows
         move when a request leaves or joins)."""
         ib = self.input_batch
-        key = (batch, len(batch.requests), ib.layout)
+        key = (batch, ib.layout)  # a request that finished left the input batch too
         if self._rows_of_batch is None or self._rows_of_batch[0] != key:
             rows = np.array([r.batch_row for r in batch.requests], dtype=np.int64)
             assert rows.min() >= 0, "a decoding request has had a step, so a row"

@@ -708,57 +708,33 @@ class Scheduler:
 
     def _apply_decodes(self, sched: SchedulerOutput,
                        token_ids: Sequence[int]) -> list[Request] | None:
-        """``update`` of the common step by list operations: each request computed one token,
+        """``update`` of the common step by array operations: each request computed one token,
         sampled one and still runs (what the loop of ``update`` does with a run of one token,
         the blocks' hashing and caching and the stop's exact rules called only for the few it
-        concerns). None, having changed nothing, when the step is not that."""
+        concerns). The step's requests as a ``DecodeBatch``: the one it was scheduled from, or
+        one built here once their scheduled counts are cleared. None, having changed nothing,
+        when the step is not that."""
         if not sched.one_token_each:
             return None
-        if sched.decode_batch is not None:
-            return self._apply_batch(sched.decode_batch, token_ids)
-        reqs = sched.requests
-        if [r.status for r in reqs].count(RequestStatus.RUNNING) != len(reqs):
-            return None  # some finished (or were preempted) since it was scheduled
-        now = time.monotonic()
-        max_len, bs = self.max_model_len, self.block_manager.block_size
-        ends: list[Request] = []  # a stop token or a length reached: the exact rules decide
-        for req, tok in zip(reqs, token_ids, strict=True):
-            toks = req.token_ids
-            toks.append(tok)
-            req.num_scheduled_tokens -= 1
-            req.num_placeholders -= 1
-            if req.first_token_time is None:
-                req.first_token_time = now
-            if req.grammar is not None:
-                req.grammar.accept(tok)
-            if tok in req.stop_token_set or len(toks) >= req.token_limit or len(toks) >= max_len:
-                ends.append(req)
-            if not len(toks) % bs:  # its new token filled a block: hash it
-                req.hash_full_blocks()
-            after = req.num_computed_tokens + 1
-            if not after % bs:  # its KV filled a block
-                self._cache_blocks(req, after)
-            req.num_computed_tokens = after
-        finished = False
-        for req in ends:
-            if self._stopped(req, req.token_ids[-1]):
-                finished = True
-                self._free_finished(req, self.block_manager.block_ids(req.request_id))
-        if finished:
-            self._drop_finished(reqs)
-        if (self.decode_batches and not self.num_steps_in_flight and self.connector is None
-                and not self.one_batch_per_request):
-            batch = DecodeBatch.of(reqs, sched.starts, sched.block_ids, list(token_ids),
-                                   max_len, bs)
-            if finished:
-                batch.keep([i for i, r in enumerate(reqs) if not r.status.is_finished])
-            self._decode_batch = batch if batch.requests else None
-        return reqs
+        batch = sched.decode_batch
+        if batch is None:
+            reqs = sched.requests
+            if [r.status for r in reqs].count(RequestStatus.RUNNING) != len(reqs):
+                return None  # some finished (or were preempted) since it was scheduled
+            now = time.monotonic()
+            for req in reqs:
+                req.num_scheduled_tokens -= 1
+                req.num_placeholders -= 1
+                if req.first_token_time is None:
+                    req.first_token_time = now
+            batch = DecodeBatch.of(reqs, sched.starts, sched.block_ids, self.max_model_len,
+                                   self.block_manager.block_size)
+        return self._apply_batch(batch, token_ids)
 
     def _apply_batch(self, batch: DecodeBatch, token_ids: Sequence[int]) -> list[Request]:
-        """``_apply_decodes`` of a step scheduled from ``batch`` (``_schedule_batch``): the
-        same effects, by array operations, but for the scheduled counts, which that schedule
-        left alone. The batch goes on for the next schedule, without those that finished."""
+        """Appends each request's token, stop-checks, hashes and caches the blocks that filled,
+        and frees those that finished. Kept for the next schedule, without them, where the
+        engine steps synchronously (``decode_batches``)."""
         reqs, tokens = batch.requests, list(token_ids)
         ends = batch.append(tokens)
         for i in batch.grammar_rows:
@@ -777,9 +753,11 @@ class Scheduler:
             self._free_finished(req, self.block_manager.block_ids(req.request_id))
         if finished:
             self._drop_finished(reqs)
-            batch.keep([i for i, r in enumerate(reqs) if not r.status.is_finished])
-        if batch.requests and not self.num_steps_in_flight:
-            self._decode_batch = batch
+        if (self.decode_batches and not self.num_steps_in_flight and self.connector is None
+                and not self.one_batch_per_request):
+            if finished:
+                batch.keep([i for i, r in enumerate(reqs) if not r.status.is_finished])
+            self._decode_batch = batch if batch.requests else None
         return reqs
 
     def _drop_finished(self, kept: list[Request]) -> None:
