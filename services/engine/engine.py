@@ -6,9 +6,10 @@ Not thread-safe: one thread owns an engine (the offline ``LLM``, or the server's
 from __future__ import annotations
 
 import logging
+import operator
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,15 @@ class RequestUpdate:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     max_tokens: int = 0  # the client's max_tokens (0: none), for vllm:request_params_max_tokens
     kv_transfer_params: dict[str, Any] | None = None  # its KV connector's, on its last update
+
+    def __reduce__(self) -> tuple[type[RequestUpdate], tuple]:
+        # Pickled (to the server, from a core process) as its constructor's arguments: a
+        # slotted dataclass's default state is a dict per object, which took twice the encode
+        # and three times the decode time of a 256-request step's updates.
+        return RequestUpdate, _update_args(self)
+
+
+_update_args = operator.attrgetter(*(f.name for f in fields(RequestUpdate)))
 
 
 @dataclass(slots=True)

@@ -2,7 +2,8 @@
 
 A message is one of the core loop's commands (server -> core), or a ``CoreOutputs`` batch,
 an ``EngineInfo`` or a ``LoadFailed`` (core -> server). Each travels as one pickle (protocol
-5) in one ``Connection.send_bytes`` frame (a length prefix, then the bytes). Both ends are
+5) in one ``Connection.send_bytes`` frame (a length prefix, then the bytes); ``CoreOutputs``
+that queued while the core sent the last frame travel together, as a list. Both ends are
 this codebase in processes we start, so pickle's trust model holds; it encodes the slotted
 dataclasses of a 256-request step in a fraction of a millisecond, in C.
 """

@@ -4,7 +4,8 @@ parallelism rank 0, which owns the workers) in its own process, as vLLM v1 does.
 The server's event loop and the step loop then each have a GIL of their own. Two one-way
 pipes join them (``core_ipc`` frames the messages): commands in (add, abort, resync, stop),
 read by a thread of the core process so a client never waits on a step; one ``CoreOutputs``
-message out per step (every request's new tokens, the stats snapshot, the KV events), read
+message out per step (every request's new tokens, the stats snapshot, the KV events), sent
+by a thread of the core process so a step never waits on the server (``OutputSender``), read
 by the event loop (``add_reader``), never one message per token.
 
 Lifecycle, never a hang and no orphans:
@@ -21,12 +22,15 @@ Lifecycle, never a hang and no orphans:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import queue
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.common.child_process import die_with_parent
@@ -133,6 +137,9 @@ class EngineCoreProcess(CoreClient):
     def _handle(self, msg: object) -> None:
         if isinstance(msg, CoreOutputs):
             self._dispatch(msg)
+        elif isinstance(msg, list):  # the messages the core queued while it sent the last
+            for m in msg:
+                self._handle(m)
         elif isinstance(msg, EngineInfo):
             # A compiler of the server's own: a bad grammar is the client's 400 before the
             # request travels; the core compiles its copy off its step loop.
@@ -207,14 +214,10 @@ def core_main(args: _CoreArgs, commands: multiprocessing.connection.Connection,
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from services.common.logs import setup_logging
     setup_logging(args.log_level, "engine-core")
-    send_lock = threading.Lock()  # the grammar thread never sends, but be explicit
-
-    def emit(out: CoreOutputs) -> None:
-        with send_lock:
-            outputs.send_bytes(core_ipc.encode(out))
-
-    core = CoreLoop(args.config, emit, args.step_delay_s, args.kv_events,
+    sender = OutputSender(outputs)
+    core = CoreLoop(args.config, sender.send, args.step_delay_s, args.kv_events,
                     args.crash_after_steps)
+    sender.on_closed = core.stop
     try:
         info = EngineInfo.of(core.load())
     except BaseException as exc:  # reported by the server's /health
@@ -224,7 +227,72 @@ def core_main(args: _CoreArgs, commands: multiprocessing.connection.Connection,
     threading.Thread(target=_read_commands, args=(commands, core), name="core-input",
                      daemon=True).start()
     outputs.send_bytes(core_ipc.encode(info))
-    core.run()
+    sender.start()  # after the info: the server reads it first
+    try:
+        core.run()
+    finally:
+        sender.close()  # what the last steps emitted (a drain's aborts) still goes
+
+
+class OutputSender:
+    """The core's messages to the server, sent by a thread of their own, so that the step loop
+    never waits on the pipe. A 256-request step's updates are about 30 KB, half of a 64 KiB
+    pipe: while the server's event loop wrote its streams' frames, the step loop blocked on its
+    next send, and the core stepped at the pace of the server's writes. Now the server reads
+    what piled up at once, and each stream's updates merge into one frame (``_coalesced``).
+
+    The messages queued since the last send go as one frame (a list). At most ``max_queued``
+    wait; past that ``send`` waits (the server is that many steps behind). The pipe closed (the
+    server is gone): ``on_closed`` is called, and later messages are dropped."""
+
+    def __init__(self, conn: multiprocessing.connection.Connection,
+                 max_queued: int = 64) -> None:
+        self._conn = conn
+        self._queue: queue.Queue[object] = queue.Queue(max_queued)
+        self._closed = False
+        self.on_closed: Callable[[], None] = lambda: None
+        self._thread = threading.Thread(target=self._run, name="core-output", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def send(self, msg: object) -> None:
+        if not self._closed:
+            self._queue.put(msg)
+
+    def close(self, timeout: float = _STOP_GRACE_S) -> None:
+        """Sends what is queued, then stops the thread."""
+        if self._thread.is_alive():
+            with contextlib.suppress(queue.Full):  # a server that reads nothing more
+                self._queue.put(_END, timeout=timeout)
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        get = self._queue.get_nowait
+        while True:
+            batch = [self._queue.get()]
+            with contextlib.suppress(queue.Empty):
+                while batch[-1] is not _END:
+                    batch.append(get())
+            end = batch[-1] is _END
+            if end:
+                batch.pop()
+            if batch:
+                try:
+                    self._conn.send_bytes(core_ipc.encode(batch[0] if len(batch) == 1
+                                                          else batch))
+                except OSError:  # the server is gone
+                    self._closed = True
+                    with contextlib.suppress(queue.Empty):
+                        while True:  # a step waiting to queue its outputs goes on
+                            get()
+                    self.on_closed()
+                    return
+            if end:
+                return
+
+
+_END = object()  # ``OutputSender.close``'s mark: the last message
 
 
 def _read_commands(conn: multiprocessing.connection.Connection, core: CoreLoop) -> None:
