@@ -90,3 +90,20 @@ def test_a_server_gone_stops_the_core_and_no_step_stays_blocked() -> None:
     assert stopped.wait(5)
     assert done.wait(5)  # the step loop went on: its outputs are dropped, not waited on
     sender.close(timeout=1)
+
+
+def test_a_message_that_cannot_be_sent_stops_the_core_at_once() -> None:
+    """A bug in the outputs (here: a lock in an update) must not leave the steps queueing
+    for a sender thread that died: the core stops, and the server sees its pipe close."""
+    read, write = multiprocessing.Pipe(duplex=False)
+    stopped = threading.Event()
+    sender = OutputSender(write, max_queued=2)
+    sender.on_closed = stopped.set
+    sender.start()
+    bad = step_outputs(0, n=1)
+    bad.updates[0].kv_transfer_params = {"lock": threading.Lock()}
+    sender.send(bad)
+    assert stopped.wait(5)
+    for step in range(10):  # never blocks
+        sender.send(step_outputs(step, n=1))
+    read.close()

@@ -243,7 +243,9 @@ class OutputSender:
 
     The messages queued since the last send go as one frame (a list). At most ``max_queued``
     wait; past that ``send`` waits (the server is that many steps behind). The pipe closed (the
-    server is gone): ``on_closed`` is called, and later messages are dropped."""
+    server is gone) or a message that cannot be sent (a bug, logged): ``on_closed`` is called
+    (the core stops, and the server fails its requests at once, not at the step watchdog), and
+    later messages are dropped."""
 
     def __init__(self, conn: multiprocessing.connection.Connection,
                  max_queued: int = 64) -> None:
@@ -268,6 +270,18 @@ class OutputSender:
             self._thread.join(timeout)
 
     def _run(self) -> None:
+        try:
+            self._send_until_end()
+        except BaseException as exc:  # the pipe closed (the server is gone), or a bug
+            if not isinstance(exc, OSError):
+                logger.exception("the engine core cannot send its outputs: stopping")
+            self._closed = True
+            with contextlib.suppress(queue.Empty):
+                while True:  # a step waiting to queue its outputs goes on
+                    self._queue.get_nowait()
+            self.on_closed()  # the core ends; the server sees its pipe close
+
+    def _send_until_end(self) -> None:
         get = self._queue.get_nowait
         while True:
             batch = [self._queue.get()]
@@ -278,16 +292,7 @@ class OutputSender:
             if end:
                 batch.pop()
             if batch:
-                try:
-                    self._conn.send_bytes(core_ipc.encode(batch[0] if len(batch) == 1
-                                                          else batch))
-                except OSError:  # the server is gone
-                    self._closed = True
-                    with contextlib.suppress(queue.Empty):
-                        while True:  # a step waiting to queue its outputs goes on
-                            get()
-                    self.on_closed()
-                    return
+                self._conn.send_bytes(core_ipc.encode(batch[0] if len(batch) == 1 else batch))
             if end:
                 return
 
