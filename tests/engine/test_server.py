@@ -402,3 +402,12 @@ def test_queued_updates_coalesce_into_one_frame_in_order() -> None:
         queue.put_nowait(u)
     merged, pending = _coalesced(update([1]), queue)
     assert merged.new_token_ids == [1, 2] and not merged.finished and pending is failure
+
+    # A step's updates may share one list (the engine's logprobs of rows without them, and
+    # what unpickling a step's updates makes of it): a merge never changes it in place.
+    shared_ids, shared_lps = [7], [None]
+    queue = asyncio.Queue()
+    queue.put_nowait(RequestUpdate("r", shared_ids, shared_lps, False))
+    merged, _ = _coalesced(RequestUpdate("r", shared_ids, shared_lps, False), queue)
+    assert merged.new_token_ids == [7, 7] and merged.new_logprobs == [None, None]
+    assert shared_ids == [7] and shared_lps == [None]
