@@ -27,11 +27,16 @@ overlap the host work, so "the rest" is then only an upper bound of the host's s
 It runs with async scheduling off and on (``--async-scheduling off|on|both``), each mode in a
 process of its own: two engines in one process disturb each other (the step thread of one
 and the main thread of the other each keep a team of OpenMP threads on the same cores).
+
+``--host-overhead --against COMMIT --pairs N`` compares with another commit's engine on the
+same machine, alternated (issue 36: ``--against 4d8cdf5 --async-scheduling off``): the same
+script runs in a temporary worktree of COMMIT, and the medians of the pairs are printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -41,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -272,13 +278,74 @@ def host_parts(steps: int = 60, warm: int = 10) -> dict[str, float]:
     return {k: v / (steps - warm) * 1e6 for k, v in spent.items()}
 
 
-def host_overhead_in_process(runs: int, async_scheduling: bool) -> dict:
-    """``host_overhead`` in a fresh process of this script."""
+def host_overhead_in_process(runs: int, async_scheduling: bool,
+                             script: Path = Path(__file__)) -> dict:
+    """``host_overhead`` in a fresh process of ``script`` (this script, or its copy in another
+    checkout: that checkout's engine is measured)."""
     mode = "on" if async_scheduling else "off"
-    cmd = [sys.executable, __file__, "--host-overhead", "--json", "--runs", str(runs),
+    cmd = [sys.executable, str(script), "--host-overhead", "--json", "--runs", str(runs),
            "--async-scheduling", mode]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=True,
+                         cwd=script.parents[1])
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def checkout_of(commit: str) -> Iterator[Path]:
+    """A temporary worktree of ``commit`` with this script (and its helper) copied in, so
+    that both sides are measured by the same code; removed afterwards. Its first run builds
+    its own CPU kernels (about a minute, before the timed runs)."""
+    tree = Path(tempfile.mkdtemp(prefix="pagoda-base-"))
+    subprocess.run(["git", "worktree", "add", "--detach", "-f", str(tree), commit], cwd=REPO,
+                   check=True, capture_output=True)
+    try:
+        for name in ("engine_throughput.py", "children.py"):
+            (tree / "benchmarks" / name).write_bytes((REPO / "benchmarks" / name).read_bytes())
+        yield tree
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO,
+                       capture_output=True)
+
+
+def pair_summary(pairs: list[tuple[dict, dict]]) -> dict:
+    """Alternated (before, after) ``host_overhead`` results: the medians of the rest's ratio
+    (after / before, each pair's own), of the rest over the model's time on each side (a slow
+    moment of the machine lengthens both), and of the whole step after."""
+    def rest(r: dict) -> float:
+        return r["ms_per_step"] - r["model_ms_per_step"]
+
+    med = statistics.median
+    return {
+        "rest_ratio": med(rest(a) / rest(b) for b, a in pairs),
+        "rest_over_model_before": med(rest(b) / b["model_ms_per_step"] for b, _ in pairs),
+        "rest_over_model_after": med(rest(a) / a["model_ms_per_step"] for _, a in pairs),
+        "step_ms_after": med(a["ms_per_step"] for _, a in pairs),
+        "model_ms_after": med(a["model_ms_per_step"] for _, a in pairs),
+    }
+
+
+def host_overhead_against(commit: str, pairs: int, runs: int, async_scheduling: bool) -> None:
+    """Issue 36's comparison in one command: ``pairs`` alternated runs of the host-overhead
+    workload, ``commit``'s engine then this checkout's, each in a fresh process."""
+    results = []
+    with checkout_of(commit) as base:
+        for i in range(pairs):
+            before = host_overhead_in_process(runs, async_scheduling,
+                                              base / "benchmarks" / "engine_throughput.py")
+            after = host_overhead_in_process(runs, async_scheduling)
+            results.append((before, after))
+            print(f"pair {i + 1}: " + "; ".join(
+                f"{side} {r['ms_per_step']:.2f} ms/step (model {r['model_ms_per_step']:.2f}, "
+                f"rest {r['ms_per_step'] - r['model_ms_per_step']:.2f})"
+                for side, r in ((commit, before), ("this checkout", after))), flush=True)
+    s = pair_summary(results)
+    print(f"medians of {pairs} pairs: the rest {s['rest_ratio']:.2f}x of {commit}'s; rest / "
+          f"model {s['rest_over_model_before']:.3f} -> {s['rest_over_model_after']:.3f} "
+          f"({s['rest_over_model_after'] / s['rest_over_model_before']:.2f}x); the whole step "
+          f"{s['step_ms_after']:.2f} ms (the model {s['model_ms_after']:.2f})")
 
 
 def _time_model(llm: LLM) -> list[float]:
@@ -362,6 +429,10 @@ def main() -> None:
              "requests, the model left out",
     )
     ap.add_argument("--runs", type=int, default=3, help="timed runs of --host-overhead")
+    ap.add_argument("--against", default=None, metavar="COMMIT",
+                    help="--host-overhead: alternate with COMMIT's engine (a temporary git "
+                         "worktree), e.g. 4d8cdf5 for issue 36, and print the medians")
+    ap.add_argument("--pairs", type=int, default=6, help="--against: alternated pairs")
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # one mode's child
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # one configuration's child
     ap.add_argument("--async-scheduling", choices=["off", "on", "both"], default="both",
@@ -381,6 +452,11 @@ def main() -> None:
         return
     if args.host_overhead and args.json:
         print(json.dumps(host_overhead(args.runs, modes[0])))
+        return
+    if args.host_overhead and args.against:
+        for on in modes:
+            print(f"async scheduling {'on' if on else 'off'}:", flush=True)
+            host_overhead_against(args.against, args.pairs, args.runs, on)
         return
     if args.host_overhead:
         results = {on: host_overhead_in_process(args.runs, on) for on in modes}
