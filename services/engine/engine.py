@@ -140,10 +140,6 @@ class LLMEngine:
         self.batches = None if config.pipeline_parallel_size == 1 else BatchQueue(
             config.pipeline_parallel_size, self.scheduler, self._schedule, self.runner.prepare,
             self.runner.launch, self.runner.run, self._apply)
-        # A running set that only decodes is scheduled from arrays when each step is applied
-        # before the next is scheduled, and no feature sets lookahead tokens before schedules.
-        self.scheduler.decode_batches = (self.pipeline is None and self.batches is None
-                                         and not self.runner.features.sets_lookahead)
         # What moves KV in and out of the pool (--kv-transfer-config, the tier flags): the
         # scheduler and the step reach it only through the connector contract.
         self.compute_rate = ComputeRate()  # prompt tokens a second: what a KV pull must beat
@@ -157,6 +153,12 @@ class LLMEngine:
             closers.append(self.kv_connector)
             parts = getattr(self.kv_connector, "connectors", [self.kv_connector])
             self.tiers = next((c for c in parts if isinstance(c, KVTiers)), None)
+        # A running set that only decodes is scheduled from arrays when each step is applied
+        # before the next is scheduled, no feature sets lookahead tokens before schedules and
+        # no connector moves KV beside the steps: decided here, once.
+        self.scheduler.decode_batches = (self.pipeline is None and self.batches is None
+                                         and not self.runner.features.sets_lookahead
+                                         and self.kv_connector is None)
         self._transfer_mark: tuple | None = None  # what poll_kv_transfers last saw
         self.transfer_stats: TransferStats | None = next(
             (c.stats for c in parts if isinstance(getattr(c, "stats", None), TransferStats)),

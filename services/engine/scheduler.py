@@ -232,8 +232,8 @@ class Scheduler:
         self._held: dict[str, float] = {}  # finished, blocks held for sending: id -> deadline
         # The running set as arrays while it only decodes (``decode_batch``): built by a step
         # of decodes' apply, used by the next schedule if nothing else happened in between.
-        # The engine turns it on where each step is applied before the next is scheduled and
-        # no feature sets lookahead tokens before schedules.
+        # The engine turns it on where each step is applied before the next is scheduled, no
+        # feature sets lookahead tokens before schedules and no KV connector is set.
         self.decode_batches = False
         self._decode_batch: DecodeBatch | None = None
 
@@ -753,8 +753,7 @@ class Scheduler:
             self._free_finished(req, self.block_manager.block_ids(req.request_id))
         if finished:
             self._drop_finished(reqs)
-        if (self.decode_batches and not self.num_steps_in_flight and self.connector is None
-                and not self.one_batch_per_request):
+        if self.decode_batches:  # the engine's choice (synchronous, no connector, ...)
             if finished:
                 batch.keep([i for i, r in enumerate(reqs) if not r.status.is_finished])
             self._decode_batch = batch if batch.requests else None

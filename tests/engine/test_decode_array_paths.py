@@ -140,3 +140,22 @@ def test_a_step_of_decodes_takes_the_array_paths(fast_model_dir: Path,
     assert counts["_schedule_decodes"] == [1, 1]
     assert counts["_prepare_decodes"] == [39, 1]
     assert counts["_apply_decodes"] == [39, 1]
+
+
+def test_the_engine_keeps_decode_batches_only_without_a_kv_connector(
+        fast_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connector moves KV beside the steps: no batch is kept across them (the engine decides
+    it once, the scheduler only reads it), and the array paths still give every token."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [[11 + i, 12, 13, 14, 15] for i in range(4)]
+    with LLM(str(fast_model_dir), max_num_seqs=8, block_size=16) as plain:
+        assert plain.engine.scheduler.decode_batches
+        want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    with LLM(str(fast_model_dir), max_num_seqs=8, block_size=16,
+             kv_offloading_size=0.01) as tiered:
+        assert tiered.engine.kv_connector is not None
+        assert not tiered.engine.scheduler.decode_batches
+        with _counted(monkeypatch) as counts:
+            outs = tiered.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert counts["_schedule_batch"] == [0, 0] and counts["_apply_decodes"][0] == 11
